@@ -4,28 +4,32 @@ Read top to bottom: ``layouts`` (the catalog, as data), ``logical`` (physical
 caches <-> ``[P, L, N, H, E]``), ``operations`` (transfer, gather, scatter,
 skip_prefix, move), ``pages`` (page helpers), ``rope`` (key repositioning).
 This package never imports torch: it is the oracle the kernels are checked
-against.
+against.  ``layouts`` does not import jax either, so the op library can read
+the catalog without it; the other modules load on first use.
 """
 
-import jax
+import importlib
 
-# Slots, byte offsets and uint64 elements need 64-bit integers.
-jax.config.update("jax_enable_x64", True)
+from .layouts import AXES, CATALOG, Geometry, Layout, Part, catalog_table, describe_pattern, \
+    element_location, get, infer_geometry, make_geometry, register
 
-from .layouts import CATALOG, AXES, Geometry, Layout, Part, get, infer_geometry, make_geometry, \
-    element_location, describe_pattern, catalog_table, register  # noqa: E402
-from .logical import to_logical, from_logical, geometry_of, parts_of, from_parts, flat_arrays, \
-    map_arrays, dtype_of, shapes_of  # noqa: E402
-from .operations import transfer, gather, scatter, move, skip_prefix, check_slots, as_bits, \
-    from_bits  # noqa: E402
-from .pages import get_page, set_page, zero_page, page_spans, slot_map  # noqa: E402
-from .rope import rope_reposition  # noqa: E402
+_LAZY = {
+    "logical": ("to_logical", "from_logical", "geometry_of", "parts_of", "from_parts", "flat_arrays",
+                "map_arrays", "dtype_of", "shapes_of"),
+    "operations": ("transfer", "gather", "scatter", "move", "skip_prefix", "check_slots", "as_bits",
+                   "from_bits", "concrete"),
+    "pages": ("get_page", "set_page", "zero_page", "page_spans", "slot_map"),
+    "rope": ("rope_reposition",),
+}
+_OWNER = {name: module for module, names in _LAZY.items() for name in names}
 
-__all__ = [
-    "CATALOG", "AXES", "Geometry", "Layout", "Part", "get", "infer_geometry", "make_geometry",
-    "element_location", "describe_pattern", "catalog_table", "register",
-    "to_logical", "from_logical", "geometry_of", "parts_of", "from_parts", "flat_arrays", "map_arrays",
-    "dtype_of", "shapes_of",
-    "transfer", "gather", "scatter", "move", "skip_prefix", "check_slots", "as_bits", "from_bits",
-    "get_page", "set_page", "zero_page", "page_spans", "slot_map", "rope_reposition",
-]
+
+def __getattr__(name):
+    module = _OWNER.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlayout.reference' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+__all__ = ["AXES", "CATALOG", "Geometry", "Layout", "Part", "catalog_table", "describe_pattern",
+           "element_location", "get", "infer_geometry", "make_geometry", "register", *_OWNER]

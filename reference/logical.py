@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Slots, byte offsets and uint64 elements need 64-bit integers.
+jax.config.update("jax_enable_x64", True)
+
 from .layouts import Geometry, Layout, get, infer_geometry, part_axis_lengths, part_from_logical_pattern, \
     part_to_logical_pattern
 
