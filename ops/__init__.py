@@ -1,0 +1,24 @@
+"""kvlayout's torch op library: layouts as strided views, one native copy op.
+
+Bind the tensors an engine already has to a catalog layout, then move rows::
+
+    from kvlayout import ops
+    vllm = ops.bind("vllm_flash_attn_nhd", kv_caches)          # list[L] of [2, NB, BS, H, D]
+    chunk = ops.bind("lmcache_kv_2ltd", memobj)                 # [2, L, T, H*D]
+    ops.transfer(vllm, chunk, slot_mapping)                     # gather into the chunk
+
+Operations (same names and rules as ``kvlayout.reference``): ``transfer``,
+``gather``, ``scatter``, ``move``, ``skip_prefix``, page helpers
+(``get_page``, ``set_page``, ``zero_page``, ``page_spans``,
+``page_buffer_meta``), ``rope_reposition``.  Native ops:
+``torch.ops.kvlayout.copy_rows`` and ``torch.ops.kvlayout.rope_reposition``.
+"""
+
+from .views import KVCache, bind
+from .transfer import transfer, gather, scatter, move, skip_prefix, check_errors, plan
+from .pages import get_page, set_page, zero_page, page_spans, page_buffer_meta, dummy_flat_page
+from .rope import rope_reposition
+
+__all__ = ["KVCache", "bind", "transfer", "gather", "scatter", "move", "skip_prefix", "check_errors", "plan",
+           "get_page", "set_page", "zero_page", "page_spans", "page_buffer_meta", "dummy_flat_page",
+           "rope_reposition"]

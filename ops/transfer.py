@@ -1,0 +1,297 @@
+"""transfer / gather / scatter / move / skip_prefix on torch tensors.
+
+Same names and semantics as ``kvlayout.reference.operations``; the caches are
+:class:`~kvlayout.ops.views.KVCache` objects (or ``(layout, tensors)`` bound
+on the fly).  Every operation is a composition of one native op,
+``kvlayout::copy_rows``: the Python side turns two bound caches into launches
+(segments = per-(layer, plane) base offsets, one row geometry per side) and
+the kernel applies the one address formula.
+
+Where a device boundary is crossed is decided by where the tensors live: a
+CUDA tensor facing a pinned host tensor is read/written directly by the kernel
+(zero-copy); an unpinned host tensor facing a CUDA tensor is an error.
+
+Checking: on CPU every slot is checked before anything is written.  On CUDA
+the fast path never synchronizes with the host: the kernel skips rows whose
+slot is out of range and records the first one in a per-device status tensor,
+which :func:`check_errors` reads (and raises on).  ``validate=True`` (or the
+environment variable ``KVLAYOUT_VALIDATE=1``) checks every slot on the host
+before launching, at the price of a synchronization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import torch
+
+from . import _native
+from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, bind, same_storage_overlap
+
+SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass
+class Launch:
+    """Arguments of one ``copy_rows`` call (all rows share one geometry per side)."""
+
+    src_tensors: list
+    dst_tensors: list
+    src_segments: list
+    dst_segments: list
+    src_geometry: list
+    dst_geometry: list
+    num_pieces: int
+    piece_bytes: int
+
+
+def _side_geometry(cache: KVCache, view: PartView, stride_piece: int) -> tuple[int, ...]:
+    g, isz = cache.geometry, cache.itemsize
+    return (g.N, g.BS, view.strides["nb"] * isz, view.strides["bs"] * isz, stride_piece * isz)
+
+
+def _pieces(src: PartView, dst: PartView, width: int) -> tuple[int, int, int, int]:
+    """How a row of ``width`` elements splits into pieces on both sides.
+
+    Returns ``(num_pieces, piece_elems, src_stride_piece, dst_stride_piece)``:
+    one piece when both rows are contiguous; else one piece per head of the
+    side whose heads are apart (a contiguous row can be cut anywhere).
+    """
+    if src.heads_contiguous and dst.heads_contiguous:
+        return 1, width, 0, 0
+    if not src.heads_contiguous and not dst.heads_contiguous:
+        if (src.heads, src.head_width) != (dst.heads, dst.head_width):
+            raise ValueError(f"row structures differ: source {src.heads} heads x {src.head_width}, "
+                             f"destination {dst.heads} heads x {dst.head_width}, both strided")
+        return src.heads, src.head_width, src.strides["h"], dst.strides["h"]
+    apart = dst if src.heads_contiguous else src
+    piece = apart.head_width
+    if src.heads_contiguous:
+        return apart.heads, piece, piece, dst.strides["h"]
+    return apart.heads, piece, src.strides["h"], piece
+
+
+def _column_blocks(cache: KVCache, plane: int) -> list[tuple[int, int, PartView]]:
+    """``(start, width, part)`` blocks of the flattened row ``(h e)`` for one plane."""
+    views = cache.part_for(plane)
+    if len(views) == 1:
+        return [(0, cache.row_width, views[0])]
+    for v in views:
+        if not v.heads_contiguous:
+            raise ValueError(f"{cache.layout.name}: column parts need contiguous rows")
+    return [(v.column_start * v.heads, v.heads * v.head_width, v) for v in views]
+
+
+def plan(src: KVCache, dst: KVCache, src_layers: Sequence[int], dst_layers: Sequence[int],
+         src_planes: Sequence[int], dst_planes: Sequence[int]) -> list[Launch]:
+    """Launches copying the chosen (plane, layer) rows of ``src`` into ``dst``."""
+    groups: dict[tuple, Launch] = {}
+    src_ids: dict[tuple, dict] = {}
+    dst_ids: dict[tuple, dict] = {}
+    isz = src.itemsize
+    for ps, pd in zip(src_planes, dst_planes):
+        src_blocks, dst_blocks = _column_blocks(src, ps), _column_blocks(dst, pd)
+        cuts = sorted({b[0] for b in src_blocks} | {b[0] for b in dst_blocks} | {src.row_width})
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            s_start, _, s_view = next(b for b in src_blocks if b[0] <= lo < b[0] + b[1])
+            d_start, _, d_view = next(b for b in dst_blocks if b[0] <= lo < b[0] + b[1])
+            if len(cuts) > 2:   # a split row: both sides are contiguous there
+                pieces, piece, s_sp, d_sp = 1, hi - lo, 0, 0
+            else:
+                pieces, piece, s_sp, d_sp = _pieces(s_view, d_view, hi - lo)
+            key = (_side_geometry(src, s_view, s_sp), _side_geometry(dst, d_view, d_sp), pieces, piece * isz)
+            launch = groups.get(key)
+            if launch is None:
+                launch = groups[key] = Launch([], [], [], [], list(key[0]), list(key[1]), pieces, piece * isz)
+                src_ids[key], dst_ids[key] = {}, {}
+            for ls, ld in zip(src_layers, dst_layers):
+                for view, start, plane, layer, tensors, segments, ids in (
+                        (s_view, s_start, ps, ls, launch.src_tensors, launch.src_segments, src_ids[key]),
+                        (d_view, d_start, pd, ld, launch.dst_tensors, launch.dst_segments, dst_ids[key])):
+                    tensor, offset = view.tensor_and_offset(plane, layer)
+                    index = ids.setdefault(id(tensor), len(tensors))
+                    if index == len(tensors):
+                        tensors.append(tensor)
+                    segments += [index, (offset + lo - start) * isz]
+    return list(groups.values())
+
+
+def _slots_tensor(name: str, slots, device: torch.device) -> torch.Tensor | None:
+    if slots is None:
+        return None
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=device)
+    if slots.dtype not in SLOT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
+    if slots.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+    return slots
+
+
+def _check_slots_on_host(name: str, slots: torch.Tensor | None, bound: int, unique: bool) -> None:
+    """Full check (synchronizes): every slot < bound, no repeated destination."""
+    if slots is None or slots.numel() == 0:
+        return
+    values = slots.detach().to("cpu", torch.int64)
+    bad = torch.nonzero(values >= bound)
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise IndexError(f"{name}[{i}] = {int(values[i])} is out of range: the cache holds {bound} slots")
+    if unique:
+        valid = values[values >= 0]
+        uniq, counts = torch.unique(valid, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"{name} repeats slot {int(uniq[counts > 1][0])}")
+
+
+def _launch_device(src: KVCache, dst: KVCache) -> torch.device:
+    devices = {src.device, dst.device}
+    accel = [d for d in devices if d.type != "cpu"]
+    if len(accel) > 1:
+        raise ValueError(f"source on {src.device} and destination on {dst.device}: "
+                         "a transfer runs on one device (the other side may be pinned host memory)")
+    return accel[0] if accel else torch.device("cpu")
+
+
+def _check_pair(src: KVCache, dst: KVCache) -> None:
+    if src.itemsize != dst.itemsize or (src.dtype != dst.dtype and not (
+            src.dtype in INTEGER_STORAGE or dst.dtype in INTEGER_STORAGE)):
+        raise TypeError(f"dtypes differ: source {src.dtype}, destination {dst.dtype} (a copy is byte-exact: "
+                        "the element types must match, or one side must be raw integer storage of the same size)")
+    if src.row_width != dst.row_width:
+        g, h = src.geometry, dst.geometry
+        raise ValueError(f"row widths differ: source H*E = {g.H}*{g.E}, destination H*E = {h.H}*{h.E}")
+    if not torch.compiler.is_compiling():
+        for i, a in enumerate(src.tensors):
+            for j, b in enumerate(dst.tensors):
+                if same_storage_overlap(a, b):
+                    raise ValueError(f"source tensor {i} and destination tensor {j} overlap in memory; "
+                                     "use move() within one cache")
+
+
+def validating(validate: bool | None) -> bool:
+    """``validate`` if given, else the ``KVLAYOUT_VALIDATE`` environment variable."""
+    return validate if validate is not None else os.environ.get("KVLAYOUT_VALIDATE", "0") not in ("", "0")
+
+
+def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
+             src_planes=None, dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None,
+             max_ctas: int = 0, validate: bool | None = None) -> None:
+    """Copy token rows from ``src`` into ``dst`` in place (see ``reference.transfer``).
+
+    ``src_slots``/``dst_slots``: int32/int64 ``[T]`` tensors on the launch
+    device (or pinned host), or ``None`` for positions ``0..T-1`` (chunk
+    layouts).  For each token t >= ``skip_prefix`` with both slots >= 0, each
+    plane pair and each layer pair: ``dst[pd, ld, dst_slots[t]] = src[ps, ls,
+    src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: how many
+    CTAs (SMs) the CUDA kernel may occupy, 0 = default.
+    """
+    g_src, g_dst = src.geometry, dst.geometry
+    _check_pair(src, dst)
+    s_layers = as_index_list(g_src.L, src_layers, "src_layers")
+    d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers")
+    if len(s_layers) != len(d_layers):
+        raise ValueError(f"src_layers has {len(s_layers)} layers, dst_layers {len(d_layers)}")
+    s_planes = as_index_list(g_src.P, src_planes, "src_planes")
+    d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes")
+    if len(s_planes) != len(d_planes):
+        raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
+    device = _launch_device(src, dst)
+    s_slots = _slots_tensor("src_slots", src_slots, device)
+    d_slots = _slots_tensor("dst_slots", dst_slots, device)
+    lengths = {int(s.shape[0]) for s in (s_slots, d_slots) if s is not None}
+    if len(lengths) > 1:
+        raise ValueError(f"src_slots and dst_slots differ in length: {sorted(lengths)}")
+    T = lengths.pop() if lengths else (num_tokens if num_tokens is not None else g_src.N)
+    if num_tokens is not None and num_tokens != T:
+        raise ValueError(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
+    for name, slots, geom in (("source", s_slots, g_src), ("destination", d_slots, g_dst)):
+        if slots is None and T > geom.N:
+            raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots")
+    if not 0 <= skip_prefix <= T:
+        raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
+    if not torch.compiler.is_compiling():
+        if validating(validate):
+            _check_slots_on_host("src_slots", s_slots, g_src.N, unique=False)
+        if validating(validate) or device.type == "cpu":   # cheap where no device sync is involved
+            _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
+    if T == 0 or not s_layers or not s_planes:
+        return
+    status = _native.status_tensor(device)
+    for launch in plan(src, dst, s_layers, d_layers, s_planes, d_planes):
+        _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
+                          launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,
+                          launch.num_pieces, launch.piece_bytes, max_ctas, status)
+
+
+def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layers=None, planes=None,
+           skip_prefix: int = 0, num_tokens: int | None = None, max_ctas: int = 0,
+           validate: bool | None = None) -> torch.Tensor:
+    """Cache -> rows ``[P', L', T, H, E]``: ``out[i, j, t] = cache[planes[i], layers[j], slots[t]]``.
+
+    ``out`` may live on the cache's device or in pinned host memory (gather to
+    host); it defaults to a new zero tensor on the cache's device.  Rows of
+    negative slots and of the skipped prefix are left as they are in ``out``.
+    """
+    g = cache.geometry
+    P = len(as_index_list(g.P, planes, "planes"))
+    L = len(as_index_list(g.L, layers, "layers"))
+    T = int(slots.shape[0]) if slots is not None and hasattr(slots, "shape") else (
+        len(slots) if slots is not None else (num_tokens if num_tokens is not None else g.N))
+    if out is None:
+        out = torch.zeros((P, L, T, g.H, g.E), dtype=cache.dtype, device=cache.device)
+    transfer(cache, bind("rows", out), slots, None, src_layers=layers, src_planes=planes, skip_prefix=skip_prefix,
+             max_ctas=max_ctas, validate=validate)
+    return out
+
+
+def scatter(cache: KVCache, rows: torch.Tensor, slots=None, *, layers=None, planes=None, skip_prefix: int = 0,
+            max_ctas: int = 0, validate: bool | None = None) -> None:
+    """Rows ``[P', L', T, H', E']`` -> cache in place: ``cache[planes[i], layers[j], slots[t]] = rows[i, j, t]``."""
+    transfer(bind("rows", rows), cache, None, slots, dst_layers=layers, dst_planes=planes, skip_prefix=skip_prefix,
+             max_ctas=max_ctas, validate=validate)
+
+
+def move(cache: KVCache, src_slots, dst_slots, *, max_ctas: int = 0, validate: bool | None = None) -> None:
+    """Within one cache, all layers and planes: ``cache[dst_slots[t]] = old_cache[src_slots[t]]``.
+
+    Overlap-safe at any size: the rows are gathered into a buffer first, then
+    scattered.  Pairs with a negative slot are skipped.
+    """
+    device = cache.device
+    s = _slots_tensor("src_slots", src_slots, device)
+    d = _slots_tensor("dst_slots", dst_slots, device)
+    if s.shape != d.shape:
+        raise ValueError(f"src_slots {tuple(s.shape)} and dst_slots {tuple(d.shape)} differ in length")
+    # a pair is skipped when either slot is negative: mark the source too so the gather skips it
+    s = torch.where(d < 0, torch.full_like(s, -1), s)
+    if not torch.compiler.is_compiling() and (validating(validate) or device.type == "cpu"):
+        _check_slots_on_host("dst_slots", d, cache.geometry.N, unique=True)
+    rows = gather(cache, s, max_ctas=max_ctas, validate=validate)
+    scatter(cache, rows, torch.where(s < 0, torch.full_like(d, -1), d), max_ctas=max_ctas, validate=validate)
+
+
+def skip_prefix(slots: torch.Tensor | None, n: int, num_tokens: int | None = None) -> torch.Tensor:
+    """LMCache ``skip_prefix_n_tokens`` as slots: a copy with the first ``n`` entries set to -1.
+
+    ``slots=None`` stands for the chunk positions ``0..num_tokens-1``.
+    """
+    if n < 0:
+        raise ValueError(f"skip_prefix = {n} must be >= 0")
+    if slots is None:
+        if num_tokens is None:
+            raise ValueError("skip_prefix needs num_tokens when slots is None")
+        slots = torch.arange(num_tokens, dtype=torch.int64)
+    out = slots.clone()
+    out[:n] = -1
+    return out
+
+
+def check_errors(device=None) -> None:
+    """Raise ``IndexError`` if a CUDA kernel skipped an out-of-range slot since the last check.
+
+    Synchronizes with the device.  CPU operations raise immediately instead.
+    """
+    _native.raise_on_device_errors(torch.device(device) if device is not None else None)

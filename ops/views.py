@@ -1,0 +1,171 @@
+"""Bind an engine's tensors to a catalog layout: geometry and byte strides, no copy.
+
+A :class:`KVCache` is the engine's own tensors (a list of per-layer tensors, K
+and V lists, one cross-layer tensor, a chunk, a host pool) plus the layout
+they follow.  Binding reads shapes and strides only: a permuted view (vLLM
+hands out NHD-shaped views of HND memory) binds as is, because every address
+is computed from its strides.
+
+Each part of a layout is reduced to the canonical axes ``p l nb bs h e``; the
+address of a row piece is then, for every layout,
+
+    base(part, layer, plane) + (slot // BS) * stride[nb] + (slot % BS) * stride[bs] + head * stride[h]
+
+which is the formula of ``torch_ext/include/kvlayout/address.h``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from kvlayout.reference.layouts import AXES, Geometry, Layout, Part, get, infer_geometry
+
+INTEGER_STORAGE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+
+
+@dataclasses.dataclass(frozen=True)
+class PartView:
+    """One part of a bound cache: its tensors and element strides per canonical axis."""
+
+    part: Part
+    tensors: tuple[torch.Tensor, ...]        # one, or one per layer
+    strides: dict                            # canonical axis -> stride in elements (0 for absent axes)
+    heads: int                               # H
+    head_width: int                          # elements of one head this part holds (E, or a column block)
+    column_start: int                        # first logical column (of E) the part holds
+
+    def tensor_and_offset(self, plane: int, layer: int) -> tuple[torch.Tensor, int]:
+        """The tensor holding (plane, layer) and the element offset of its slot 0, head 0."""
+        if self.part.per_layer:
+            tensor, offset = self.tensors[layer], 0
+        else:
+            tensor, offset = self.tensors[0], layer * self.strides["l"]
+        if self.part.plane is None:
+            offset += plane * self.strides["p"]
+        return tensor, offset
+
+    @property
+    def heads_contiguous(self) -> bool:
+        """The row's heads follow each other in memory (one run of ``H * E`` elements)."""
+        return self.heads == 1 or self.strides["h"] == self.head_width
+
+
+class KVCache:
+    """Tensors bound to a layout.
+
+    ``layout``: a catalog name or :class:`~kvlayout.reference.layouts.Layout`.
+    ``tensors``: the physical value in the reference's convention: the part
+    itself for one-part layouts (a tensor, or a list of per-layer tensors), a
+    tuple of parts otherwise (SGLang MHA: ``(k_list, v_list)``).
+    ``page_size``: only for layouts whose slot axis is flat (SGLang pools,
+    HiCache ``layer_first``/``page_first``), where the shape cannot tell it;
+    it matters to page helpers only.
+
+    Attributes: ``geometry`` (P, L, NB, BS, H, E), ``dtype``, ``device``,
+    ``tensors`` (every tensor, part by part and layer by layer).
+    """
+
+    def __init__(self, layout: Layout | str, tensors, *, page_size: int | None = None):
+        self.layout = get(layout)
+        parts = self._split_parts(tensors)
+        shapes = [[tuple(t.shape) for t in value] if part.per_layer else tuple(value.shape)
+                  for part, value in zip(self.layout.parts, parts)]
+        self.geometry: Geometry = infer_geometry(self.layout, shapes, page_size=page_size)
+        flat = [t for part, value in zip(self.layout.parts, parts)
+                for t in (value if part.per_layer else [value])]
+        for i, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.layout.name}: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+        self.tensors: tuple[torch.Tensor, ...] = tuple(flat)
+        first = flat[0]
+        for i, t in enumerate(flat):
+            if t.dtype != first.dtype:
+                raise TypeError(f"{self.layout.name}: tensor {i} has dtype {t.dtype}, tensor 0 has {first.dtype}")
+            if t.device != first.device:
+                raise ValueError(f"{self.layout.name}: tensor {i} is on {t.device}, tensor 0 on {first.device}")
+        self.dtype: torch.dtype = first.dtype
+        self.device: torch.device = first.device
+        self.itemsize: int = first.element_size()
+        self.parts: tuple[PartView, ...] = tuple(self._part_view(p, v) for p, v in zip(self.layout.parts, parts))
+
+    # -- construction -------------------------------------------------------------------
+    def _split_parts(self, tensors) -> tuple:
+        if self.layout.single_part:
+            return (list(tensors) if self.layout.parts[0].per_layer else tensors,)
+        if not isinstance(tensors, (tuple, list)) or len(tensors) != len(self.layout.parts):
+            names = ", ".join(p.name for p in self.layout.parts)
+            raise ValueError(f"{self.layout.name}: expected {len(self.layout.parts)} parts ({names})")
+        return tuple(list(v) if p.per_layer else v for p, v in zip(self.layout.parts, tensors))
+
+    def _part_view(self, part: Part, value) -> PartView:
+        tensors = tuple(value) if part.per_layer else (value,)
+        geom = self.geometry
+        sizes = geom.part_sizes(part)
+        ref = tensors[0]
+        strides = {axis: 0 for axis in AXES}
+        for dim, tok in enumerate(part.pattern.split()):
+            if tok == "n":
+                strides["bs"] = ref.stride(dim)
+                strides["nb"] = ref.stride(dim) * geom.BS
+            else:
+                strides[tok] = ref.stride(dim)
+        for i, t in enumerate(tensors):
+            if t.stride() != ref.stride():
+                raise ValueError(f"{self.layout.name}: part {part.name!r} layer {i} has strides {t.stride()}, "
+                                 f"layer 0 has {ref.stride()}")
+        if sizes["e"] > 1 and strides["e"] != 1:
+            raise ValueError(f"{self.layout.name}: part {part.name!r} needs contiguous elements "
+                             f"(stride 1 on the last axis), got strides {ref.stride()}")
+        start = sum(geom.columns[:part.column]) if part.column is not None else 0
+        if part.column is not None and sizes["h"] != 1:
+            raise ValueError(f"{self.layout.name}: a row split into column parts must have one head, got H = {sizes['h']}")
+        return PartView(part, tensors, strides, sizes["h"], sizes["e"], start)
+
+    # -- queries ------------------------------------------------------------------------
+    def part_for(self, plane: int) -> list[PartView]:
+        """The parts holding ``plane`` (several when the row is split into column parts)."""
+        return [pv for pv in self.parts if pv.part.plane in (None, plane)]
+
+    @property
+    def row_width(self) -> int:
+        """Elements per (plane, layer, slot) row: ``H * E``."""
+        return self.geometry.H * self.geometry.E
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (f"KVCache({self.layout.name}, P={g.P}, L={g.L}, NB={g.NB}, BS={g.BS}, H={g.H}, E={g.E}, "
+                f"{self.dtype}, {self.device})")
+
+
+def bind(layout: Layout | str, tensors, *, page_size: int | None = None) -> KVCache:
+    """Bind tensors to a layout (see :class:`KVCache`)."""
+    return tensors if isinstance(tensors, KVCache) else KVCache(layout, tensors, page_size=page_size)
+
+
+def as_index_list(count: int, chosen, name: str) -> list[int]:
+    """``None`` -> ``range(count)``; an int -> ``[int]``; a sequence -> its ints, range-checked."""
+    if chosen is None:
+        return list(range(count))
+    if isinstance(chosen, int):
+        chosen = [chosen]
+    out = [int(c) for c in chosen]
+    for c in out:
+        if not 0 <= c < count:
+            raise IndexError(f"{name} contains {c}, out of range: there are {count}")
+    return out
+
+
+def same_storage_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges inside one storage intersect."""
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return _byte_range(a)[0] < _byte_range(b)[1] and _byte_range(b)[0] < _byte_range(a)[1]
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.storage_offset() * t.element_size()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return start, start + extent * t.element_size() if t.numel() else start
