@@ -1,0 +1,194 @@
+"""Thin Python face of kvlayout's native ops (``torch.ops.kvlayout.*``).
+
+The ops are defined in C++ (``torch_ext/registration.cpp``) and implemented
+per device (``torch_ext/{cpu,cuda,sycl}``). This module loads the extension,
+registers the fake (meta) implementations used by ``torch.compile`` and
+export, and offers thin wrappers plus the device status tensor helpers.
+
+Status tensor: device kernels cannot raise, so an out-of-range slot or
+position is skipped on the device and recorded in a per-device int64 tensor
+``[count, token, value, bound, which]`` (``which``: 0 ``src_slots``,
+1 ``dst_slots``, 2 ``old_positions``, 3 ``new_positions``).
+``raise_on_device_errors(device)`` reads it (this synchronises), raises
+``IndexError`` naming the first recorded index, and zeroes it. The CPU
+kernels raise directly, before writing anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+try:
+    from kvlayout import _C  # noqa: F401  (loading registers torch.ops.kvlayout)
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "kvlayout's native extension kvlayout._C is not built or cannot be loaded "
+        f"({exc}). Build it from the repository root with "
+        "`pip install --no-build-isolation -e .` (needs a C++ compiler; CUDA "
+        "kernels are built when torch has CUDA and nvcc is found)."
+    ) from exc
+
+__all__ = [
+    "copy_rows",
+    "rope_reposition",
+    "status_tensor",
+    "raise_on_device_errors",
+    "built_backends",
+    "cuda_available",
+    "xpu_available",
+    "STATUS_NUMEL",
+]
+
+STATUS_NUMEL = 5
+_STATUS_WHAT = {
+    0: ("src_slots", "the source holds {bound} slots"),
+    1: ("dst_slots", "the destination holds {bound} slots"),
+    2: ("old_positions", "cos_sin_cache holds {bound} positions"),
+    3: ("new_positions", "cos_sin_cache holds {bound} positions"),
+}
+
+
+@torch.library.register_fake("kvlayout::copy_rows")
+def _copy_rows_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
+                    dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes,
+                    max_ctas, status):
+    return None
+
+
+@torch.library.register_fake("kvlayout::rope_reposition")
+def _rope_reposition_fake(key, old_positions, new_positions, cos_sin_cache, is_neox,
+                          max_ctas, status):
+    return None
+
+
+def built_backends() -> list[str]:
+    """Backends compiled into this build of kvlayout._C: "cpu", "cuda", "xpu"."""
+    return list(torch.ops.kvlayout.built_backends())
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels are built and a CUDA device is present."""
+    return "cuda" in built_backends() and torch.cuda.is_available()
+
+
+def xpu_available() -> bool:
+    """Whether the SYCL kernels are built and an XPU device is present."""
+    xpu = getattr(torch, "xpu", None)
+    return "xpu" in built_backends() and xpu is not None and xpu.is_available()
+
+
+_status_lock = threading.Lock()
+_status: dict[torch.device, torch.Tensor] = {}
+
+
+def _normalize_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type in ("cuda", "xpu") and device.index is None:
+        mod = getattr(torch, device.type)
+        device = torch.device(device.type, mod.current_device())
+    return device
+
+
+def status_tensor(device) -> torch.Tensor:
+    """The cached int64 status tensor of `device` (created zeroed on first use)."""
+    device = _normalize_device(device)
+    t = _status.get(device)
+    if t is None:
+        with _status_lock:
+            t = _status.get(device)
+            if t is None:
+                t = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
+                _status[device] = t
+    return t
+
+
+def raise_on_device_errors(device) -> None:
+    """Raise IndexError if a device kernel recorded an out-of-range index.
+
+    Reads the status tensor of `device` (a host synchronisation), then zeroes
+    it, so each recorded error is reported once.
+    """
+    device = _normalize_device(device)
+    t = _status.get(device)
+    if t is None:
+        return
+    count, token, value, bound, which = (int(v) for v in t.tolist()[:STATUS_NUMEL])
+    if count == 0:
+        return
+    t.zero_()
+    name, what = _STATUS_WHAT.get(which, ("index", "the bound is {bound}"))
+    more = f" ({count - 1} more out-of-range entries were skipped)" if count > 1 else ""
+    raise IndexError(
+        f"kvlayout: {name}[{token}] = {value} is out of range: "
+        f"{what.format(bound=bound)}; the rows of that token were not touched{more}"
+    )
+
+
+def _launch_device(tensors: Sequence[Optional[torch.Tensor]]) -> torch.device:
+    for t in tensors:
+        if t is not None and t.device.type not in ("cpu", "meta"):
+            return t.device
+    return torch.device("cpu")
+
+
+def copy_rows(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    src_slots: Optional[torch.Tensor],
+    dst_slots: Optional[torch.Tensor],
+    num_tokens: int,
+    skip_prefix: int,
+    src_segments: Sequence[int],
+    dst_segments: Sequence[int],
+    src_geometry: Sequence[int],
+    dst_geometry: Sequence[int],
+    num_pieces: int,
+    piece_bytes: int,
+    max_ctas: int = 0,
+    status: Optional[torch.Tensor] = None,
+) -> None:
+    """Move rows between two strided byte layouts (torch.ops.kvlayout.copy_rows).
+
+    For each token t in [skip_prefix, num_tokens) with s = src_slots[t] (or t)
+    and d = dst_slots[t] (or t), both >= 0, and for each segment g and piece
+    h < num_pieces: copy piece_bytes bytes from
+    src[src_segments[2g]] + src_segments[2g+1] + piece_offset(src_geometry, s, h)
+    to the same address on the dst side. Geometry: [num_slots, page_size,
+    stride_page, stride_in_page, stride_piece] in bytes. Slot tensors: 1-D
+    int32/int64, any stride. `max_ctas`: CUDA/SYCL grid cap, 0 = default.
+    When all tensors are host tensors the CPU kernel runs; otherwise the
+    device of the first device tensor (dst, src, slots) runs it, and host
+    tensors must be pinned. `status` defaults to that device's status tensor.
+    """
+    if status is None:
+        status = status_tensor(_launch_device([*dst, *src, src_slots, dst_slots]))
+    torch.ops.kvlayout.copy_rows(
+        list(src), list(dst), src_slots, dst_slots, int(num_tokens), int(skip_prefix),
+        list(src_segments), list(dst_segments), list(src_geometry), list(dst_geometry),
+        int(num_pieces), int(piece_bytes), int(max_ctas), status,
+    )
+
+
+def rope_reposition(
+    key: torch.Tensor,
+    old_positions: torch.Tensor,
+    new_positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    max_ctas: int = 0,
+    status: Optional[torch.Tensor] = None,
+) -> None:
+    """Rotate cached keys [T, H, D] in place from old to new RoPE positions.
+
+    cos_sin_cache is [max_pos, rot_dim] (cos then sin halves); pairs are NeoX
+    (i, i + rot_dim/2) or GPT-J (2i, 2i+1); math in fp32. Tokens with a
+    negative position are untouched.
+    """
+    if status is None:
+        status = status_tensor(key.device)
+    torch.ops.kvlayout.rope_reposition(
+        key, old_positions, new_positions, cos_sin_cache, bool(is_neox), int(max_ctas), status
+    )

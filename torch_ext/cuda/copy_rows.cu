@@ -1,0 +1,193 @@
+// CUDA implementation of kvlayout::copy_rows.
+//
+// No host synchronisation, no allocation: the segment base pointers travel
+// by value in the kernel parameters (__grid_constant__), so the op can be
+// captured in a CUDA graph. Out-of-range slots are skipped on the device and
+// recorded in `status` (see copy_rows_kernel.h). Source and destination may
+// be CUDA tensors of the launch device or pinned host memory (zero-copy).
+//
+// CTA budget (max_ctas): 0 selects the default, 4 CTAs of 256 threads per SM
+// when both sides are in device memory and 1 per SM when either side is host
+// memory (a few CTAs already saturate PCIe, and a transfer beside the forward
+// pass should leave SMs to it); n > 0 caps the grid at n CTAs.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../host_checks.h"
+#include "cuda_common.h"
+#include "kvlayout/copy_rows_kernel.h"
+
+namespace kvlayout {
+namespace {
+
+// Segments per launch: 128 segments keep the parameter struct near 2.3 KiB,
+// under the classic 4 KiB kernel-parameter limit.
+constexpr int kMaxSegmentsPerLaunch = 128;
+using Params = CopyRowsParams<kMaxSegmentsPerLaunch>;
+static_assert(sizeof(Params) <= 4096, "copy_rows parameters exceed 4 KiB");
+
+constexpr int kDefaultCtasPerSmDevice = 4;
+constexpr int kDefaultCtasPerSmHost = 1;
+
+// Vector loads/stores with streaming (evict-first) cache hints.
+template <int VEC>
+struct StreamingMem;
+template <>
+struct StreamingMem<16> {
+  using vec_type = uint4;
+  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
+  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
+template <>
+struct StreamingMem<8> {
+  using vec_type = uint2;
+  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
+  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
+template <>
+struct StreamingMem<4> {
+  using vec_type = unsigned int;
+  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
+  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
+template <>
+struct StreamingMem<2> {
+  using vec_type = unsigned short;
+  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
+  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
+template <>
+struct StreamingMem<1> {
+  using vec_type = unsigned char;
+  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
+  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
+
+template <int VEC>
+__global__ void __launch_bounds__(kCopyThreadsPerBlock)
+    copy_rows_kernel(const __grid_constant__ Params p) {
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
+  copy_rows_thread<VEC, StreamingMem<VEC>>(p, thread, num_threads,
+                                           cuda::StatusRecorder{p.status});
+}
+
+template <int VEC>
+void launch(const Params& p, int64_t max_blocks, cudaStream_t stream) {
+  const int64_t threads_needed = p.num_tasks << p.log2_group;
+  int64_t blocks = (threads_needed + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
+  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
+  copy_rows_kernel<VEC><<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Which device runs the op: the first CUDA tensor among dst, src, slots, status.
+c10::Device launch_device(at::TensorList src, at::TensorList dst,
+                          const std::optional<at::Tensor>& src_slots,
+                          const std::optional<at::Tensor>& dst_slots, const at::Tensor& status) {
+  for (const auto& t : dst)
+    if (t.is_cuda()) return t.device();
+  for (const auto& t : src)
+    if (t.is_cuda()) return t.device();
+  if (src_slots.has_value() && src_slots->is_cuda()) return src_slots->device();
+  if (dst_slots.has_value() && dst_slots->is_cuda()) return dst_slots->device();
+  TORCH_CHECK(status.is_cuda(), "kvlayout::copy_rows: no CUDA tensor among the arguments");
+  return status.device();
+}
+
+void copy_rows_cuda(at::TensorList src, at::TensorList dst,
+                    const std::optional<at::Tensor>& src_slots,
+                    const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
+                    int64_t skip_prefix, c10::IntArrayRef src_segments,
+                    c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
+                    c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
+                    int64_t max_ctas, const at::Tensor& status) {
+  const CopyPlan plan =
+      plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
+                     dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, max_ctas);
+  const c10::Device dev = launch_device(src, dst, src_slots, dst_slots, status);
+  const c10::cuda::CUDAGuard guard(dev);
+  check_status_tensor(status, dev);
+  if (plan.empty()) return;
+
+  // Device-visible addresses of every tensor (pinned host memory through UVA).
+  bool touches_host = false;
+  std::vector<const char*> src_ptr(src.size(), nullptr);
+  std::vector<char*> dst_ptr(dst.size(), nullptr);
+  for (int64_t g = 0; g < plan.num_segments; ++g) {
+    const int64_t si = plan.src_tensor[g], di = plan.dst_tensor[g];
+    if (src_ptr[si] == nullptr) src_ptr[si] = cuda::device_address(src[si], dev, "src", si);
+    if (dst_ptr[di] == nullptr) dst_ptr[di] = cuda::device_address(dst[di], dev, "dst", di);
+    touches_host = touches_host || !src[si].is_cuda() || !dst[di].is_cuda();
+  }
+  SlotArray ss = plan.src_slots, ds = plan.dst_slots;
+  ss.data = cuda::index_address(src_slots, dev, "src_slots");
+  ds.data = cuda::index_address(dst_slots, dev, "dst_slots");
+
+  // Widest vector that divides every base address, every stride in use and
+  // the piece size.
+  uint64_t align = static_cast<uint64_t>(plan.piece_bytes);
+  auto strides_in_use = [&](const RowGeometry& g) {
+    if (g.num_slots > g.page_size) align |= static_cast<uint64_t>(g.stride_page);
+    if (g.page_size > 1 && g.num_slots > 1) align |= static_cast<uint64_t>(g.stride_in_page);
+    if (plan.num_pieces > 1) align |= static_cast<uint64_t>(g.stride_piece);
+  };
+  strides_in_use(plan.src_geom);
+  strides_in_use(plan.dst_geom);
+  for (int64_t g = 0; g < plan.num_segments; ++g) {
+    align |= reinterpret_cast<uintptr_t>(src_ptr[plan.src_tensor[g]] + plan.src_offset[g]);
+    align |= reinterpret_cast<uintptr_t>(dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g]);
+  }
+  int vec = 16;
+  while (vec > 1 && (align % static_cast<uint64_t>(vec)) != 0) vec /= 2;
+
+  const int64_t budget =
+      max_ctas > 0 ? max_ctas
+                   : int64_t(cuda::num_sms()) *
+                         (touches_host ? kDefaultCtasPerSmHost : kDefaultCtasPerSmDevice);
+  const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
+
+  Params p{};
+  p.src_geom = plan.src_geom;
+  p.dst_geom = plan.dst_geom;
+  p.src_slots = ss;
+  p.dst_slots = ds;
+  p.skip_prefix = plan.skip_prefix;
+  p.tokens = plan.num_tokens - plan.skip_prefix;
+  p.num_pieces = plan.num_pieces;
+  p.vecs_per_piece = plan.piece_bytes / vec;
+  p.vecs_per_row = plan.num_pieces * p.vecs_per_piece;
+  p.status = status.data_ptr<int64_t>();
+  p.log2_group = copy_rows_log2_group(p.vecs_per_row, vec);
+
+  for (int64_t first = 0; first < plan.num_segments; first += kMaxSegmentsPerLaunch) {
+    const int64_t n = std::min<int64_t>(kMaxSegmentsPerLaunch, plan.num_segments - first);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t g = first + j;
+      p.src_base[j] = src_ptr[plan.src_tensor[g]] + plan.src_offset[g];
+      p.dst_base[j] = dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g];
+    }
+    p.num_segments = n;
+    p.num_tasks = p.tokens * n;
+    p.record_errors = first == 0 ? 1 : 0;
+    switch (vec) {
+      case 16: launch<16>(p, max_blocks, stream); break;
+      case 8: launch<8>(p, max_blocks, stream); break;
+      case 4: launch<4>(p, max_blocks, stream); break;
+      case 2: launch<2>(p, max_blocks, stream); break;
+      default: launch<1>(p, max_blocks, stream); break;
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvlayout, CUDA, m) { m.impl("copy_rows", &copy_rows_cuda); }
+
+}  // namespace kvlayout

@@ -1,0 +1,72 @@
+// Host-side argument validation shared by every backend of kvlayout's ops.
+//
+// plan_copy_rows() parses and checks everything that does not depend on the
+// values of the slot tensors, and proves that every address a valid slot can
+// produce lies inside the storage of the tensor it is based on. Together with
+// the slot range check (on the host for CPU, in the kernel for devices) no
+// index value can make a kernel touch memory outside the given tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kvlayout/address.h"
+#include "kvlayout/rope_kernel.h"
+
+namespace kvlayout {
+
+struct CopyPlan {
+  int64_t num_tokens = 0;
+  int64_t skip_prefix = 0;
+  int64_t num_segments = 0;
+  // One entry per segment: which tensor of src/dst and the byte offset from
+  // that tensor's data pointer.
+  std::vector<int64_t> src_tensor, src_offset, dst_tensor, dst_offset;
+  RowGeometry src_geom{};
+  RowGeometry dst_geom{};
+  // After merging back-to-back pieces (both sides stride_piece == piece_bytes)
+  // into one: num_pieces == 1 means every row is one contiguous block.
+  int64_t num_pieces = 0;
+  int64_t piece_bytes = 0;
+  SlotArray src_slots{nullptr, 1, 8, 0};
+  SlotArray dst_slots{nullptr, 1, 8, 0};
+
+  bool empty() const { return num_segments == 0 || skip_prefix >= num_tokens; }
+  int64_t row_bytes() const { return num_pieces * piece_bytes; }
+};
+
+// Validates the arguments of kvlayout::copy_rows (all but slot values and
+// device placement) and returns the normalised plan. Slot tensors are read
+// through SlotArray (data pointer + element stride); any stride is accepted.
+CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
+                        const std::optional<at::Tensor>& src_slots,
+                        const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
+                        int64_t skip_prefix, c10::IntArrayRef src_segments,
+                        c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
+                        c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
+                        int64_t max_ctas);
+
+// Reads the slot tensors on the host (they must be host-readable) and raises
+// IndexError naming the argument, token, value and bound for the first token
+// whose slot is >= the side's slot count. Negative slots are fine.
+void check_slots_in_range_on_host(const CopyPlan& plan);
+
+// Validates rope_reposition's arguments and fills the parameters (pointers
+// are the tensors' own data pointers; status is left null).
+RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_positions,
+                                const at::Tensor& new_positions,
+                                const at::Tensor& cos_sin_cache, bool is_neox,
+                                int64_t max_ctas);
+
+// Raises IndexError for the first out-of-range position (host-readable only).
+void check_positions_in_range_on_host(const RopeParams& p);
+
+// Validates the status tensor of device backends: int64, >= kStatusNumel
+// elements, contiguous, on `device`.
+void check_status_tensor(const at::Tensor& status, c10::Device device);
+
+}  // namespace kvlayout
