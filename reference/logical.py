@@ -24,6 +24,25 @@ from .layouts import Geometry, Layout, get, infer_geometry, part_axis_lengths, p
 Physical = Any
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """Bitcast to the unsigned integer of the same width (no value changes).
+
+    Layout changes run on these bits: XLA may rewrite NaN payloads when it
+    stacks or concatenates float arrays, and copies must be byte-exact.
+    """
+    x = jnp.asarray(x)
+    return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) if x.dtype.kind != "u" else x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+    """Inverse of :func:`as_bits`."""
+    dtype = jnp.dtype(dtype)
+    return x if dtype == x.dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def parts_of(layout: Layout | str, physical: Physical) -> tuple:
     """The physical value as a tuple with one entry per part."""
     layout = get(layout)
@@ -71,18 +90,19 @@ def to_logical(layout: Layout | str, physical: Physical, geom: Geometry | None =
     """
     layout = get(layout)
     geom = geom or geometry_of(layout, physical)
+    dtype = dtype_of(layout, physical)
     pieces = []
     for part, value in zip(layout.parts, parts_of(layout, physical)):
-        array = jnp.stack([jnp.asarray(x) for x in value]) if part.per_layer else jnp.asarray(value)
+        array = jnp.stack([as_bits(x) for x in value]) if part.per_layer else as_bits(value)
         pieces.append((part, einops.rearrange(array, part_to_logical_pattern(part),
                                               **part_axis_lengths(part, geom))))
     by_plane = [x for part, x in sorted(pieces, key=lambda pc: pc[0].plane or 0) if part.plane is not None]
     if by_plane:
-        return jnp.concatenate(by_plane, axis=0)
+        return from_bits(jnp.concatenate(by_plane, axis=0), dtype)
     by_column = [x for part, x in sorted(pieces, key=lambda pc: pc[0].column or 0) if part.column is not None]
     if by_column:
-        return jnp.concatenate(by_column, axis=-1)
-    return pieces[0][1]
+        return from_bits(jnp.concatenate(by_column, axis=-1), dtype)
+    return from_bits(pieces[0][1], dtype)
 
 
 def from_logical(layout: Layout | str, logical: jax.Array, geom: Geometry) -> Physical:
@@ -91,10 +111,12 @@ def from_logical(layout: Layout | str, logical: jax.Array, geom: Geometry) -> Ph
     expected = (geom.P, geom.L, geom.N, geom.H, geom.E)
     if tuple(logical.shape) != expected:
         raise ValueError(f"{layout.name}: logical array has shape {tuple(logical.shape)}, expected {expected}")
+    dtype = logical.dtype
+    bits = as_bits(logical)
     parts = []
     column_start = 0
     for part in sorted(layout.parts, key=lambda p: p.column or 0):
-        x = logical
+        x = bits
         if part.plane is not None:
             x = x[part.plane:part.plane + 1]
         if part.column is not None:
@@ -102,7 +124,7 @@ def from_logical(layout: Layout | str, logical: jax.Array, geom: Geometry) -> Ph
             x = x[..., column_start:column_start + width]
             column_start += width
         array = einops.rearrange(x, part_from_logical_pattern(part), **part_axis_lengths(part, geom))
-        parts.append((part, list(array) if part.per_layer else array))
+        parts.append((part, [from_bits(x, dtype) for x in array] if part.per_layer else from_bits(array, dtype)))
     order = {id(p): i for i, p in enumerate(layout.parts)}
     parts.sort(key=lambda pc: order[id(pc[0])])
     return from_parts(layout, [value for _, value in parts])

@@ -30,21 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .layouts import Geometry, Layout, get, make_geometry
-from .logical import Physical, dtype_of, from_logical, geometry_of, map_arrays, to_logical
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def as_bits(x: jax.Array) -> jax.Array:
-    """Bitcast to the unsigned integer of the same width (no value changes)."""
-    x = jnp.asarray(x)
-    return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) if x.dtype.kind != "u" else x
-
-
-def from_bits(x: jax.Array, dtype) -> jax.Array:
-    """Inverse of :func:`as_bits`."""
-    dtype = jnp.dtype(dtype)
-    return x if dtype == x.dtype else jax.lax.bitcast_convert_type(x, dtype)
+from .logical import Physical, as_bits, dtype_of, from_bits, from_logical, geometry_of, map_arrays, \
+    to_logical
 
 
 def concrete(x) -> np.ndarray | None:

@@ -39,7 +39,9 @@ def get_page(layout: Layout | str, cache: Physical, page: int, *, page_size: int
     geom = geometry_of(layout, cache, page_size)
     masks = _page_masks(layout, geom, page)
     arrays = flat_arrays(layout, cache)
-    return jnp.concatenate([jnp.asarray(x).reshape(-1)[np.flatnonzero(m)] for x, m in zip(arrays, masks)])
+    dtype = jnp.asarray(arrays[0]).dtype
+    return from_bits(jnp.concatenate([as_bits(x).reshape(-1)[np.flatnonzero(m)] for x, m in zip(arrays, masks)]),
+                     dtype)
 
 
 def set_page(layout: Layout | str, cache: Physical, page: int, flat, *, page_size: int | None = None) -> Physical:
