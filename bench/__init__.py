@@ -1,0 +1,1 @@
+"""``kvlayout bench``: throughput against the machine's copy limits and the pure-torch baseline."""

@@ -1,0 +1,281 @@
+"""What ``kvlayout bench`` measures: shapes, layout pairs, directions, and the torch baseline.
+
+A case moves T tokens of every layer (or one layer per call, L calls: the
+layer-wise pipeline) between a device cache and a buffer:
+
+* ``to_host`` / ``from_host``: the buffer is pinned host memory (a chunk or a
+  host pool), read/written by the kernel directly;
+* ``gather_device`` / ``scatter_device``: the buffer is on the device.
+
+The pure-torch baseline does what engines do without kvlayout: advanced
+indexing (``index_select``/``index_put_``) on each (layer, plane) view of the
+cache, plus one ``copy_`` across the host boundary through a staging buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from kvlayout import ops
+from kvlayout.ops.views import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model's KV geometry: layers, KV heads, head size; MLA has one plane and one head."""
+
+    name: str
+    L: int
+    H: int
+    D: int
+    mla: bool = False
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.mla else 2
+
+    def row_bytes(self, itemsize: int = 2) -> int:
+        return self.H * self.D * itemsize
+
+
+SHAPES = {s.name: s for s in (
+    Shape("L32_H8_D128", 32, 8, 128),
+    Shape("L32_H1_D128", 32, 1, 128),
+    Shape("L32_MLA_D576", 32, 1, 576, mla=True),
+    Shape("L80_H8_D128", 80, 8, 128),
+    Shape("L61_MLA_D576", 61, 1, 576, mla=True),
+)}
+
+DIRECTIONS = ("to_host", "from_host", "gather_device", "scatter_device")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    group: str            # headline | layouts | layerwise | ctas
+    shape: str
+    device_layout: str    # the engine cache
+    buffer_layout: str    # the chunk / host pool / device buffer
+    T: int
+    page_size: int
+    direction: str
+    layerwise: bool = False
+    max_ctas: int = 0
+
+    @property
+    def key(self) -> str:
+        mode = "x%d layers" % SHAPES[self.shape].L if self.layerwise else "all layers"
+        return (f"{self.shape} T={self.T} ps={self.page_size} {self.device_layout}->{self.buffer_layout} "
+                f"{self.direction} {mode} ctas={self.max_ctas or 'default'}")
+
+    def payload_bytes(self, itemsize: int = 2) -> int:
+        s = SHAPES[self.shape]
+        return s.planes * s.L * self.T * s.row_bytes(itemsize)
+
+
+def _default_layouts(shape: Shape) -> tuple[str, str]:
+    return ("vllm_mla", "lmcache_kv_mla") if shape.mla else ("vllm_flash_attn_nhd", "lmcache_kv_2ltd")
+
+
+def plan_cases(quick: bool) -> list[Case]:
+    """The case list: a small one with ``quick``, the full one otherwise."""
+    cases = []
+    shapes = ["L32_H8_D128", "L32_H1_D128", "L32_MLA_D576"] if quick else list(SHAPES)
+    tokens = [256, 4096] if quick else [256, 4096, 32768]
+    for name, T, direction in itertools.product(shapes, tokens, DIRECTIONS):
+        shape = SHAPES[name]
+        if T == 32768 and shape.L > 32:
+            continue
+        dev, buf = _default_layouts(shape)
+        cases.append(Case("headline", name, dev, buf, T, 16, direction))
+    # layout sweep: every engine layout against its buffers, page sizes 1/16/64
+    pairs = [("vllm_flash_attn_nhd", "lmcache_kv_2ltd"), ("vllm_flash_attn_hnd", "lmcache_kv_2ltd"),
+             ("vllm_flashinfer_nhd", "lmcache_kv_2ltd"), ("sglang_mha", "hicache_layer_first"),
+             ("sglang_mha", "hicache_page_first"), ("sglang_mha", "hicache_page_head")]
+    for name in (["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_H1_D128"]):
+        for (dev, buf), ps, direction in itertools.product(pairs, [16] if quick else [1, 16, 64],
+                                                           ("to_host", "from_host")):
+            cases.append(Case("layouts", name, dev, buf, 4096, ps, direction))
+    # layer-wise pipeline: L calls of one layer each, against the all-layer figure
+    for name, T, direction in itertools.product(shapes[:3], [256] if quick else [256, 4096],
+                                                ("to_host", "from_host")):
+        shape = SHAPES[name]
+        dev = "vllm_mla" if shape.mla else "vllm_flash_attn_nhd"
+        buf = "lmcache_kv_mla_layer" if shape.mla else "lmcache_kv_t2d"
+        cases.append(Case("layerwise", name, dev, buf, T, 16, direction, layerwise=True))
+    # CTA budget for host transfers
+    for name, direction, ctas in itertools.product(["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_H1_D128",
+                                                                                  "L32_MLA_D576"],
+                                                   ("to_host", "from_host"), (1, 2, 4, 8, 16, 0)):
+        dev, buf = _default_layouts(SHAPES[name])
+        cases.append(Case("ctas", name, dev, buf, 4096, 16, direction, max_ctas=ctas))
+    return cases
+
+
+def cpu_cases() -> list[Case]:
+    """A short CPU run: small shapes only (the CPU kernel is a correctness path)."""
+    return [Case("headline", "L32_H1_D128", dev, buf, T, 16, d)
+            for (dev, buf), T, d in itertools.product([("vllm_flash_attn_nhd", "lmcache_kv_2ltd"),
+                                                       ("vllm_flash_attn_hnd", "lmcache_kv_2ltd")],
+                                                      [256, 4096], ("gather_device", "scatter_device"))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the tensors
+# ---------------------------------------------------------------------------------------------
+
+def _physical(layout: str, shape: Shape, n_slots: int, page_size: int, L: int, dtype, device, pin: bool,
+              generator) -> KVCache:
+    """Random tensors in ``layout`` (slots ``n_slots``) bound as a KVCache."""
+    from kvlayout.reference.layouts import get, make_geometry
+    lay = get(layout)
+    axes = {a for p in lay.parts for a in p.full_axes}
+    H, E = (shape.H, shape.D) if "h" in axes and not shape.mla else (1, shape.H * shape.D)
+    ps = page_size if ("nb" in axes or layout.startswith(("sglang", "hicache"))) else 1
+    geom = make_geometry(lay, L=L if "l" in axes else 1, N=n_slots, H=H, E=E, page_size=ps,
+                         P=shape.planes if lay.planes is None else None)
+
+    def tensor(part):
+        t = torch.randint(-100, 100, geom.part_shape(part), dtype=torch.int16, generator=generator).view(dtype)
+        t = t.to(device)
+        return t.pin_memory() if pin else t
+
+    parts = [[tensor(p) for _ in range(geom.L)] if p.per_layer else tensor(p) for p in lay.parts]
+    value = parts[0] if lay.single_part else tuple(parts)
+    return ops.bind(lay, value, page_size=ps if not lay.paged else None)
+
+
+def build(case: Case, device: torch.device, generator) -> dict:
+    """Tensors and slot arrays for one case (bf16 data)."""
+    shape = SHAPES[case.shape]
+    dtype = torch.bfloat16
+    host = case.direction in ("to_host", "from_host")
+    n_cache = max(2 * case.T, 8192)
+    n_cache += -n_cache % case.page_size
+    cache = _physical(case.device_layout, shape, n_cache, case.page_size, shape.L, dtype, device, False, generator)
+    buffer_is_chunk = case.buffer_layout.startswith("lmcache")
+    n_buf = case.T if buffer_is_chunk else n_cache
+    buf_layers = 1 if case.layerwise else shape.L
+    buffer = _physical(case.buffer_layout, shape, n_buf, case.page_size, buf_layers, dtype,
+                       "cpu" if host else device, host and device.type == "cuda", generator)
+    pages = torch.randperm(n_cache // case.page_size, generator=generator)[: -(-case.T // case.page_size)]
+    cache_slots = (pages[:, None] * case.page_size + torch.arange(case.page_size)).reshape(-1)[: case.T]
+    cache_slots = cache_slots.to(device)
+    if buffer_is_chunk:
+        buffer_slots = None
+    else:
+        host_pages = torch.randperm(n_buf // case.page_size, generator=generator)[: -(-case.T // case.page_size)]
+        buffer_slots = (host_pages[:, None] * case.page_size + torch.arange(case.page_size)).reshape(-1)[: case.T]
+        buffer_slots = buffer_slots.to(device)
+    return {"cache": cache, "buffer": buffer, "cache_slots": cache_slots, "buffer_slots": buffer_slots}
+
+
+def endpoints(case: Case, data: dict):
+    """(src, src_slots, dst, dst_slots) in the case's direction."""
+    if case.direction in ("to_host", "gather_device"):
+        return data["cache"], data["cache_slots"], data["buffer"], data["buffer_slots"]
+    return data["buffer"], data["buffer_slots"], data["cache"], data["cache_slots"]
+
+
+def kvlayout_fn(case: Case, data: dict):
+    """The measured kvlayout call(s)."""
+    src, ss, dst, ds = endpoints(case, data)
+    if not case.layerwise:
+        return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas)
+    L = SHAPES[case.shape].L
+    cache_is_src = src is data["cache"]
+
+    def per_layer():
+        for layer in range(L):
+            ops.transfer(src, dst, ss, ds, src_layers=[layer if cache_is_src else 0],
+                         dst_layers=[0 if cache_is_src else layer], max_ctas=case.max_ctas)
+    return per_layer
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure-torch baseline
+# ---------------------------------------------------------------------------------------------
+
+def _row_views(cache: KVCache, layers) -> list[torch.Tensor]:
+    """Per (plane, layer): an ``[NB, BS, H*E]`` or ``[NB, BS, H, E]`` strided view of the rows."""
+    g = cache.geometry
+    views = []
+    for plane in range(g.P):
+        (pv,) = cache.part_for(plane)
+        for layer in layers:
+            tensor, offset = pv.tensor_and_offset(plane, layer)
+            st = pv.strides
+            views.append(tensor.as_strided((g.NB, g.BS, pv.heads, pv.head_width),
+                                           (st["nb"], st["bs"], st["h"], 1), tensor.storage_offset() + offset))
+    return views
+
+
+def _chunk_rows(chunk: KVCache, layers) -> list[torch.Tensor]:
+    """A chunk as row blocks ``[*, T, W]``: one block when its memory is plane-layer-token ordered."""
+    t = chunk.tensors[0]
+    if chunk.layout.name in ("lmcache_kv_2ltd", "lmcache_kv_mla") and t.is_contiguous() \
+            and list(layers) == list(range(chunk.geometry.L)):
+        return [t.view(-1, t.shape[-2], t.shape[-1])]
+    return [v.view(v.shape[0], -1) for v in _row_views(chunk, layers)]
+
+
+def torch_fn(case: Case, data: dict):
+    """Advanced indexing per (plane, layer) on the device + ``copy_`` across the host boundary.
+
+    Chunk buffers cross the boundary in one ``copy_`` (per row block); host
+    pools with slots are indexed on the host side through a pinned staging
+    buffer.
+    """
+    cache, cache_slots, buffer, buffer_slots = data["cache"], data["cache_slots"], data["buffer"], data["buffer_slots"]
+    L = SHAPES[case.shape].L
+    layer_sets = [[layer] for layer in range(L)] if case.layerwise else [list(range(L))]
+    g, gb = cache.geometry, buffer.geometry
+    W = cache.row_width
+    to_buffer = case.direction in ("to_host", "gather_device")
+    staging = {}
+
+    def stage(shape, device):
+        key = (tuple(shape), str(device))
+        if key not in staging:
+            staging[key] = torch.empty(shape, dtype=cache.dtype, device=device,
+                                       pin_memory=device.type == "cpu" and cache.device.type == "cuda")
+        return staging[key]
+
+    def one(layers):
+        buffer_layers = [0] * len(layers) if case.layerwise else layers
+        cache_views = _row_views(cache, layers)
+        if to_buffer:
+            rows = torch.stack([v[cache_slots // g.BS, cache_slots % g.BS].reshape(case.T, W) for v in cache_views])
+            if buffer_slots is None:
+                blocks = _chunk_rows(buffer, buffer_layers)
+                flat = rows.view(len(blocks), -1, W) if len(blocks) > 1 else rows.view(blocks[0].shape)
+                for block, r in zip(blocks, flat if len(blocks) > 1 else [flat]):
+                    block.copy_(r.view(block.shape), non_blocking=True)
+            else:
+                host_rows = stage(rows.shape, buffer.device)
+                host_rows.copy_(rows)
+                idx = buffer_slots.to(buffer.device)
+                for r, v in zip(host_rows, _row_views(buffer, buffer_layers)):
+                    v[idx // gb.BS, idx % gb.BS] = r.view(case.T, *v.shape[2:])
+        else:
+            if buffer_slots is None:
+                blocks = _chunk_rows(buffer, buffer_layers)
+                rows = stage((len(cache_views), case.T, W), cache.device)
+                target = rows.view(len(blocks), -1, W) if len(blocks) > 1 else [rows.view(blocks[0].shape)]
+                for block, r in zip(blocks, target):
+                    r.view(block.shape).copy_(block, non_blocking=True)
+            else:
+                idx = buffer_slots.to(buffer.device)
+                host_rows = stage((len(cache_views), case.T, W), buffer.device)
+                for r, v in zip(host_rows, _row_views(buffer, buffer_layers)):
+                    r.copy_(v[idx // gb.BS, idx % gb.BS].reshape(case.T, W))
+                rows = stage(host_rows.shape, cache.device)
+                rows.copy_(host_rows, non_blocking=True)
+            for r, v in zip(rows, cache_views):
+                v[cache_slots // g.BS, cache_slots % g.BS] = r.view(case.T, *v.shape[2:])
+
+    return lambda: [one(layers) for layers in layer_sets]

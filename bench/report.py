@@ -1,0 +1,115 @@
+"""Bench output: terminal table, JSON, Markdown and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _fmt(value, spec=".1f", missing="–"):
+    return missing if value is None else format(value, spec)
+
+
+def table_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for r in doc["results"]:
+        mode = "per layer" if r["layerwise"] else "all layers"
+        rows.append([r["group"], r["shape"], f"{r['device_layout']}->{r['buffer_layout']}", str(r["T"]),
+                     str(r["page_size"]), r["direction"], mode, str(r["max_ctas"] or "default"),
+                     _fmt(r.get("gbps")), _fmt(r.get("pct_of_limit"), ".0f") + ("%" if "gbps" in r else ""),
+                     _fmt(r.get("torch_gbps")), _fmt(r.get("x_torch"), ".2f"),
+                     "yes" if r["bit_exact"] else "NO"])
+    return rows
+
+
+HEADER = ["group", "shape", "layouts", "T", "ps", "direction", "mode", "CTAs", "GB/s", "% limit",
+          "torch GB/s", "x torch", "bit-exact"]
+
+
+def terminal_table(doc: dict) -> str:
+    rows = [HEADER] + table_rows(doc)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"]
+    out = ["# kvlayout bench", "",
+           "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+           "## Machine limits (GB/s, one way)", "",
+           "| limit | start | end |", "|---|---|---|"]
+    for k, v in doc["limits"].items():
+        out.append(f"| {k} | {v:.1f} | {_fmt(doc.get('limits_end', {}).get(k))} |")
+    out += ["", "## Results", "",
+            "GB/s = payload bytes moved one way / median time; % limit against the matching limit "
+            "(pinned 256 MiB copy for host transfers, device copy otherwise); x torch = torch time / kvlayout "
+            "time on the same data; every row was checked bit-exact against the torch baseline first.", "",
+            "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    out += ["| " + " | ".join(r) + " |" for r in table_rows(doc)]
+    return "\n".join(out) + "\n"
+
+
+def plots(doc: dict, folder: str, stem: str) -> list[str]:
+    """GB/s vs tokens per layout pair and direction; GB/s vs CTA budget."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    head = [r for r in doc["results"] if r["group"] == "headline" and "gbps" in r]
+    if head:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        for ax, directions in zip(axes, (("to_host", "from_host"), ("gather_device", "scatter_device"))):
+            for shape in sorted({r["shape"] for r in head}):
+                for d in directions:
+                    pts = sorted((r["T"], r["gbps"]) for r in head if r["shape"] == shape and r["direction"] == d)
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=f"{shape} {d}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens T")
+            ax.set_ylabel("GB/s")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=.3)
+        axes[0].set_title("host transfers (pinned)")
+        axes[1].set_title("on-device gather / scatter")
+        path = os.path.join(folder, f"{stem}_tokens.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    ctas = [r for r in doc["results"] if r["group"] == "ctas" and "gbps" in r]
+    if ctas:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        sms = doc["environment"].get("sms", 0)
+        for shape in sorted({r["shape"] for r in ctas}):
+            for d in ("to_host", "from_host"):
+                pts = sorted(((r["max_ctas"] or sms or 256), r["gbps"]) for r in ctas
+                             if r["shape"] == shape and r["direction"] == d)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{shape} {d}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CTA budget (rightmost: default)")
+        ax.set_ylabel("GB/s")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=.3)
+        path = os.path.join(folder, f"{stem}_ctas.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_reports(doc: dict, folder: str, stem: str) -> list[str]:
+    print(terminal_table(doc))
+    json_path = os.path.join(folder, f"{stem}.json")
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    md_path = os.path.join(folder, f"{stem}.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(doc))
+    return [json_path, md_path, *plots(doc, folder, stem)]
