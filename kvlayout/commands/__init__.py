@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvlayout`` command line, one module each (registered in ``kvlayout.cli``)."""
