@@ -1,0 +1,513 @@
+"""LMCache-compatible transfer surface on top of kvlayout.ops.
+
+Same names, argument order, enum values and semantics as LMCache's native
+transfer ops, with one difference: where LMCache takes a tensor of raw
+pointers (one per layer), these functions take the structure the engine holds
+(a list of per-layer tensors, ``[[K...], [V...]]`` lists, or one cross-layer
+tensor).  Each function picks the catalog layout of the format, binds the
+tensors with :func:`kvlayout.ops.bind` and calls :func:`kvlayout.ops.transfer`
+(or :func:`kvlayout.ops.rope_reposition`).  No addresses are computed here.
+
+Direction names follow LMCache: ``H2D`` = memory object -> paged engine cache
+(retrieve), ``D2H`` = paged engine cache -> memory object (store), wherever
+the memory object actually lives.
+
+Semantics are kvlayout's: a negative slot means "no token" (nothing read or
+written), a slot beyond the cache is an error (never an out-of-bounds access),
+an empty transfer is a no-op, copies are byte-exact.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from kvlayout import ops
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GPUKVFormat", "EngineKVFormat", "MemoryFormat", "TransferDirection", "LAYOUT_OF_FORMAT",
+    "MLA_FORMATS", "HND_FORMATS", "CROSS_LAYER_FORMATS", "layout_of", "bind_kv_caches",
+    "discover_gpu_kv_format", "canonicalize_kv_caches", "permute_to_contiguous",
+    "permute_kv_caches_to_contiguous", "ensure_contiguous_kv_caches", "normalize_and_discover",
+    "multi_layer_kv_transfer", "multi_layer_kv_transfer_unilateral", "single_layer_kv_transfer",
+    "single_layer_kv_transfer_sgl", "rotary_embedding_k_fused",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Enums
+# ---------------------------------------------------------------------------------------
+
+class GPUKVFormat(enum.IntEnum):
+    """How an engine holds its paged KV cache (LMCache's integer values).
+
+    Names spell the physical structure: ``_X_`` separates list levels, ``_``
+    the dims of one tensor (NL layers, NB blocks, BS block size, NBBS = NB*BS,
+    NH heads, HS head size).
+    """
+
+    NB_NL_TWO_BS_NH_HS = 0          # one tensor [NB, NL, 2, BS, NH, HS] (vLLM cross-layer)
+    NL_X_TWO_NB_BS_NH_HS = 1        # list[NL] of [2, NB, BS, NH, HS] (vLLM FlashAttention)
+    NL_X_NB_TWO_BS_NH_HS = 2        # list[NL] of [NB, 2, BS, NH, HS] (vLLM FlashInfer / Triton)
+    NL_X_NB_BS_HS = 3               # list[NL] of [NB, BS, HS] (vLLM MLA)
+    TWO_X_NL_X_NBBS_NH_HS = 4       # [[K_0..K_NL-1], [V_0..V_NL-1]], each [NBBS, NH, HS] (SGLang MHA)
+    NL_X_NBBS_ONE_HS = 5            # list[NL] of [NBBS, 1, HS] (SGLang MLA)
+    NL_X_TWO_NB_NH_BS_HS = 6        # list[NL] of [2, NB, NH, BS, HS] (vLLM FlashAttention, HND)
+    NL_X_NB_TWO_NH_BS_HS = 7        # list[NL] of [NB, 2, NH, BS, HS] (vLLM FlashInfer, HND)
+    NB_NL_TWO_NH_BS_HS = 8          # one tensor [NB, NL, 2, NH, BS, HS] (TRT-LLM cross-layer, HND)
+    NL_X_NB_NH_BS_TWO_HS = 10       # list[NL] of [NB, NH, BS, 2, HS] (packed K/V, HND)
+    NL_X_NB_BS_NH_TWO_HS = 11       # list[NL] of [NB, BS, NH, 2, HS] (packed K/V, NHD)
+
+
+EngineKVFormat = GPUKVFormat
+
+
+class MemoryFormat(enum.IntEnum):
+    """Shape of an LMCache memory object's tensor."""
+
+    UNDEFINED = 0
+    KV_2LTD = 1         # [2, L, T, NH*HS]
+    KV_T2D = 2          # one layer, [T, 2, NH*HS]
+    KV_2TD = 3          # one layer, [2, T, NH*HS]
+    BINARY = 4          # compressed bytes
+    BINARY_BUFFER = 5   # raw bytes
+    KV_MLA_FMT = 6      # [1, L, T, D] (layer-wise: [T, D])
+
+    def token_dim(self) -> int:
+        """The axis of the tensor that counts tokens."""
+        return {MemoryFormat.KV_2LTD: 2, MemoryFormat.KV_T2D: 1, MemoryFormat.KV_MLA_FMT: 2}.get(self, 0)
+
+
+class TransferDirection(enum.IntEnum):
+    """``H2D``: memory object -> paged cache.  ``D2H``: paged cache -> memory object."""
+
+    H2D = 0
+    D2H = 1
+
+
+F = GPUKVFormat
+
+LAYOUT_OF_FORMAT: dict[GPUKVFormat, str] = {
+    F.NB_NL_TWO_BS_NH_HS: "vllm_cross_layer",
+    F.NL_X_TWO_NB_BS_NH_HS: "vllm_flash_attn_nhd",
+    F.NL_X_NB_TWO_BS_NH_HS: "vllm_flashinfer_nhd",
+    F.NL_X_NB_BS_HS: "vllm_mla",
+    F.TWO_X_NL_X_NBBS_NH_HS: "sglang_mha",
+    F.NL_X_NBBS_ONE_HS: "sglang_mla",
+    F.NL_X_TWO_NB_NH_BS_HS: "vllm_flash_attn_hnd",
+    F.NL_X_NB_TWO_NH_BS_HS: "vllm_flashinfer_hnd",
+    F.NB_NL_TWO_NH_BS_HS: "trtllm_cross_layer_hnd",
+    F.NL_X_NB_NH_BS_TWO_HS: "vllm_packed_hnd",
+    F.NL_X_NB_BS_NH_TWO_HS: "vllm_packed_nhd",
+}
+"""GPUKVFormat -> kvlayout catalog layout name."""
+
+MLA_FORMATS = frozenset({F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS})
+HND_FORMATS = frozenset({F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_NH_BS_HS, F.NB_NL_TWO_NH_BS_HS,
+                         F.NL_X_NB_NH_BS_TWO_HS})
+CROSS_LAYER_FORMATS = frozenset({F.NB_NL_TWO_BS_NH_HS, F.NB_NL_TWO_NH_BS_HS})
+PAGED_FORMATS = frozenset(set(F) - {F.TWO_X_NL_X_NBBS_NH_HS, F.NL_X_NBBS_ONE_HS})
+SINGLE_LAYER_FORMATS = frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_BS_HS,
+                                  F.NL_X_NBBS_ONE_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_NH_BS_HS,
+                                  F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS})
+
+
+def layout_of(gpu_kv_format) -> str:
+    """The catalog layout name of a format (``ValueError`` for an unknown value)."""
+    try:
+        return LAYOUT_OF_FORMAT[GPUKVFormat(int(gpu_kv_format))]
+    except ValueError:
+        raise ValueError(f"unsupported GPUKVFormat {gpu_kv_format!r}; supported: "
+                         f"{sorted(int(f) for f in LAYOUT_OF_FORMAT)}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Binding the engine's structure
+# ---------------------------------------------------------------------------------------
+
+def bind_kv_caches(kv_caches, gpu_kv_format) -> ops.KVCache:
+    """Bind the structure an engine holds to the format's catalog layout.
+
+    Cross-layer formats take the bare tensor (a one-element list holding it is
+    unwrapped); format 4 takes ``[[K...], [V...]]``; the others a list of
+    per-layer tensors.
+    """
+    fmt = GPUKVFormat(int(gpu_kv_format))
+    layout = layout_of(fmt)
+    if fmt in CROSS_LAYER_FORMATS:
+        if isinstance(kv_caches, (list, tuple)):
+            if len(kv_caches) != 1:
+                raise ValueError(f"format {fmt.name} expects one cross-layer tensor, got a list of {len(kv_caches)}")
+            kv_caches = kv_caches[0]
+        return ops.bind(layout, kv_caches)
+    if fmt == F.TWO_X_NL_X_NBBS_NH_HS:
+        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != 2:
+            raise ValueError("format TWO_X_NL_X_NBBS_NH_HS expects [[K_0..K_L-1], [V_0..V_L-1]]")
+        k, v = kv_caches
+        return ops.bind(layout, (list(k), list(v)))
+    if isinstance(kv_caches, torch.Tensor):
+        raise ValueError(f"format {fmt.name} expects a list of per-layer tensors, got one tensor")
+    return ops.bind(layout, list(kv_caches))
+
+
+def _bind_chunk(key_value: torch.Tensor, mla: bool) -> ops.KVCache:
+    """Bind a multi-layer memory object: ``[2, L, T, D]`` (KV_2LTD) or ``[1, L, T, D]`` (MLA)."""
+    if key_value.dim() != 4 or key_value.shape[0] != (1 if mla else 2):
+        want = "[1, L, T, D] (KV_MLA_FMT)" if mla else "[2, L, T, D] (KV_2LTD)"
+        raise ValueError(f"key_value must be {want}, got shape {tuple(key_value.shape)}")
+    return ops.bind("lmcache_kv_mla" if mla else "lmcache_kv_2ltd", key_value)
+
+
+def _launch_device(*caches: ops.KVCache) -> torch.device:
+    for c in caches:
+        if c.device.type != "cpu":
+            return c.device
+    return torch.device("cpu")
+
+
+def _slots_on(slots, device: torch.device) -> torch.Tensor:
+    """Slots as an int tensor the launch device can read (a host tensor is copied there unless pinned)."""
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.as_tensor(slots, dtype=torch.int64)
+    if slots.device != device and not (slots.device.type == "cpu" and slots.is_pinned()):
+        slots = slots.to(device, non_blocking=True)
+    return slots
+
+
+def _move_rows(chunk: ops.KVCache, paged: ops.KVCache, slot_mapping, direction, skip: int = 0,
+               num_tokens: int | None = None) -> None:
+    """The one composition every op here reduces to: chunk position t <-> paged slot slot_mapping[t]."""
+    direction = TransferDirection(int(direction))
+    slots = _slots_on(slot_mapping, _launch_device(chunk, paged))
+    if num_tokens is not None and slots.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slots.shape[0]} entries, the memory object {num_tokens} tokens")
+    if direction == TransferDirection.H2D:
+        ops.transfer(chunk, paged, None, slots, skip_prefix=skip)
+    else:
+        ops.transfer(paged, chunk, slots, None, skip_prefix=skip)
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-layer transfers
+# ---------------------------------------------------------------------------------------
+
+def multi_layer_kv_transfer(key_value: torch.Tensor, kv_caches, slot_mapping: torch.Tensor,
+                            paged_memory_device=None, page_buffer_size: int = 0,
+                            direction=TransferDirection.D2H, gpu_kv_format=F.NL_X_TWO_NB_BS_NH_HS,
+                            block_size: int = 0, head_size: int = 0, skip_prefix_n_tokens: int = 0) -> None:
+    """Move one chunk of T tokens, all layers, between a memory object and the paged cache.
+
+    ``key_value``: ``[2, L, T, NH*HS]`` (KV_2LTD) or, for MLA formats (3, 5),
+    ``[1, L, T, D]``.  ``kv_caches``: the engine's structure for
+    ``gpu_kv_format`` (where LMCache takes a pointer tensor).
+    ``slot_mapping [T]``: the paged slot of each chunk position.
+    ``direction``: H2D (memory object -> cache) or D2H.
+    ``skip_prefix_n_tokens``: positions ``< skip`` are neither read nor written;
+    positions stay absolute on both sides.
+
+    ``paged_memory_device`` is accepted for signature compatibility; the launch
+    device follows the tensors.  ``page_buffer_size``, ``block_size`` and
+    ``head_size`` are checked against the bound geometry when non-zero (kvlayout
+    reads the geometry from the tensors themselves).
+
+    Format 0 (``NB_NL_TWO_BS_NH_HS``) is transferred with the true strides of
+    a ``[NB, NL, 2, BS, NH, HS]`` tensor, as kvlayout's ``vllm_cross_layer``
+    layout defines it (LMCache's token kernel instead reads format 0 like
+    format 1, one ``[2, NBBS, ...]`` region per layer pointer).  Formats 10/11
+    (packed K/V) take a split ``[2, L, T, NH*HS]`` memory object: K and V are
+    de-interleaved into the two planes.
+    """
+    fmt = GPUKVFormat(int(gpu_kv_format))
+    paged = bind_kv_caches(kv_caches, fmt)
+    chunk = _bind_chunk(key_value, fmt in MLA_FORMATS)
+    g = paged.geometry
+    if page_buffer_size and page_buffer_size != g.N:
+        raise ValueError(f"page_buffer_size = {page_buffer_size} but the caches hold {g.N} slots per layer")
+    if block_size and fmt in PAGED_FORMATS and fmt not in MLA_FORMATS and block_size != g.BS:
+        raise ValueError(f"block_size = {block_size} but the caches have blocks of {g.BS} slots")
+    if head_size and fmt not in MLA_FORMATS and head_size != g.E:
+        raise ValueError(f"head_size = {head_size} but the caches have heads of {g.E} elements")
+    if chunk.geometry.L != g.L:
+        raise ValueError(f"key_value has {chunk.geometry.L} layers, kv_caches {g.L}")
+    _move_rows(chunk, paged, slot_mapping, direction, int(skip_prefix_n_tokens), num_tokens=key_value.shape[2])
+
+
+def _sglang_kv_lists(k_caches_and_v_caches):
+    """``[K_0..K_L-1, V_0..V_L-1]`` or ``[[K...], [V...]]`` -> (k_list, v_list) of 3-D ``[PBS, NH, HS]``."""
+    items = list(k_caches_and_v_caches)
+    if len(items) == 2 and isinstance(items[0], (list, tuple)):
+        k, v = list(items[0]), list(items[1])
+    else:
+        if len(items) % 2:
+            raise ValueError(f"expected 2*L tensors [K_0..K_L-1, V_0..V_L-1], got {len(items)}")
+        k, v = items[:len(items) // 2], items[len(items) // 2:]
+    as3 = lambda t: t.unsqueeze(1) if t.dim() == 2 else t   # [PBS, D] is one head of D
+    return [as3(t) for t in k], [as3(t) for t in v]
+
+
+def multi_layer_kv_transfer_unilateral(key_value: torch.Tensor, k_caches_and_v_caches, slot_mapping: torch.Tensor,
+                                       device=None, page_buffer_size: int = 0,
+                                       direction=TransferDirection.D2H,
+                                       gpu_kv_format=F.TWO_X_NL_X_NBBS_NH_HS) -> None:
+    """SGLang MHA form of :func:`multi_layer_kv_transfer` (K and V in separate per-layer tensors).
+
+    ``k_caches_and_v_caches``: ``[K_0..K_L-1, V_0..V_L-1]`` (LMCache's 2L
+    pointer order) or ``[[K...], [V...]]``, each ``[PBS, NH, HS]``.  MLA
+    formats (3, 5) delegate to :func:`multi_layer_kv_transfer` with the
+    per-layer list.  No skip prefix, as in LMCache.
+    """
+    fmt = GPUKVFormat(int(gpu_kv_format))
+    if fmt in MLA_FORMATS:
+        multi_layer_kv_transfer(key_value, k_caches_and_v_caches, slot_mapping, device, page_buffer_size,
+                                direction, fmt)
+        return
+    k, v = _sglang_kv_lists(k_caches_and_v_caches)
+    multi_layer_kv_transfer(key_value, [k, v], slot_mapping, device, page_buffer_size, direction,
+                            F.TWO_X_NL_X_NBBS_NH_HS)
+
+
+# ---------------------------------------------------------------------------------------
+# Single-layer transfers
+# ---------------------------------------------------------------------------------------
+
+def _bind_layer_chunk(lmc: torch.Tensor, token_major: bool, mla: bool) -> ops.KVCache:
+    if mla:
+        if lmc.dim() != 2:
+            raise ValueError(f"an MLA layer chunk is [T, D], got shape {tuple(lmc.shape)}")
+        return ops.bind("lmcache_kv_mla_layer", lmc)
+    if lmc.dim() != 3 or lmc.shape[1 if token_major else 0] != 2:
+        want = "[T, 2, D] (KV_T2D)" if token_major else "[2, T, D] (KV_2TD)"
+        raise ValueError(f"with token_major={token_major} the layer chunk must be {want}, got {tuple(lmc.shape)}")
+    return ops.bind("lmcache_kv_t2d" if token_major else "lmcache_kv_2td", lmc)
+
+
+def single_layer_kv_transfer(lmc_key_value_cache: torch.Tensor, vllm_key_value_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor, direction=TransferDirection.D2H,
+                             gpu_kv_format=F.NL_X_TWO_NB_BS_NH_HS, token_major: bool = False) -> None:
+    """Move one layer between a layer chunk and one layer of the paged cache.
+
+    ``lmc_key_value_cache``: ``[T, 2, D]`` when ``token_major`` (KV_T2D), else
+    ``[2, T, D]`` (KV_2TD); MLA formats ``[T, D]``.  Strided views are fine
+    (kvlayout addresses by strides).  ``vllm_key_value_cache``: one layer's
+    tensor of a per-layer format (1, 2, 3, 5, 6, 7, 10, 11).  T is
+    ``slot_mapping``'s length.
+    """
+    fmt = GPUKVFormat(int(gpu_kv_format))
+    if fmt not in SINGLE_LAYER_FORMATS:
+        raise ValueError(f"single_layer_kv_transfer supports per-layer formats "
+                         f"{sorted(int(f) for f in SINGLE_LAYER_FORMATS)}, got {fmt.name}")
+    chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, fmt in MLA_FORMATS)
+    paged = ops.bind(layout_of(fmt), [vllm_key_value_cache])
+    _move_rows(chunk, paged, slot_mapping, direction)
+
+
+def single_layer_kv_transfer_sgl(lmc_key_value_cache: torch.Tensor, sgl_key_cache: torch.Tensor,
+                                 sgl_value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                 direction=TransferDirection.D2H, token_major: bool = False) -> None:
+    """Like :func:`single_layer_kv_transfer` for one SGLang layer (separate K and V tensors).
+
+    ``sgl_key_cache``/``sgl_value_cache``: ``[PBS, NH, HS]``, or
+    ``[NB, BS, NH, HS]`` whose block and slot axes merge into one slot axis
+    (e.g. SGLang's ``[PBS, 1, NH, HS]`` views).
+    """
+    def as3(t):
+        return t.flatten(0, 1) if t.dim() == 4 else (t.unsqueeze(1) if t.dim() == 2 else t)
+
+    chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, False)
+    paged = ops.bind("sglang_mha", ([as3(sgl_key_cache)], [as3(sgl_value_cache)]))
+    _move_rows(chunk, paged, slot_mapping, direction)
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------
+
+def rotary_embedding_k_fused(old_positions: torch.Tensor, new_positions: torch.Tensor, key: torch.Tensor,
+                             head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """Re-rotate cached keys in place from ``old_positions`` to ``new_positions``.
+
+    ``key``: ``[T, NH*HS]`` or ``[T, NH, HS]`` (a view with a contiguous last
+    dim).  ``cos_sin_cache [max_pos, rot_dim]``: cos half then sin half.  NeoX
+    pairs ``(i, i + rot/2)``, GPT-J ``(2i, 2i + 1)``; math in fp32.
+    """
+    keys = key if key.dim() == 3 else key.view(key.shape[0], -1, int(head_size))
+    if keys.shape[-1] != head_size:
+        raise ValueError(f"key heads have {keys.shape[-1]} elements, head_size = {head_size}")
+    dev = keys.device
+    ops.rope_reposition(keys, _slots_on(old_positions, dev), _slots_on(new_positions, dev),
+                        cos_sin_cache.to(dev), is_neox=bool(is_neox))
+
+
+# ---------------------------------------------------------------------------------------
+# Format discovery and contiguity recovery
+# ---------------------------------------------------------------------------------------
+
+def _engine_name(engine) -> str:
+    name = getattr(engine, "name", None) or getattr(engine, "value", None) or engine
+    name = str(name).lower().replace("-", "").replace("_", "")
+    aliases = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm", "tensorrtllm": "trtllm"}
+    if name not in aliases:
+        raise ValueError(f"unknown serving engine {engine!r}; expected vllm, sglang or trtllm")
+    return aliases[name]
+
+
+def _walk(kv_caches) -> tuple[int, torch.Tensor]:
+    """(list depth, first leaf tensor), following element [0] of each list level."""
+    depth, node = 0, kv_caches
+    while isinstance(node, (list, tuple)):
+        if not node:
+            raise ValueError("kv_caches contains an empty list")
+        node, depth = node[0], depth + 1
+    if not isinstance(node, torch.Tensor):
+        raise ValueError(f"kv_caches leaves must be tensors, got {type(node).__name__}")
+    return depth, node
+
+
+def _assert_contiguous(t: torch.Tensor) -> None:
+    if t.storage_offset() != 0 or not t.is_contiguous():
+        raise ValueError("kv_caches must be contiguous with storage offset 0 before format discovery "
+                         f"(shape {tuple(t.shape)}, strides {t.stride()}, offset {t.storage_offset()}); "
+                         "call ensure_contiguous_kv_caches first")
+
+
+def discover_gpu_kv_format(kv_caches, engine, layout_hints: Mapping[str, Any] | None = None) -> GPUKVFormat:
+    """LMCache's format detection from the structure and shapes of ``kv_caches``.
+
+    Rules: list depth and rank of the first leaf decide; the first leaf must be
+    contiguous with offset 0 (recover permuted HND views with
+    :func:`ensure_contiguous_kv_caches` first).
+
+    * TRT-LLM: a bare 6-D tensor -> 8.
+    * vLLM (``layout_hints["kv_layout"]``, default ``"NHD"``): a bare tensor ->
+      0; a list of 5-D tensors -> ``shape[0] == 2``: 1 (HND: 6), else
+      ``shape[1] == 2``: 2 (HND: 7) - so ``shape[0] == 2`` wins when NB == 2 -
+      else ``shape[3] == 2``: packed 11 (HND: 10); a list of 3-D tensors -> 3.
+    * SGLang: a list of tensors with ``shape[1] == 1`` -> 5; a list of two lists -> 4.
+
+    Anything else raises ``ValueError``.
+    """
+    hints = dict(layout_hints or {})
+    depth, leaf = _walk(kv_caches)
+    _assert_contiguous(leaf)
+    eng = _engine_name(engine)
+    shape, ndim = tuple(leaf.shape), leaf.dim()
+    fmt = None
+    if eng == "trtllm":
+        if depth == 0 and ndim == 6:
+            fmt = F.NB_NL_TWO_NH_BS_HS
+    elif eng == "vllm":
+        if "kv_layout" not in hints:
+            logger.warning("no kv_layout hint for vLLM caches; assuming NHD")
+        hnd = str(hints.get("kv_layout", "NHD")).upper() == "HND"
+        if depth == 0 and ndim == 6:
+            fmt = F.NB_NL_TWO_BS_NH_HS
+        elif depth == 1 and ndim == 5:
+            if shape[0] == 2:
+                fmt = F.NL_X_TWO_NB_NH_BS_HS if hnd else F.NL_X_TWO_NB_BS_NH_HS
+            elif shape[1] == 2:
+                fmt = F.NL_X_NB_TWO_NH_BS_HS if hnd else F.NL_X_NB_TWO_BS_NH_HS
+            elif shape[3] == 2:
+                fmt = F.NL_X_NB_NH_BS_TWO_HS if hnd else F.NL_X_NB_BS_NH_TWO_HS
+        elif depth == 1 and ndim == 3:
+            fmt = F.NL_X_NB_BS_HS
+    elif eng == "sglang":
+        if depth == 1 and ndim == 3 and shape[1] == 1:
+            fmt = F.NL_X_NBBS_ONE_HS
+        elif depth == 2:
+            fmt = F.TWO_X_NL_X_NBBS_NH_HS
+    if fmt is None:
+        raise ValueError(f"currently unsupported kv_caches format for {eng}: list depth {depth}, "
+                         f"leaf shape {list(shape)}")
+    logger.info("kv_caches: %s (%s) -> kvlayout layout %s", fmt.name, int(fmt), LAYOUT_OF_FORMAT[fmt])
+    return fmt
+
+
+def canonicalize_kv_caches(kv_caches, layout_hints: Mapping[str, Any] | None = None):
+    """Zero-copy normalisation of cross-layer inputs before discovery.
+
+    A one-element list holding a 6-D tensor is unwrapped (a 6-D tensor is
+    always cross-layer).  A one-element list holding a 4-D TRT-LLM tensor
+    ``[NB, NL, 2, NH*BS*HS]`` is viewed as ``[NB, NL, 2, NH, BS, HS]`` using the
+    hints ``num_kv_heads``, ``tokens_per_block`` and ``head_dim``.
+    """
+    hints = dict(layout_hints or {})
+    if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 and isinstance(kv_caches[0], torch.Tensor):
+        t = kv_caches[0]
+        if t.dim() == 6:
+            return t
+        if t.dim() == 4 and {"num_kv_heads", "tokens_per_block", "head_dim"} <= hints.keys():
+            nh, bs, hs = (int(hints[k]) for k in ("num_kv_heads", "tokens_per_block", "head_dim"))
+            if t.shape[3] != nh * bs * hs:
+                raise ValueError(f"last dim {t.shape[3]} != num_kv_heads*tokens_per_block*head_dim = {nh * bs * hs}")
+            return t.view(*t.shape[:3], nh, bs, hs)
+    return kv_caches
+
+
+def permute_to_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a contiguous tensor: dims sorted by decreasing stride (no copy).
+
+    Raises ``ValueError`` if that still is not contiguous (padding, slicing).
+    """
+    if t.is_contiguous():
+        return t
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    p = t.permute(order)
+    if not p.is_contiguous():
+        raise ValueError(f"tensor of shape {tuple(t.shape)} strides {t.stride()} is non-contiguous "
+                         "for reasons other than permutation")
+    return p
+
+
+def permute_kv_caches_to_contiguous(kv_caches):
+    """:func:`permute_to_contiguous` over a list (or nested lists) of tensors."""
+    if isinstance(kv_caches, torch.Tensor):
+        return permute_to_contiguous(kv_caches)
+    return type(kv_caches)(permute_kv_caches_to_contiguous(x) for x in kv_caches)
+
+
+def _leaves(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            yield from _leaves(v)
+    else:
+        for v in x:
+            yield from _leaves(v)
+
+
+def ensure_contiguous_kv_caches(kv_caches, kv_layout: str | None = None):
+    """Return ``kv_caches`` with permuted views (vLLM's NHD view of HND memory) made contiguous.
+
+    Metadata only: data pointers are unchanged.  A list or a dict of tensors;
+    returned unchanged when every tensor is already contiguous.
+    """
+    if all(t.is_contiguous() for t in _leaves(kv_caches)):
+        return kv_caches
+    if str(kv_layout).upper() == "HND":
+        logger.info("recovering the physical HND layout of permuted kv_caches views")
+    else:
+        logger.warning("kv_caches are non-contiguous but kv_layout is %r; permuting to contiguous", kv_layout)
+    if isinstance(kv_caches, Mapping):
+        return {k: permute_kv_caches_to_contiguous(v) for k, v in kv_caches.items()}
+    return permute_kv_caches_to_contiguous(kv_caches)
+
+
+def normalize_and_discover(kv_caches, engine, layout_hints: Mapping[str, Any] | None = None):
+    """Contiguity recovery, canonicalisation and discovery in one call: ``(format, kv_caches)``.
+
+    Callers must use the returned structure.  Packed caches handed out as
+    rank-4 ``[NB, BS, NH, 2*HS]`` (NHD) or ``[NB, NH, BS, 2*HS]`` (HND) are
+    viewed as rank 5 with a trailing ``[2, HS]``.
+    """
+    hints = dict(layout_hints or {})
+    kv = canonicalize_kv_caches(ensure_contiguous_kv_caches(kv_caches, hints.get("kv_layout")), hints)
+    if _engine_name(engine) == "vllm" and isinstance(kv, (list, tuple)) and kv \
+            and isinstance(kv[0], torch.Tensor) and kv[0].dim() == 4:
+        kv = [t.view(*t.shape[:3], 2, t.shape[3] // 2) for t in kv]
+    return discover_gpu_kv_format(kv, engine, hints), kv
