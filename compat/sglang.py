@@ -1,0 +1,689 @@
+"""SGLang-compatible KV movement on top of kvlayout.ops.
+
+* The ``transfer_kv_*`` family with SGLang's argument lists, taking tensors
+  (or lists of per-layer tensors) where SGLang takes raw pointers and pointer
+  tables.  Each function views the given tensors as rows of ``item_size``
+  bytes (``Tensor.view``, no copy), binds them to a layout and makes one
+  :func:`kvlayout.ops.transfer` call.
+* :func:`move_kv_cache` (overlap-safe at any size: kvlayout gathers first).
+* Device pools :class:`MHATokenToKVPool` / :class:`MLATokenToKVPool` (one
+  ``[size + page_size, H, D]`` tensor per layer, K and V lists) and the
+  HiCache host pool :class:`HostKVPool` (every host layout, io backends
+  ``kernel`` and ``direct``, page-aligned allocator, page helpers).
+
+Semantics are kvlayout's where SGLang leaves them open: a negative index means
+"no token" (nothing read or written), ``N = 0`` is a no-op, an index beyond
+the cache raises instead of touching memory.  ``block_quota`` maps to
+kvlayout's ``max_ctas`` (how many CTAs a transfer may occupy beside the
+forward pass); ``num_warps_per_block`` is accepted and ignored (kvlayout picks
+its own block shape).
+
+The "direct" functions are page-granular like SGLang's: only the first index
+of each page is read and the page's ``page_size`` slots are assumed
+consecutive (the allocators guarantee it); kvlayout then moves those
+page-contiguous slots, which it coalesces into runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Sequence
+
+import torch
+
+from kvlayout import ops
+from kvlayout.reference.layouts import Layout, Part
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "transfer_kv_per_layer", "transfer_kv_per_layer_pf_lf", "transfer_kv_per_layer_ph_lf", "transfer_kv_all_layer",
+    "transfer_kv_all_layer_lf_pf", "transfer_kv_all_layer_lf_ph", "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct", "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf",
+    "move_kv_cache", "page_slots", "MHATokenToKVPool", "MLATokenToKVPool", "HostKVPool",
+    "MHATokenToKVPoolHost", "MLATokenToKVPoolHost", "HOST_LAYOUTS",
+]
+
+# SGLang's kernels take the K and V halves of a host buffer as two separate
+# tensors.  These are the catalog's host layouts with the plane axis split into
+# two single-plane parts (as ``sglang_mha`` splits it): the same patterns, data only.
+_HALVES = {
+    name: Layout(f"hicache_{name}_kv_halves", f"HiCache {name} host buffer given as separate K and V halves", 2,
+                 (Part("k", pattern, plane=0), Part("v", pattern, plane=1)), "hicache")
+    for name, pattern in (("page_first", "n l h e"), ("page_first_direct", "nb l bs h e"),
+                          ("page_head", "nb h bs l e"))
+}
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
+
+
+# ---------------------------------------------------------------------------------------
+# Views and indices
+# ---------------------------------------------------------------------------------------
+
+def _width(t: torch.Tensor, item_size: int, what: str) -> int:
+    es = t.element_size()
+    if item_size % es:
+        raise ValueError(f"{what}: item_size = {item_size} bytes is not a multiple of the element size {es}")
+    return item_size // es
+
+
+def _rows(t: torch.Tensor, item_size: int | None = None, what: str = "tensor") -> torch.Tensor:
+    """``[N, ...]`` -> ``[N, 1, W]``: one row of ``item_size`` bytes per slot (a view)."""
+    v = t.view(t.shape[0], 1, -1)
+    if item_size is not None and v.shape[2] * t.element_size() != item_size:
+        raise ValueError(f"{what}: rows are {v.shape[2] * t.element_size()} bytes, item_size = {item_size}")
+    return v
+
+
+def _page_first(t: torch.Tensor, item_size: int, layout_dim: int, what: str) -> torch.Tensor:
+    """Host page_first half ``[N, L, ...]`` -> ``[N, L, 1, W]``."""
+    if layout_dim % item_size:
+        raise ValueError(f"{what}: layout_dim = {layout_dim} is not a multiple of item_size = {item_size}")
+    return t.view(t.shape[0], layout_dim // item_size, 1, _width(t, item_size, what))
+
+
+def _page_head(t: torch.Tensor, item_size: int, layout_dim: int, page_size: int, head_num: int,
+               what: str) -> torch.Tensor:
+    """Host page_head half ``[NP, H, P, L, hd]`` (any shape with those bytes) -> that 5-D view."""
+    width = _width(t, item_size, what)
+    if width % head_num or layout_dim % item_size:
+        raise ValueError(f"{what}: item_size = {item_size} must split into {head_num} heads and divide "
+                         f"layout_dim = {layout_dim}")
+    return t.view(-1, head_num, page_size, layout_dim // item_size, width // head_num)
+
+
+def _page_first_direct(t: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
+    """Host page_first_direct half ``[NP, L, P, ...]`` -> ``[NP, L, P, 1, W]``."""
+    if t.dim() < 3 or t.shape[2] != page_size:
+        raise ValueError(f"{what}: expected [pages, layers, page_size={page_size}, ...], got {tuple(t.shape)}")
+    return t.view(t.shape[0], t.shape[1], page_size, 1, -1)
+
+
+def _launch_device(*tensors: torch.Tensor) -> torch.device:
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
+
+
+def _indices(idx, device: torch.device) -> torch.Tensor:
+    """Indices the launch device can read (host indices are copied there unless pinned)."""
+    if not isinstance(idx, torch.Tensor):
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+    if idx.device != device and not (idx.device.type == "cpu" and idx.is_pinned()):
+        idx = idx.to(device, non_blocking=True)
+    return idx
+
+
+def _pair(src_indices, dst_indices, device):
+    s, d = _indices(src_indices, device), _indices(dst_indices, device)
+    if s.numel() != d.numel():
+        raise ValueError(f"src_indices has {s.numel()} entries, dst_indices {d.numel()}")
+    return s, d
+
+
+def page_slots(indices, page_size: int) -> torch.Tensor:
+    """The page-contiguous slots SGLang's page-granular paths use.
+
+    Only ``indices[p * page_size]`` is read for each page p; the page's slots
+    are that index and the ``page_size - 1`` slots after it.  ``len(indices)``
+    must be a multiple of ``page_size``.
+    """
+    idx = torch.as_tensor(indices)
+    if page_size <= 0 or idx.numel() % page_size:
+        raise ValueError(f"{idx.numel()} indices do not form whole pages of {page_size}")
+    first = idx.reshape(-1)[::page_size]
+    return (first[:, None] + torch.arange(page_size, dtype=first.dtype, device=first.device)).reshape(-1)
+
+
+def _go(src: ops.KVCache, dst: ops.KVCache, src_indices, dst_indices, block_quota=0, **layers) -> None:
+    device = _launch_device(*src.tensors, *dst.tensors)
+    s, d = _pair(src_indices, dst_indices, device)
+    if s.numel() == 0:
+        return
+    ops.transfer(src, dst, s, d, max_ctas=int(block_quota or 0), **layers)
+
+
+def _check_layers(lists, num_layers: int) -> None:
+    for name, lst in lists:
+        if len(lst) != num_layers:
+            raise ValueError(f"{name} has {len(lst)} layers, num_layers = {num_layers}")
+
+
+# ---------------------------------------------------------------------------------------
+# transfer_kv_* (MHA)
+# ---------------------------------------------------------------------------------------
+
+def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size: int,
+                          block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+    """One layer, slot rows to slot rows: ``dst_k[d] = src_k[s]``, ``dst_v[d] = src_v[s]``."""
+    src = ops.bind("sglang_mha", ([_rows(src_k, item_size, "src_k")], [_rows(src_v, item_size, "src_v")]))
+    dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
+    _go(src, dst, src_indices, dst_indices, block_quota)
+
+
+def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id: int,
+                                item_size: int, src_layout_dim: int, block_quota: int = 2,
+                                num_warps_per_block: int = 32) -> None:
+    """Host page_first halves (``[N, L, H, D]``) -> one device layer: ``dst[d] = src[s, layer_id]``."""
+    src = ops.bind(_HALVES["page_first"], (_page_first(src_k, item_size, src_layout_dim, "src_k"),
+                                           _page_first(src_v, item_size, src_layout_dim, "src_v")))
+    dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
+    _go(src, dst, src_indices, dst_indices, block_quota, src_layers=[layer_id], dst_layers=[0])
+
+
+def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id: int,
+                                item_size: int, src_layout_dim: int, page_size: int, head_num: int,
+                                block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+    """Host page_head halves (``[NP, H, P, L, hd]``) -> one device layer."""
+    src = ops.bind(_HALVES["page_head"],
+                   (_page_head(src_k, item_size, src_layout_dim, page_size, head_num, "src_k"),
+                    _page_head(src_v, item_size, src_layout_dim, page_size, head_num, "src_v")))
+    dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
+    _go(src, dst, src_indices, dst_indices, block_quota, src_layers=[layer_id], dst_layers=[0])
+
+
+def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices,
+                          item_size: int, num_layers: int, block_quota: int = 2,
+                          num_warps_per_block: int = 32) -> None:
+    """Every layer, per-layer tensors to per-layer tensors (lists instead of pointer tables)."""
+    _check_layers((("src_k_layers", src_k_layers), ("dst_k_layers", dst_k_layers), ("src_v_layers", src_v_layers),
+                   ("dst_v_layers", dst_v_layers)), num_layers)
+    src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
+                                  [_rows(t, item_size, "src_v") for t in src_v_layers]))
+    dst = ops.bind("sglang_mha", ([_rows(t, item_size, "dst_k") for t in dst_k_layers],
+                                  [_rows(t, item_size, "dst_v") for t in dst_v_layers]))
+    _go(src, dst, src_indices, dst_indices, block_quota)
+
+
+def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices,
+                                item_size: int, dst_layout_dim: int, num_layers: int, block_quota: int = 2,
+                                num_warps_per_block: int = 32) -> None:
+    """Every device layer -> host page_first halves: ``dst[d, l] = src_l[s]``."""
+    _check_layers((("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)), num_layers)
+    src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
+                                  [_rows(t, item_size, "src_v") for t in src_v_layers]))
+    dst = ops.bind(_HALVES["page_first"], (_page_first(dst_k, item_size, dst_layout_dim, "dst_k"),
+                                           _page_first(dst_v, item_size, dst_layout_dim, "dst_v")))
+    _go(src, dst, src_indices, dst_indices, block_quota, dst_layers=list(range(num_layers)))
+
+
+def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices,
+                                item_size: int, dst_layout_dim: int, num_layers: int, page_size: int,
+                                head_num: int, block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+    """Every device layer -> host page_head halves."""
+    _check_layers((("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)), num_layers)
+    src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
+                                  [_rows(t, item_size, "src_v") for t in src_v_layers]))
+    dst = ops.bind(_HALVES["page_head"], (_page_head(dst_k, item_size, dst_layout_dim, page_size, head_num, "dst_k"),
+                                          _page_head(dst_v, item_size, dst_layout_dim, page_size, head_num, "dst_v")))
+    _go(src, dst, src_indices, dst_indices, block_quota, dst_layers=list(range(num_layers)))
+
+
+# ---------------------------------------------------------------------------------------
+# transfer_kv_* (MLA: one buffer per layer)
+# ---------------------------------------------------------------------------------------
+
+def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size: int, block_quota: int = 2,
+                              num_warps_per_block: int = 32) -> None:
+    """One MLA layer: ``dst[d] = src[s]``."""
+    _go(ops.bind("sglang_mla", [_rows(src, item_size, "src")]), ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]),
+        src_indices, dst_indices, block_quota)
+
+
+def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id: int, item_size: int,
+                                    src_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+    """Host MLA page_first ``[N, L, 1, kd]`` -> one device layer."""
+    _go(ops.bind("hicache_mla_page_first", _page_first(src, item_size, src_layout_dim, "src")),
+        ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]), src_indices, dst_indices, block_quota,
+        src_layers=[layer_id], dst_layers=[0])
+
+
+def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size: int, num_layers: int,
+                              block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+    """Every MLA layer, per-layer tensors to per-layer tensors."""
+    _check_layers((("src_layers", src_layers), ("dst_layers", dst_layers)), num_layers)
+    _go(ops.bind("sglang_mla", [_rows(t, item_size, "src") for t in src_layers]),
+        ops.bind("sglang_mla", [_rows(t, item_size, "dst") for t in dst_layers]), src_indices, dst_indices,
+        block_quota)
+
+
+def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size: int,
+                                    dst_layout_dim: int, num_layers: int, block_quota: int = 2,
+                                    num_warps_per_block: int = 32) -> None:
+    """Every MLA device layer -> host page_first ``[N, L, 1, kd]``."""
+    _check_layers((("src_layers", src_layers),), num_layers)
+    _go(ops.bind("sglang_mla", [_rows(t, item_size, "src") for t in src_layers]),
+        ops.bind("hicache_mla_page_first", _page_first(dst, item_size, dst_layout_dim, "dst")),
+        src_indices, dst_indices, block_quota, dst_layers=list(range(num_layers)))
+
+
+# ---------------------------------------------------------------------------------------
+# "direct" functions (page-granular)
+# ---------------------------------------------------------------------------------------
+
+def transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], src_indices,
+                       dst_indices, page_size: int) -> None:
+    """``dst_layers[j][d] = src_layers[j][s]`` for every pair of tensors (K and V lists, or [k, v]).
+
+    Token-granular (SGLang copies maximal runs of consecutive indices; kvlayout
+    coalesces the same runs).  ``page_size`` is only checked: the index count
+    must be a multiple of it.
+    """
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"{len(src_layers)} source tensors, {len(dst_layers)} destination tensors")
+    n = torch.as_tensor(src_indices).numel()
+    if page_size <= 0 or n % page_size or n != torch.as_tensor(dst_indices).numel():
+        raise ValueError(f"indices ({n}, {torch.as_tensor(dst_indices).numel()}) must be equal in number "
+                         f"and whole pages of {page_size}")
+    src = [_rows(t) for t in src_layers]
+    dst = [_rows(t) for t in dst_layers]
+    uniform = len({(tuple(t.shape[1:]), t.stride()) for t in src}) == 1 and \
+        len({(tuple(t.shape[1:]), t.stride()) for t in dst}) == 1 and len({t.shape[0] for t in src}) == 1 \
+        and len({t.shape[0] for t in dst}) == 1
+    groups = [(src, dst)] if uniform else [([s], [d]) for s, d in zip(src, dst)]
+    for s, d in groups:
+        _go(ops.bind("sglang_mla", s), ops.bind("sglang_mla", d), src_indices, dst_indices)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int,
+                                       page_size: int) -> None:
+    """Host page_first_direct (``[pages, L, P, ...]``; ``[k, v]`` or ``[kv]``) -> one device layer, page by page."""
+    s, d = page_slots(src_indices, page_size), page_slots(dst_indices, page_size)
+    if len(src_ptrs) == 2:
+        src = ops.bind(_HALVES["page_first_direct"], tuple(_page_first_direct(t, page_size, "src") for t in src_ptrs))
+        k, v = dst_ptrs
+        dst = ops.bind("sglang_mha", ([_rows(k)], [_rows(v)]))
+    else:
+        src = ops.bind("hicache_mla_page_first_direct", _page_first_direct(src_ptrs[0], page_size, "src"))
+        dst = ops.bind("sglang_mla", [_rows(dst_ptrs[0])])
+    _go(src, dst, s, d, src_layers=[layer_id], dst_layers=[0])
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size: int) -> None:
+    """Every device layer (``[K_0.., V_0..]`` or ``[KV_0..]``) -> host page_first_direct, page by page."""
+    s, d = page_slots(src_indices, page_size), page_slots(dst_indices, page_size)
+    if len(dst_ptrs) == 2:
+        half = len(src_ptrs) // 2
+        src = ops.bind("sglang_mha", ([_rows(t) for t in src_ptrs[:half]], [_rows(t) for t in src_ptrs[half:]]))
+        dst = ops.bind(_HALVES["page_first_direct"], tuple(_page_first_direct(t, page_size, "dst") for t in dst_ptrs))
+    else:
+        src = ops.bind("sglang_mla", [_rows(t) for t in src_ptrs])
+        dst = ops.bind("hicache_mla_page_first_direct", _page_first_direct(dst_ptrs[0], page_size, "dst"))
+    _go(src, dst, s, d)
+
+
+def move_kv_cache(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor] | None, tgt_loc,
+                  src_loc) -> None:
+    """Within a device pool, every layer (and K and V): ``buf[tgt_loc[i]] = old_buf[src_loc[i]]``.
+
+    Overlapping ``src_loc``/``tgt_loc`` (shifts, chains, swaps) are safe at any
+    size: kvlayout gathers every source row before writing.  ``v_buffers=None``
+    for MLA pools.  Pairs with a negative location are skipped; repeated
+    targets raise (on CPU, or with kvlayout validation).
+    """
+    cache = ops.bind("sglang_mla", [_rows(t) for t in k_buffers]) if v_buffers is None else \
+        ops.bind("sglang_mha", ([_rows(t) for t in k_buffers], [_rows(t) for t in v_buffers]))
+    s, d = _pair(src_loc, tgt_loc, cache.device)
+    if s.numel():
+        ops.move(cache, s, d)
+
+
+# ---------------------------------------------------------------------------------------
+# Device pools
+# ---------------------------------------------------------------------------------------
+
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype in FP8_DTYPES else dtype
+
+
+class _DevicePool:
+    """Common part of the device pools: a bound cache, move, CPU copies."""
+
+    CPU_COPY_CHUNK = 8192
+
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        """``buf[tgt_loc] = old_buf[src_loc]`` for every layer (overlap-safe)."""
+        s, d = _pair(src_loc, tgt_loc, self.device)
+        if s.numel():
+            ops.move(self.cache, s, d)
+
+    def _chunks(self, indices):
+        idx = _indices(indices, self.device)
+        return [idx[i:i + self.CPU_COPY_CHUNK] for i in range(0, idx.numel(), self.CPU_COPY_CHUNK)]
+
+    def get_cpu_copy(self, indices) -> list:
+        """Host copy of the rows at ``indices``: ``[layer][chunk]`` = ``[k, v]`` (MLA: the row tensor)."""
+        _sync(self.device)
+        per_layer = [[] for _ in range(self.layer_num)]
+        for chunk in self._chunks(indices):
+            rows = ops.gather(self.cache, chunk).to("cpu")           # [P, L, n, H, E]
+            for l in range(self.layer_num):
+                per_layer[l].append(self._unpack(rows[:, l]))
+        _sync(self.device)
+        return per_layer
+
+    def load_cpu_copy(self, kv_cache_cpu, indices) -> None:
+        """Inverse of :meth:`get_cpu_copy`: write the host rows back at ``indices``."""
+        _sync(self.device)
+        for c, chunk in enumerate(self._chunks(indices)):
+            rows = torch.stack([self._pack(kv_cache_cpu[l][c]) for l in range(self.layer_num)], dim=1)
+            ops.scatter(self.cache, rows.to(self.device), chunk)
+        _sync(self.device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+class MHATokenToKVPool(_DevicePool):
+    """SGLang's MHA device pool: per layer K and V tensors ``[size + page_size, H, D]`` (page 0 is padding)."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
+                 device="cpu", start_layer: int = 0):
+        self.size, self.page_size, self.dtype = int(size), int(page_size), dtype
+        self.store_dtype = _store_dtype(dtype)
+        self.head_num, self.head_dim, self.layer_num = int(head_num), int(head_dim), int(layer_num)
+        self.device = torch.device(device)
+        self.start_layer = start_layer
+        shape = (self.size + self.page_size, self.head_num, self.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.cache = ops.bind("sglang_mha", (self.k_buffer, self.v_buffer), page_size=self.page_size)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id - self.start_layer].view(self.dtype)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id - self.start_layer].view(self.dtype)
+
+    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        """Write one layer's K/V rows ``[T, H, D]`` at ``loc`` (no scaling: same dtype as the pool)."""
+        rows = torch.stack([cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)])[:, None]
+        ops.scatter(self.cache, rows, _indices(loc, self.device), layers=[layer_id - self.start_layer])
+
+    def _unpack(self, rows):                     # [2, n, H, E] -> [k, v]
+        return [rows[0].contiguous(), rows[1].contiguous()]
+
+    def _pack(self, kv):
+        return torch.stack([kv[0], kv[1]])
+
+
+class MLATokenToKVPool(_DevicePool):
+    """SGLang's MLA device pool: per layer one ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` tensor."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int,
+                 layer_num: int, device="cpu", start_layer: int = 0):
+        self.size, self.page_size, self.dtype = int(size), int(page_size), dtype
+        self.store_dtype = _store_dtype(dtype)
+        self.kv_lora_rank, self.qk_rope_head_dim = int(kv_lora_rank), int(qk_rope_head_dim)
+        self.kv_cache_dim = self.kv_lora_rank + self.qk_rope_head_dim
+        self.layer_num = int(layer_num)
+        self.device = torch.device(device)
+        self.start_layer = start_layer
+        shape = (self.size + self.page_size, 1, self.kv_cache_dim)
+        self.kv_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.cache = ops.bind("sglang_mla", self.kv_buffer, page_size=self.page_size)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id - self.start_layer].view(self.dtype)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.get_key_buffer(layer_id)[..., :self.kv_lora_rank]
+
+    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v=None) -> None:
+        rows = cache_k.view(self.store_dtype)[None, None]
+        ops.scatter(self.cache, rows, _indices(loc, self.device), layers=[layer_id - self.start_layer])
+
+    def _unpack(self, rows):                     # [1, n, 1, E] -> tensor
+        return rows[0].contiguous()
+
+    def _pack(self, kv):
+        return kv[None]
+
+
+# ---------------------------------------------------------------------------------------
+# HiCache host pool
+# ---------------------------------------------------------------------------------------
+
+HOST_LAYOUTS = {
+    "mha": {"layer_first": "hicache_layer_first", "page_first": "hicache_page_first",
+            "page_first_direct": "hicache_page_first_direct", "page_head": "hicache_page_head"},
+    "mla": {"layer_first": "hicache_mla_layer_first", "page_first": "hicache_mla_page_first",
+            "page_first_direct": "hicache_mla_page_first_direct",
+            "page_first_kv_split": "hicache_mla_page_first_kv_split"},
+}
+IO_BACKENDS = ("kernel", "direct")
+HOST_MEMORY_RESERVE_BYTES = 10 * (1 << 30)
+
+
+def _available_host_memory() -> int | None:
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+class HostKVPool:
+    """SGLang's HiCache host pool (MHA or MLA, following the device pool) on kvlayout.
+
+    Sizing as SGLang: ``size_per_token`` = ``2*L*H*D*es`` (MHA) or
+    ``L*kd*es`` (MLA); ``size`` = ``host_size`` GB / size_per_token when
+    ``host_size > 0``, else ``device_pool.size * host_to_device_ratio``; then
+    one extra page: ``page_num = size // page_size + 1``, ``size = page_num *
+    page_size``.  A pool larger than the available host memory minus 10 GiB
+    raises; one no larger than the device pool only warns.
+
+    Buffers (one tensor; MHA K = ``kv_buffer[0]``, V = ``kv_buffer[1]``):
+
+    ========================  ===========================  ================================
+    layout                    MHA                          MLA
+    ========================  ===========================  ================================
+    layer_first               ``[2, L, size, H, D]``        ``[L, size, 1, kd]``
+    page_first                ``[2, size, L, H, D]``        ``[size, L, 1, kd]``
+    page_first_direct         ``[2, pages, L, P, H, D]``    ``[pages, L, P, 1, kd]``
+    page_head                 ``[2, pages, H, P, L, D]``    -
+    page_first_kv_split       -                            ``[pages, L, P, 1, rank]`` + ``[..., rope]``
+    ========================  ===========================  ================================
+
+    Memory is pinned when the device pool lives on an accelerator
+    (``pin_memory=None``), plain otherwise.
+
+    io backends, for every layout: ``kernel`` moves token rows at the given
+    indices; ``direct`` is page-granular (only the first index of each page is
+    read, see :func:`page_slots`) - the same result for page-aligned,
+    page-contiguous indices, which the allocators guarantee.
+    """
+
+    def __init__(self, device_pool, host_to_device_ratio: float = 2.0, host_size: float = 0,
+                 page_size: int | None = None, layout: str = "layer_first", pin_memory: bool | None = None,
+                 max_ctas: int = 0):
+        self.device_pool = device_pool
+        self.is_mla = isinstance(device_pool, MLATokenToKVPool)
+        table = HOST_LAYOUTS["mla" if self.is_mla else "mha"]
+        if layout not in table:
+            raise ValueError(f"unsupported layout {layout!r} for a {'MLA' if self.is_mla else 'MHA'} pool; "
+                             f"supported: {sorted(table)}")
+        self.layout = layout
+        self.page_size = int(page_size or device_pool.page_size)
+        self.dtype = device_pool.store_dtype
+        self.layer_num = device_pool.layer_num
+        self.max_ctas = max_ctas
+        es = torch.empty((), dtype=self.dtype).element_size()
+        if self.is_mla:
+            self.kv_cache_dim = device_pool.kv_cache_dim
+            self.size_per_token = self.layer_num * self.kv_cache_dim * es
+        else:
+            self.head_num, self.head_dim = device_pool.head_num, device_pool.head_dim
+            self.size_per_token = 2 * self.layer_num * self.head_num * self.head_dim * es
+        size = int(host_size * 1e9 // self.size_per_token) if host_size > 0 else \
+            int(device_pool.size * host_to_device_ratio)
+        self.page_num = size // self.page_size + 1
+        self.size = self.page_num * self.page_size
+        if self.size <= device_pool.size:
+            logger.warning("host pool (%d tokens) is not larger than the device pool (%d tokens)",
+                           self.size, device_pool.size)
+        available = _available_host_memory()
+        need = self.size * self.size_per_token
+        if available is not None and need > available - HOST_MEMORY_RESERVE_BYTES:
+            raise ValueError(f"not enough host memory for the host pool: need {need / 1e9:.2f} GB, "
+                             f"{available / 1e9:.2f} GB available, {HOST_MEMORY_RESERVE_BYTES / 1e9:.2f} GB reserved")
+        self.pin_memory = device_pool.device.type in ("cuda", "xpu") if pin_memory is None else bool(pin_memory)
+        self._alloc_buffers()
+        self.cache = ops.bind(table[layout], self._physical(), page_size=self.page_size)
+        self.lock = threading.RLock()
+        self.clear()
+
+    # -- buffers --------------------------------------------------------------------------
+    def _empty(self, shape) -> torch.Tensor:
+        try:
+            return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+        except RuntimeError:
+            logger.warning("pinned host memory is not available here; using plain host memory")
+            return torch.zeros(shape, dtype=self.dtype)
+
+    def _alloc_buffers(self) -> None:
+        L, N, P, NP = self.layer_num, self.size, self.page_size, self.page_num
+        if self.is_mla:
+            kd = self.kv_cache_dim
+            if self.layout == "page_first_kv_split":
+                self.k_buffer = self._empty((NP, L, P, 1, self.device_pool.kv_lora_rank))
+                self.v_buffer = self._empty((NP, L, P, 1, self.device_pool.qk_rope_head_dim))
+                self.kv_buffer = self.k_buffer
+                return
+            shape = {"layer_first": (L, N, 1, kd), "page_first": (N, L, 1, kd),
+                     "page_first_direct": (NP, L, P, 1, kd)}[self.layout]
+            self.kv_buffer = self._empty(shape)
+            return
+        H, D = self.head_num, self.head_dim
+        shape = {"layer_first": (2, L, N, H, D), "page_first": (2, N, L, H, D),
+                 "page_first_direct": (2, NP, L, P, H, D), "page_head": (2, NP, H, P, L, D)}[self.layout]
+        self.kv_buffer = self._empty(shape)
+        self.k_buffer, self.v_buffer = self.kv_buffer[0], self.kv_buffer[1]
+
+    def _physical(self):
+        if self.is_mla and self.layout == "page_first_kv_split":
+            return (self.k_buffer, self.v_buffer)
+        return self.kv_buffer
+
+    # -- allocator ------------------------------------------------------------------------
+    def clear(self) -> None:
+        with self.lock:
+            self.free_slots = torch.arange(self.size, dtype=torch.int64)
+            self.slot_used = torch.zeros(self.size, dtype=torch.bool)
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """The first ``need_size`` free slots (whole pages), or ``None`` when there is not enough room."""
+        if need_size % self.page_size:
+            raise ValueError(f"need_size = {need_size} is not a multiple of page_size = {self.page_size}")
+        with self.lock:
+            if need_size > self.free_slots.numel():
+                return None
+            select = self.free_slots[:need_size]
+            self.free_slots = self.free_slots[need_size:]
+            if self.slot_used[select].any():
+                raise RuntimeError("host pool allocator handed out a slot twice")
+            self.slot_used[select] = True
+            return select
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Return slots to the pool (appended at the tail); returns how many."""
+        indices = torch.as_tensor(indices, dtype=torch.int64).cpu()
+        with self.lock:
+            if not self.slot_used[indices].all():
+                raise RuntimeError("freeing host slots that are not allocated")
+            self.slot_used[indices] = False
+            self.free_slots = torch.cat([self.free_slots, indices])
+            return int(indices.numel())
+
+    # -- transfers ------------------------------------------------------------------------
+    def _slots(self, host_indices, device_indices, io_backend: str):
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
+        if io_backend == "direct":
+            return page_slots(host_indices, self.page_size), page_slots(device_indices, self.page_size)
+        return host_indices, device_indices
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int,
+                                 io_backend: str = "kernel") -> None:
+        """H2D of one layer: ``device[layer_id][device_indices] = host[layer_id][host_indices]``."""
+        h, d = self._slots(host_indices, device_indices, io_backend)
+        _go(self.cache, device_pool.cache, h, d, self.max_ctas, src_layers=[layer_id], dst_layers=[layer_id])
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
+                                     io_backend: str = "kernel") -> None:
+        """D2H of every layer: ``host[:, host_indices] = device[:, device_indices]``."""
+        h, d = self._slots(host_indices, device_indices, io_backend)
+        _go(device_pool.cache, self.cache, d, h, self.max_ctas)
+
+    # -- page helpers (L3 storage) ----------------------------------------------------------
+    def _page(self, index) -> int:
+        index = int(index)
+        if index % self.page_size:
+            raise ValueError(f"index {index} is not the first slot of a page (page_size {self.page_size})")
+        return index // self.page_size
+
+    def _page_shape(self) -> tuple:
+        L, P = self.layer_num, self.page_size
+        if self.is_mla:
+            kd = self.kv_cache_dim
+            return {"layer_first": (L, P, 1, kd), "page_first": (P, L, 1, kd),
+                    "page_first_direct": (1, L, P, 1, kd), "page_first_kv_split": (-1,)}[self.layout]
+        H, D = self.head_num, self.head_dim
+        return {"layer_first": (2, L, P, H, D), "page_first": (2, P, L, H, D),
+                "page_first_direct": (2, 1, L, P, H, D), "page_head": (2, 1, H, P, L, D)}[self.layout]
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        """The page starting at slot ``index`` in the layout's byte order (a new tensor)."""
+        data = ops.get_page(self.cache, self._page(index))
+        return data if flat else data.view(self._page_shape())
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """A zero flat page (pinned when the pool is)."""
+        return ops.dummy_flat_page(self.cache, device="cpu").pin_memory() if self.pin_memory \
+            else ops.dummy_flat_page(self.cache, device="cpu")
+
+    def set_from_flat_data_page(self, index, data_page: torch.Tensor) -> None:
+        """Inverse of :meth:`get_data_page`."""
+        ops.set_page(self.cache, self._page(index), data_page.reshape(-1).to("cpu"))
+
+    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
+        """``(pointers, byte sizes)`` of the contiguous spans of the pages (zero-copy storage I/O).
+
+        Only ``indices[p * page_size]`` is read per page.  Order as SGLang:
+        MHA ``layer_first``: per page, per layer, K then V (``2L`` spans of
+        ``P*H*D*es`` bytes); MHA ``page_first``/``page_first_direct``/
+        ``page_head``: per page K then V (``L*P*H*D*es`` bytes each); MLA
+        ``layer_first``: per page one span per layer; MLA
+        ``page_first``/``page_first_direct``: one span per page.
+        """
+        idx = torch.as_tensor(indices).reshape(-1)
+        if idx.numel() % self.page_size:
+            raise ValueError(f"{idx.numel()} indices are not whole pages of {self.page_size}")
+        pages = [self._page(i) for i in idx[::self.page_size].tolist()]
+        ptrs, sizes = [], []
+        for page in pages:
+            p, s = ops.page_buffer_meta(self.cache, [page])
+            if not self.is_mla and self.layout == "layer_first":   # kvlayout lists K0..K(L-1), V0..; SGLang K0, V0, ..
+                L = self.layer_num
+                order = [j for l in range(L) for j in (l, L + l)]
+                p, s = [p[j] for j in order], [s[j] for j in order]
+            ptrs += p
+            sizes += s
+        return ptrs, sizes
+
+
+MHATokenToKVPoolHost = HostKVPool
+MLATokenToKVPoolHost = HostKVPool
