@@ -1,0 +1,158 @@
+"""Independent oracles for the compat tests: plain torch indexing, no kvlayout.
+
+For each LMCache GPUKVFormat, ``make_cache`` builds the engine structure and
+``rows(fmt, kv, p, l)`` reads plane ``p`` of layer ``l`` as ``[N, H*D]`` by
+slicing and permuting the documented physical shape (a copy).  ``logical``
+stacks them into ``[P, L, N, H*D]``, which covers every element once, so
+comparing logical arrays compares whole caches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def rand(shape, dtype, device, gen):
+    """Random data whose bits all matter (uint8 via randint, floats via randn)."""
+    if dtype in (torch.uint8, torch.int8):
+        return torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8).view(dtype).to(device)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+def make_cache(fmt: int, L, NB, BS, H, D, dtype, device, gen):
+    N = NB * BS
+    r = lambda *s: rand(s, dtype, device, gen)
+    return {
+        0: lambda: r(NB, L, 2, BS, H, D),
+        1: lambda: [r(2, NB, BS, H, D) for _ in range(L)],
+        2: lambda: [r(NB, 2, BS, H, D) for _ in range(L)],
+        3: lambda: [r(NB, BS, D) for _ in range(L)],
+        4: lambda: [[r(N, H, D) for _ in range(L)], [r(N, H, D) for _ in range(L)]],
+        5: lambda: [r(N, 1, D) for _ in range(L)],
+        6: lambda: [r(2, NB, H, BS, D) for _ in range(L)],
+        7: lambda: [r(NB, 2, H, BS, D) for _ in range(L)],
+        8: lambda: r(NB, L, 2, H, BS, D),
+        10: lambda: [r(NB, H, BS, 2, D) for _ in range(L)],
+        11: lambda: [r(NB, BS, H, 2, D) for _ in range(L)],
+    }[int(fmt)]()
+
+
+def planes(fmt: int) -> int:
+    return 1 if int(fmt) in (3, 5) else 2
+
+
+def rows(fmt: int, kv, p: int, l: int) -> torch.Tensor:
+    """Plane p of layer l as [N, W] (slot-major rows), from the documented physical shape."""
+    f = int(fmt)
+    if f == 0:
+        x = kv[:, l, p]                                # [NB, BS, H, D]
+    elif f == 1:
+        x = kv[l][p]
+    elif f == 2:
+        x = kv[l][:, p]
+    elif f in (3, 5):
+        x = kv[l]
+    elif f == 4:
+        x = kv[p][l]
+    elif f == 6:
+        x = kv[l][p].permute(0, 2, 1, 3)               # [NB, H, BS, D] -> [NB, BS, H, D]
+    elif f == 7:
+        x = kv[l][:, p].permute(0, 2, 1, 3)
+    elif f == 8:
+        x = kv[:, l, p].permute(0, 2, 1, 3)
+    elif f == 10:
+        x = kv[l][:, :, :, p].permute(0, 2, 1, 3)      # [NB, H, BS, D]
+    elif f == 11:
+        x = kv[l][:, :, :, p]                          # [NB, BS, H, D]
+    else:
+        raise ValueError(f)
+    n = x.shape[0] * x.shape[1] if f not in (4, 5) else x.shape[0]
+    return x.reshape(n, -1)
+
+
+def num_layers(fmt: int, kv) -> int:
+    f = int(fmt)
+    return kv.shape[1] if f in (0, 8) else (len(kv[0]) if f == 4 else len(kv))
+
+
+def logical(fmt: int, kv) -> torch.Tensor:
+    L = num_layers(fmt, kv)
+    return torch.stack([torch.stack([rows(fmt, kv, p, l) for l in range(L)]) for p in range(planes(fmt))])
+
+
+def clone(kv):
+    if isinstance(kv, torch.Tensor):
+        return kv.clone()
+    return [clone(x) for x in kv]
+
+
+def zeros_like(kv):
+    if isinstance(kv, torch.Tensor):
+        return torch.zeros_like(kv)
+    return [zeros_like(x) for x in kv]
+
+
+def distinct_slots(n, num_slots, gen, device, negatives=()):
+    s = torch.randperm(num_slots, generator=gen)[:n].to(torch.int64)
+    for i in negatives:
+        s[i] = -1
+    return s.to(device)
+
+
+def gather_chunk(logical_cache: torch.Tensor, slots, skip=0, out=None):
+    """[P, L, N, W] cache -> [P, L, T, W] chunk: out[:, :, t] = cache[:, :, slots[t]] for valid t."""
+    P, L, _, W = logical_cache.shape
+    T = len(slots)
+    out = torch.zeros(P, L, T, W, dtype=logical_cache.dtype) if out is None else out.clone()
+    for t, s in enumerate(slots.tolist()):
+        if t >= skip and s >= 0:
+            out[:, :, t] = logical_cache[:, :, s]
+    return out
+
+
+def scatter_chunk(logical_cache: torch.Tensor, chunk: torch.Tensor, slots, skip=0):
+    """Expected cache after writing chunk [P, L, T, W] at slots (valid tokens only)."""
+    out = logical_cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if t >= skip and s >= 0:
+            out[:, :, s] = chunk[:, :, t]
+    return out
+
+
+def rope_oracle(keys: torch.Tensor, old, new, cos_sin, is_neox: bool) -> torch.Tensor:
+    """keys [T, H, D] float -> rotated copy (fp32 math), written out elementwise from the formula."""
+    k = keys.detach().cpu().float().clone()
+    cs = cos_sin.detach().cpu().float()
+    rot = cs.shape[1]
+    half = rot // 2
+    for t in range(k.shape[0]):
+        o, n = int(old[t]), int(new[t])
+        if o < 0 or n < 0:
+            continue
+        for i in range(half):
+            a, b = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
+            co, so, cn, sn = cs[o, i], cs[o, half + i], cs[n, i], cs[n, half + i]
+            x, y = k[t, :, a].clone(), k[t, :, b].clone()
+            x1, y1 = x * co + y * so, y * co - x * so
+            k[t, :, a], k[t, :, b] = x1 * cn - y1 * sn, y1 * cn + x1 * sn
+    return k
+
+
+def cos_sin_cache(max_pos: int, rot: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None]
+    return torch.cat([ang.cos(), ang.sin()], dim=1)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit pattern as integers, for exact comparison of any dtype."""
+    x = x.detach().cpu().contiguous()
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
