@@ -1,0 +1,251 @@
+"""kvlayout.compat.connectors: LMCache connector behaviours against indexing oracles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compat_oracles import (cos_sin_cache, devices, distinct_slots, logical, make_cache, rand, rope_oracle, rows,
+                            same, zeros_like)
+from kvlayout.compat import connectors as C
+from kvlayout.compat.lmcache import MemoryFormat as MF
+
+L, NB, BS, H, D = 3, 12, 4, 2, 8
+N = NB * BS
+CHUNKS = [(0, 8), (8, 16), (16, 21)]           # last chunk partial
+T_ALL = CHUNKS[-1][1]
+
+
+def _cache(fmt, device, gen, dtype=torch.float32, h=H, d=D, layers=L):
+    return make_cache(fmt, layers, NB, BS, h, d, dtype, device, gen)
+
+
+def _expected_chunk(fmt, kv, slots, start, end):
+    """[P, L, T, W] oracle rows of a chunk."""
+    lg = logical(fmt, kv).cpu()
+    s = slots[start:end].cpu()
+    return lg[:, :, s]
+
+
+def _hnd_view(kv):
+    """vLLM-style NHD views of HND memory."""
+    return [t.permute(0, 1, 3, 2, 4) for t in kv]
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("fmt", [1, 2, 3, 6])
+@pytest.mark.parametrize("use_gpu", [False, True])
+def test_v2_from_gpu_to_gpu(device, fmt, use_gpu):
+    gen = torch.Generator().manual_seed(fmt)
+    mla = fmt == 3
+    h, d = (1, 24) if mla else (H, D)
+    kv = _cache(fmt, device, gen, h=h, d=d)
+    hint = "HND" if fmt == 6 else "NHD"
+    engine_kv = _hnd_view(kv) if fmt == 6 else kv            # the engine holds permuted views
+    conn = C.VLLMPagedMemGPUConnectorV2(h * d, L, use_gpu=use_gpu, use_mla=mla, kv_layout=hint, chunk_size=8)
+    slots = distinct_slots(T_ALL, N, gen, device)
+    objs = [C.MemoryObj(torch.zeros(conn.get_shape(e - s))) for s, e in CHUNKS]      # host memory objects
+    conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots,
+                          kvcaches=engine_kv)
+    assert conn.gpu_kv_format == fmt
+    for obj, (s, e) in zip(objs, CHUNKS):
+        assert obj.fmt == (MF.KV_MLA_FMT if mla else MF.KV_2LTD)
+        assert same(obj.tensor, _expected_chunk(fmt, kv, slots, s, e))      # one direction: K/V order checked
+    # retrieve into a fresh cache, with 10 tokens already cached by the engine
+    fresh = zeros_like(kv)
+    conn.batched_to_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots,
+                        kvcaches=_hnd_view(fresh) if fmt == 6 else fresh, vllm_cached_tokens=10)
+    got, want = logical(fmt, fresh).cpu(), logical(fmt, kv).cpu()
+    s_cpu = slots.cpu()
+    assert same(got[:, :, s_cpu[10:]], want[:, :, s_cpu[10:]])
+    assert got[:, :, s_cpu[:10]].abs().sum() == 0                            # skipped prefix untouched
+
+
+def test_skip_rule():
+    assert C.skip_tokens(0, 8, 10) == 8
+    assert C.skip_tokens(8, 16, 10) == 2
+    assert C.skip_tokens(16, 21, 10) == 0
+    assert C.skip_tokens(0, 8, 0) == 0
+
+
+def test_v2_format_checks():
+    gen = torch.Generator().manual_seed(0)
+    kv = _cache(1, "cpu", gen)
+    conn = C.VLLMPagedMemGPUConnectorV2(H * D, L, kv_layout="NHD", kvcaches=kv)
+    obj = C.MemoryObj(torch.zeros(conn.get_shape(4)), MF.KV_T2D)
+    with pytest.raises(ValueError, match="KV_2LTD"):
+        conn.to_gpu(obj, 0, 4, slot_mapping=torch.arange(4))
+    with pytest.raises(ValueError, match="use_mla"):
+        C.VLLMPagedMemGPUConnectorV2(H * D, L, use_mla=True, kv_layout="NHD", kvcaches=kv)
+    assert obj.metadata.fmt == MF.KV_T2D
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("use_gpu", [False, True])
+def test_v3_layer_groups_mixed_dtypes(device, fmt, use_gpu):
+    """Groups of layers with head sizes 64/66/66 and dtypes uint8/bf16/uint8."""
+    gen = torch.Generator().manual_seed(30 + fmt)
+    spec = [(64, torch.uint8), (66, torch.bfloat16), (66, torch.uint8)]
+    groups = [_cache(fmt, device, gen, dtype=dt, h=2, d=hs, layers=2) for hs, dt in spec]
+    kv = [t for g in groups for t in g]
+    conn = C.VLLMPagedMemGPUConnectorV3(use_gpu=use_gpu, kv_layout="NHD", kvcaches=kv)
+    assert len(conn.groups) == 3 and conn.get_dtypes() == [dt for _, dt in spec]
+    slots = distinct_slots(T_ALL, N, gen, device)
+    objs = [conn.allocate(e - s) for s, e in CHUNKS]
+    conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots)
+    for obj, (s, e) in zip(objs, CHUNKS):
+        assert obj.fmt == MF.KV_2LTD
+        for g, t in zip(groups, obj.tensors):
+            assert t.dtype == g[0].dtype and same(t, _expected_chunk(fmt, g, slots, s, e))
+    fresh_groups = [zeros_like(g) for g in groups]
+    fresh = [t for g in fresh_groups for t in g]
+    conn.batched_to_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots, kvcaches=fresh)
+    s_cpu = slots.cpu()
+    for g, f in zip(groups, fresh_groups):
+        assert same(logical(fmt, f).cpu()[:, :, s_cpu], logical(fmt, g).cpu()[:, :, s_cpu])
+
+
+def _drive_to_gpu(gen_obj, per_layer_objs):
+    """Run a layer-wise load generator; returns how many times it yielded."""
+    count = 1
+    next(gen_obj)
+    for objs in per_layer_objs:
+        gen_obj.send(objs)
+        count += 1
+    for _ in gen_obj:
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("fmt", [1, 2, 3])
+@pytest.mark.parametrize("use_gpu", [False, True])
+def test_layerwise_paged(device, fmt, use_gpu):
+    gen = torch.Generator().manual_seed(50 + fmt)
+    mla = fmt == 3
+    h, d = (1, 24) if mla else (H, D)
+    kv = _cache(fmt, device, gen, h=h, d=d)
+    conn = C.VLLMPagedMemLayerwiseGPUConnector(h * d, L, use_gpu=use_gpu, use_mla=mla, kv_layout="NHD")
+    slots = distinct_slots(T_ALL, N, gen, device)
+    starts, ends = [s for s, _ in CHUNKS], [e for _, e in CHUNKS]
+    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s))) for s, e in CHUNKS] for _ in range(L)]
+    store = conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, kvcaches=kv)
+    assert sum(1 for _ in store) == L + 1
+    lg = logical(fmt, kv).cpu()
+    for l in range(L):
+        for obj, (s, e) in zip(objs[l], CHUNKS):
+            assert obj.fmt == (MF.KV_MLA_FMT if mla else MF.KV_T2D)
+            want = lg[:, l, slots[s:e].cpu()]                                  # [P, T, W]
+            got = obj.tensor[None] if mla else obj.tensor.transpose(0, 1)      # [T, 2, W] -> [2, T, W]
+            assert same(got, want)
+    fresh = zeros_like(kv)
+    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh, sync=True, vllm_cached_tokens=3)
+    assert _drive_to_gpu(load, objs) == L + 2
+    got, s_cpu = logical(fmt, fresh).cpu(), slots.cpu()
+    assert same(got[:, :, s_cpu[3:]], lg[:, :, s_cpu[3:]])
+    assert got[:, :, s_cpu[:3]].abs().sum() == 0
+    # objects given up front instead of sent
+    fresh2 = zeros_like(kv)
+    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh2, memory_objs=objs)
+    assert _drive_to_gpu(load, [None] * L) == L + 2
+    assert same(logical(fmt, fresh2).cpu()[:, :, s_cpu], lg[:, :, s_cpu])
+
+
+def test_layerwise_rejects_wrong_format():
+    gen = torch.Generator().manual_seed(1)
+    kv = _cache(1, "cpu", gen)
+    conn = C.VLLMPagedMemLayerwiseGPUConnector(H * D, L, kv_layout="NHD", kvcaches=kv)
+    load = conn.batched_to_gpu([0], [4], slot_mapping=torch.arange(4))
+    next(load)
+    with pytest.raises(ValueError, match="KV_T2D"):
+        load.send([C.MemoryObj(torch.zeros(2, 4, H * D), MF.KV_2TD)])
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_buffer_layerwise_cacheblend(device, is_neox):
+    gen = torch.Generator().manual_seed(70)
+    fmt, rot = 1, D
+    kv = _cache(fmt, device, gen)
+    table = cos_sin_cache(64, rot)
+    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, kv_layout="NHD", cos_sin_cache=table.to(device),
+                                             is_neox_style=is_neox, head_size=D)
+    chunks = [(0, 6), (9, 14)]                             # gap: positions 6, 7, 8
+    starts, ends = [s for s, _ in chunks], [e for _, e in chunks]
+    slots = distinct_slots(14, N, gen, device)
+    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s), device=device)) for s, e in chunks] for _ in range(L)]
+    assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, kvcaches=kv)) == L + 1
+    lg = logical(fmt, kv).cpu()
+    for l in range(L):
+        for obj, (s, e) in zip(objs[l], chunks):
+            assert obj.fmt == MF.KV_2TD and same(obj.tensor, lg[:, l, slots[s:e].cpu()])
+    old = torch.arange(14)
+    new = torch.arange(14) + 5
+    fresh = zeros_like(kv)
+    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh, old_positions=old, positions=new)
+    assert _drive_to_gpu(load, objs) == L + 2
+    buf = conn.last_buffer.cpu()
+    assert buf.shape == (2, 14, H * D) and buf[:, 6:9].abs().sum() == 0          # gaps zeroed
+    got = logical(fmt, fresh).cpu()
+    s_cpu = slots.cpu()
+    covered = [i for s, e in chunks for i in range(s, e)]
+    gaps = [6, 7, 8]
+    assert got[:, :, s_cpu[gaps]].abs().sum() == 0                               # gap slots not written
+    for l in range(L):
+        keys = lg[0, l, s_cpu[covered]].view(-1, H, D)
+        want_k = rope_oracle(keys, old[covered], new[covered], table, is_neox).view(len(covered), -1)
+        torch.testing.assert_close(got[0, l, s_cpu[covered]], want_k, rtol=1e-5, atol=1e-5)
+        assert same(got[1, l, s_cpu[covered]], lg[1, l, s_cpu[covered]])          # V never rotated
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("use_mla", [False, True])
+@pytest.mark.parametrize("use_gpu", [False, True])
+def test_sglang_connector(device, use_mla, use_gpu):
+    gen = torch.Generator().manual_seed(80 + use_mla)
+    fmt = 5 if use_mla else 4
+    h, d = (1, 24) if use_mla else (H, D)
+    kv = make_cache(fmt, L, NB, BS, h, d, torch.bfloat16, device, gen)
+    conn = C.SGLangGPUConnector(h * d, L, use_gpu=use_gpu, use_mla=use_mla, kvcaches=kv)
+    assert conn.gpu_kv_format == fmt
+    slots = distinct_slots(T_ALL, N, gen, device)
+    objs = [C.MemoryObj(torch.zeros(conn.get_shape(e - s), dtype=torch.bfloat16)) for s, e in CHUNKS]
+    conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots)
+    for obj, (s, e) in zip(objs, CHUNKS):
+        assert obj.fmt == (MF.KV_MLA_FMT if use_mla else MF.KV_2LTD)
+        assert same(obj.tensor, _expected_chunk(fmt, kv, slots, s, e))
+    fresh = zeros_like(kv)
+    conn.batched_to_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots, kvcaches=fresh)
+    s_cpu = slots.cpu()
+    assert same(logical(fmt, fresh).cpu()[:, :, s_cpu], logical(fmt, kv).cpu()[:, :, s_cpu])
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("use_mla", [False, True])
+def test_sglang_layerwise(device, use_mla):
+    gen = torch.Generator().manual_seed(90 + use_mla)
+    fmt = 5 if use_mla else 4
+    h, d = (1, 24) if use_mla else (H, D)
+    kv = make_cache(fmt, L, NB, BS, h, d, torch.float16, device, gen)
+    conn = C.SGLangLayerwiseGPUConnector(h * d, L, use_mla=use_mla, kvcaches=kv)
+    slots = distinct_slots(T_ALL, N, gen, device)
+    starts, ends = [s for s, _ in CHUNKS], [e for _, e in CHUNKS]
+    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s), dtype=torch.float16)) for s, e in CHUNKS]
+            for _ in range(L)]
+    assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)) == L + 1
+    lg = logical(fmt, kv).cpu()
+    for l in range(L):
+        for obj, (s, e) in zip(objs[l], CHUNKS):
+            got = obj.tensor[None] if use_mla else obj.tensor.transpose(0, 1)
+            assert same(got, lg[:, l, slots[s:e].cpu()])
+    fresh = zeros_like(kv)
+    assert _drive_to_gpu(conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh), objs) == L + 2
+    s_cpu = slots.cpu()
+    assert same(logical(fmt, fresh).cpu()[:, :, s_cpu], lg[:, :, s_cpu])
+
+
+def test_xpu_names_are_the_same_classes():
+    assert C.VLLMPagedMemXPUConnectorV2 is C.VLLMPagedMemGPUConnectorV2
+    assert C.VLLMPagedMemLayerwiseXPUConnector is C.VLLMPagedMemLayerwiseGPUConnector
+    assert C.SGLangXPUConnector is C.SGLangGPUConnector
