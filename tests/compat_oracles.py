@@ -156,3 +156,9 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def host_zeros(shape, dtype=torch.float32, device="cpu"):
+    """Zeroed host memory; pinned when it faces an accelerator (kernels read it directly)."""
+    t = torch.zeros(shape, dtype=dtype)
+    return t.pin_memory() if str(device) != "cpu" else t

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat_oracles import (cos_sin_cache, devices, distinct_slots, logical, make_cache, rand, rope_oracle, rows,
-                            same, zeros_like)
+from compat_oracles import (cos_sin_cache, devices, distinct_slots, host_zeros, logical, make_cache, rand, rope_oracle,
+                            rows, same, zeros_like)
 from kvlayout.compat import connectors as C
 from kvlayout.compat.lmcache import MemoryFormat as MF
 
@@ -44,7 +44,7 @@ def test_v2_from_gpu_to_gpu(device, fmt, use_gpu):
     engine_kv = _hnd_view(kv) if fmt == 6 else kv            # the engine holds permuted views
     conn = C.VLLMPagedMemGPUConnectorV2(h * d, L, use_gpu=use_gpu, use_mla=mla, kv_layout=hint, chunk_size=8)
     slots = distinct_slots(T_ALL, N, gen, device)
-    objs = [C.MemoryObj(torch.zeros(conn.get_shape(e - s))) for s, e in CHUNKS]      # host memory objects
+    objs = [C.MemoryObj(host_zeros(conn.get_shape(e - s), device=device)) for s, e in CHUNKS]   # host objects
     conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots,
                           kvcaches=engine_kv)
     assert conn.gpu_kv_format == fmt
@@ -92,7 +92,7 @@ def test_v3_layer_groups_mixed_dtypes(device, fmt, use_gpu):
     conn = C.VLLMPagedMemGPUConnectorV3(use_gpu=use_gpu, kv_layout="NHD", kvcaches=kv)
     assert len(conn.groups) == 3 and conn.get_dtypes() == [dt for _, dt in spec]
     slots = distinct_slots(T_ALL, N, gen, device)
-    objs = [conn.allocate(e - s) for s, e in CHUNKS]
+    objs = [conn.allocate(e - s, pin_memory=device != "cpu") for s, e in CHUNKS]
     conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots)
     for obj, (s, e) in zip(objs, CHUNKS):
         assert obj.fmt == MF.KV_2LTD
@@ -129,7 +129,7 @@ def test_layerwise_paged(device, fmt, use_gpu):
     conn = C.VLLMPagedMemLayerwiseGPUConnector(h * d, L, use_gpu=use_gpu, use_mla=mla, kv_layout="NHD")
     slots = distinct_slots(T_ALL, N, gen, device)
     starts, ends = [s for s, _ in CHUNKS], [e for _, e in CHUNKS]
-    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s))) for s, e in CHUNKS] for _ in range(L)]
+    objs = [[C.MemoryObj(host_zeros(conn.get_shape(e - s), device=device)) for s, e in CHUNKS] for _ in range(L)]
     store = conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, kvcaches=kv)
     assert sum(1 for _ in store) == L + 1
     lg = logical(fmt, kv).cpu()
@@ -210,7 +210,7 @@ def test_sglang_connector(device, use_mla, use_gpu):
     conn = C.SGLangGPUConnector(h * d, L, use_gpu=use_gpu, use_mla=use_mla, kvcaches=kv)
     assert conn.gpu_kv_format == fmt
     slots = distinct_slots(T_ALL, N, gen, device)
-    objs = [C.MemoryObj(torch.zeros(conn.get_shape(e - s), dtype=torch.bfloat16)) for s, e in CHUNKS]
+    objs = [C.MemoryObj(host_zeros(conn.get_shape(e - s), torch.bfloat16, device)) for s, e in CHUNKS]
     conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots)
     for obj, (s, e) in zip(objs, CHUNKS):
         assert obj.fmt == (MF.KV_MLA_FMT if use_mla else MF.KV_2LTD)
@@ -231,7 +231,7 @@ def test_sglang_layerwise(device, use_mla):
     conn = C.SGLangLayerwiseGPUConnector(h * d, L, use_mla=use_mla, kvcaches=kv)
     slots = distinct_slots(T_ALL, N, gen, device)
     starts, ends = [s for s, _ in CHUNKS], [e for _, e in CHUNKS]
-    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s), dtype=torch.float16)) for s, e in CHUNKS]
+    objs = [[C.MemoryObj(host_zeros(conn.get_shape(e - s), torch.float16, device)) for s, e in CHUNKS]
             for _ in range(L)]
     assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)) == L + 1
     lg = logical(fmt, kv).cpu()

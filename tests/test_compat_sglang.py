@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from compat_oracles import devices, rand, same
+from compat_oracles import devices, host_zeros, rand, same
 from kvlayout.compat import sglang as S
 
 L, H, D, P = 3, 2, 8, 4
@@ -83,7 +83,7 @@ def test_page_first_and_page_head(device):
     host_idx = _pages(4, NP, gen).to(device)
     layout_dim = ITEM * L
     # lf -> pf: host half [N, L, H, D]
-    pf = torch.zeros(2, host_n, L, H, D, dtype=torch.bfloat16)
+    pf = host_zeros((2, host_n, L, H, D), torch.bfloat16, device)
     S.transfer_kv_all_layer_lf_pf(dev_k, pf[0], dev_v, pf[1], dev_idx, host_idx, ITEM, layout_dim, L)
     for l in range(L):
         assert same(pf[0, host_idx.cpu(), l], dev_k[l][dev_idx].cpu())
@@ -92,7 +92,7 @@ def test_page_first_and_page_head(device):
     untouched[host_idx.cpu()] = False
     assert pf[:, untouched].abs().sum() == 0
     # lf -> ph: host half [NP, H, P, L, D]
-    ph = torch.zeros(2, NP, H, P, L, D, dtype=torch.bfloat16)
+    ph = host_zeros((2, NP, H, P, L, D), torch.bfloat16, device)
     S.transfer_kv_all_layer_lf_ph(dev_k, ph[0], dev_v, ph[1], dev_idx, host_idx, ITEM, layout_dim, L, P, H)
     hi = host_idx.cpu()
     for l in range(L):
@@ -125,7 +125,7 @@ def test_mla_variants(device):
     assert same(out[1][dev_idx], dev[1][dev_idx])
     S.transfer_kv_all_layer_mla(dev, out, dev_idx, dev_idx, item, L)
     assert all(same(o[dev_idx], x[dev_idx]) for o, x in zip(out, dev))
-    pf = torch.zeros(host_n, L, 1, kd, dtype=torch.float16)
+    pf = host_zeros((host_n, L, 1, kd), torch.float16, device)
     S.transfer_kv_all_layer_mla_lf_pf(dev, pf, dev_idx, host_idx, item, item * L, L)
     for l in range(L):
         assert same(pf[host_idx.cpu(), l], dev[l][dev_idx].cpu())
@@ -144,7 +144,7 @@ def test_direct_functions(device, mla):
     dev = [[rand((POOL,) + row, torch.bfloat16, device, gen) for _ in range(L)] for _ in range(planes)]
     dev_idx = _pages(3, POOL // P, gen, first=1).to(device)
     host_idx = _pages(3, NP, gen)                          # direct paths read host indices on the host
-    host = [torch.zeros((NP, L, P) + row, dtype=torch.bfloat16) for _ in range(planes)]
+    host = [host_zeros((NP, L, P) + row, torch.bfloat16, device) for _ in range(planes)]
     S.transfer_kv_all_layer_direct_lf_pf([t for plane in dev for t in plane], host, dev_idx, host_idx, P)
     for p in range(planes):
         for l in range(L):
