@@ -4,6 +4,11 @@ CPU sources are always built. CUDA sources are added when torch was built
 with CUDA and nvcc is found (CUDA_HOME), unless KVLAYOUT_FORCE_CPU_ONLY=1.
 SYCL sources are added when torch has XPU and icpx is on PATH. CUDA targets
 sm_90 + PTX by default; TORCH_CUDA_ARCH_LIST overrides it.
+
+The extension must link the same shared libstdc++ as torch. A toolchain
+that links libstdc++ statically into shared objects (CXX pointing at such a
+g++) produces a _C.so that crashes on its first formatted error message;
+build with the system compiler then (CXX=/usr/bin/g++ CC=/usr/bin/gcc).
 """
 
 import glob

@@ -96,6 +96,9 @@ def status_tensor(device) -> torch.Tensor:
     """The cached int64 status tensor of `device` (created zeroed on first use)."""
     device = _normalize_device(device)
     t = _status.get(device)
+    if t is None and torch.compiler.is_compiling():
+        # First use inside a traced region (no lock there): dict.setdefault is atomic.
+        t = _status.setdefault(device, torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device))
     if t is None:
         with _status_lock:
             t = _status.get(device)
