@@ -243,7 +243,7 @@ def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layer
     if out is None:
         out = torch.zeros((P, L, T, g.H, g.E), dtype=cache.dtype, device=cache.device)
     transfer(cache, bind("rows", out), slots, None, src_layers=layers, src_planes=planes, skip_prefix=skip_prefix,
-             max_ctas=max_ctas, validate=validate)
+             num_tokens=T, max_ctas=max_ctas, validate=validate)
     return out
 
 
