@@ -41,7 +41,7 @@ def test_every_catalog_layout_has_an_oracle():
 
 
 @pytest.mark.parametrize("name", ALL_LAYOUTS)
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=3, **SETTINGS)
 @given(data=st.data())
 def test_round_trip(name, data):
     g = data.draw(S.geometries(name, max_layers=5, budget=4096))
@@ -104,7 +104,7 @@ def run_case(case: S.TransferCase):
     assert S.same_bytes(case.dst_layout, got, want), case.to_python()
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(case=S.transfer_cases())
 def test_transfer_generated(case):
     run_case(case)
