@@ -7,10 +7,11 @@
 // by groups of R = 2^log2_group consecutive threads ("lanes"); group k of the
 // grid takes tasks k, k + num_groups, ... (grid-stride). Tokens are the inner
 // index of a task, so neighbouring groups move neighbouring tokens of the same
-// segment (coalesced slot loads, adjacent rows). Inside a row, lane j moves
-// vectors j, j+R, j+2R, ... of the row, kCopyUnroll of them loaded before any
-// is stored, so each thread keeps several loads in flight. Pieces are walked
-// incrementally (no division per vector).
+// segment (coalesced slot loads, adjacent rows). Every thread keeps
+// kCopyUnroll loads in flight before it stores: for rows of up to 32 vectors
+// (512 B of 16-byte vectors) lane j moves vector j of kCopyUnroll different
+// rows; for longer rows lane j moves vectors j, j+R, j+2R, ... of one row.
+// Pieces are walked incrementally (no division per vector).
 #pragma once
 
 #include <cstdint>
@@ -59,17 +60,39 @@ struct CopyRowsParams {
   int32_t record_errors;   // only one launch of a split call records
 };
 
-// Lanes per row: enough that one load instruction of a group covers >= 128
-// contiguous bytes of a row when the row is that large, and each lane has
-// about kCopyUnroll vectors of the row; at most 32.
+// Lanes per row: one lane per vector for rows of up to 32 vectors (those
+// rows are then batched kCopyUnroll at a time per lane, see below); longer rows
+// get 32 lanes, each walking several vectors of the row.
 inline int32_t copy_rows_log2_group(int64_t vecs_per_row, int vec_bytes) {
-  int64_t by_unroll = (vecs_per_row + kCopyUnroll - 1) / kCopyUnroll;
-  int64_t by_width = 128 / vec_bytes;
-  if (by_width > vecs_per_row) by_width = vecs_per_row;
-  int64_t want = by_unroll > by_width ? by_unroll : by_width;
+  (void)vec_bytes;
   int32_t lg = 0;
-  while ((int64_t(1) << lg) < want && lg < 5) ++lg;
+  while ((int64_t(1) << lg) < vecs_per_row && lg < 5) ++lg;
   return lg;
+}
+
+// Resolves task -> (source row, destination row) addresses; nullptr when the
+// token has no row (negative slot) or an out-of-range slot (recorded once).
+template <class Params, class Record>
+KVL_D inline bool copy_rows_task(const Params& p, int64_t task, int64_t lane, const Record& record,
+                                 const char*& src_row, char*& dst_row) {
+  int64_t seg, tt;
+  divmod_nonneg(task, p.tokens, seg, tt);
+  const int64_t t = p.skip_prefix + tt;
+  const int64_t s = p.src_slots.load(t);
+  const int64_t d = p.dst_slots.load(t);
+  if (s < 0 || d < 0) return false;
+  if (s >= p.src_geom.num_slots || d >= p.dst_geom.num_slots) {
+    if (p.record_errors && seg == 0 && lane == 0) {
+      if (s >= p.src_geom.num_slots)
+        record(t, s, p.src_geom.num_slots, int64_t(kStatusSrcSlots));
+      else
+        record(t, d, p.dst_geom.num_slots, int64_t(kStatusDstSlots));
+    }
+    return false;
+  }
+  src_row = p.src_base[seg] + row_offset(p.src_geom, s);
+  dst_row = p.dst_base[seg] + row_offset(p.dst_geom, d);
+  return true;
 }
 
 // Mem provides: using vec_type; static vec_type load(const vec_type*);
@@ -91,25 +114,38 @@ KVL_D inline void copy_rows_thread(const Params& p, int64_t thread, int64_t num_
   const int64_t src_sp = p.src_geom.stride_piece;
   const int64_t dst_sp = p.dst_geom.stride_piece;
 
-  for (int64_t task = thread >> p.log2_group; task < p.num_tasks; task += num_groups) {
-    int64_t seg, tt;
-    divmod_nonneg(task, p.tokens, seg, tt);
-    const int64_t t = p.skip_prefix + tt;
-    const int64_t s = p.src_slots.load(t);
-    const int64_t d = p.dst_slots.load(t);
-    if (s < 0 || d < 0) continue;
-    if (s >= p.src_geom.num_slots || d >= p.dst_geom.num_slots) {
-      if (p.record_errors && seg == 0 && lane == 0) {
-        if (s >= p.src_geom.num_slots)
-          record(t, s, p.src_geom.num_slots, int64_t(kStatusSrcSlots));
-        else
-          record(t, d, p.dst_geom.num_slots, int64_t(kStatusDstSlots));
+  if (p.vecs_per_row <= R) {
+    // Short rows: each lane moves one vector of a row, so the loads in flight
+    // come from kCopyUnroll different rows (tasks) instead.
+    const int64_t so = h0 * src_sp + w0 * VEC;
+    const int64_t dof = h0 * dst_sp + w0 * VEC;
+    for (int64_t first = thread >> p.log2_group; first < p.num_tasks;
+         first += num_groups * kCopyUnroll) {
+      const char* sp[kCopyUnroll];
+      char* dp[kCopyUnroll];
+      bool live[kCopyUnroll];
+#pragma unroll
+      for (int k = 0; k < kCopyUnroll; ++k) {
+        const int64_t task = first + k * num_groups;
+        live[k] = task < p.num_tasks && copy_rows_task(p, task, lane, record, sp[k], dp[k]);
       }
-      continue;
+      V buf[kCopyUnroll];
+#pragma unroll
+      for (int k = 0; k < kCopyUnroll; ++k) {
+        if (live[k]) buf[k] = Mem::load(reinterpret_cast<const V*>(sp[k] + so));
+      }
+#pragma unroll
+      for (int k = 0; k < kCopyUnroll; ++k) {
+        if (live[k]) Mem::store(reinterpret_cast<V*>(dp[k] + dof), buf[k]);
+      }
     }
-    const char* sp = p.src_base[seg] + row_offset(p.src_geom, s);
-    char* dp = p.dst_base[seg] + row_offset(p.dst_geom, d);
+    return;
+  }
 
+  for (int64_t task = thread >> p.log2_group; task < p.num_tasks; task += num_groups) {
+    const char* sp;
+    char* dp;
+    if (!copy_rows_task(p, task, lane, record, sp, dp)) continue;
     int64_t h = h0, w = w0;
     for (int64_t v = lane; v < p.vecs_per_row; v += R * kCopyUnroll) {
       int64_t so[kCopyUnroll], dof[kCopyUnroll];
