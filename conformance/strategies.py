@@ -123,6 +123,13 @@ ELEMENT_WIDTHS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 66, 128, 576, 656)
 
 PAGE_SIZES = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
 
+ROW_BYTES = (128, 130, 132, 136, 144, 160, 192, 256, 264, 384, 520, 1024, 1040, 1152, 2048, 2056, 4096)
+"""Row sizes in bytes (H * E * element size) from 128 B to 4 KiB: multiples of 16 and sizes
+that are multiples of 8, 4 or 2 bytes only (the widest vector a kernel may use differs)."""
+
+MLA_ROW_ELEMENTS = (576, 656)
+"""MLA latent rows in elements: 512 + 64 (DeepSeek) and 512 + 128 + 16 (with a scale block)."""
+
 DEFAULT_BUDGET = 1 << 14
 """Default bound on P * L * N * H * E (elements per cache) to keep cases fast."""
 
@@ -409,13 +416,17 @@ def layout_pairs(kind: str | None = None, *, include_rows: bool = False) -> list
 def transfer_cases(draw, src_layout: str | None = None, dst_layout: str | None = None, *,
                    dtype: str | None = None, max_layers: int = 4, max_slots: int = 48,
                    budget: int = DEFAULT_BUDGET // 2, allow_skip: bool = True,
-                   allow_positions: bool = True) -> TransferCase:
+                   allow_positions: bool = True, row_bytes: Sequence[int] | None = None,
+                   max_heads: int = 64) -> TransferCase:
     """A source and a destination that can exchange rows, plus layers, slots and skip.
 
     Both sides have the same plane count and row width ``H * E`` (the head
     split may differ).  Layers are all (when both have the same L) or a subset
     paired in order; a one-layer chunk format takes a single layer.  Slots come
     from :func:`slot_patterns`; chunk layouts may use positions (``None``).
+    ``row_bytes``: draw the row ``H * E`` from these byte sizes (those that
+    are a whole number of elements and fit ``budget``) and from
+    :data:`MLA_ROW_ELEMENTS`, instead of from :data:`ELEMENT_WIDTHS` times a head count.
     """
     if src_layout is None or dst_layout is None:
         pairs = layout_pairs()
@@ -428,16 +439,22 @@ def transfer_cases(draw, src_layout: str | None = None, dst_layout: str | None =
     dtype = dtype or draw(dtypes())
 
     need_cols = max(column_count(src), column_count(dst))
-    widths = [w for w in ELEMENT_WIDTHS if w >= max(1, need_cols) and planes * w <= budget]
-    width = draw(st.sampled_from(widths))
-    heads = draw(st.sampled_from([1, 1, 2, 4, 8]))
-    if (has_axis(src, "h") or has_axis(dst, "h")) and planes * width * heads <= budget:
-        width *= heads
+    if row_bytes is not None:
+        itemsize = numpy_dtype(dtype).itemsize
+        widths = [b // itemsize for b in row_bytes if b % itemsize == 0] + list(MLA_ROW_ELEMENTS)
+        widths = [w for w in widths if w >= max(1, need_cols) and planes * w <= budget] or [max(1, need_cols)]
+        width = draw(st.sampled_from(widths))
+    else:
+        widths = [w for w in ELEMENT_WIDTHS if w >= max(1, need_cols) and planes * w <= budget]
+        width = draw(st.sampled_from(widths))
+        heads = draw(st.sampled_from([1, 1, 2, 4, 8]))
+        if (has_axis(src, "h") or has_axis(dst, "h")) and planes * width * heads <= budget:
+            width *= heads
     sg = draw(geometries(src, row_width=width, planes=planes, max_layers=max_layers, max_slots=max_slots,
-                         budget=budget))
+                         budget=budget, max_heads=max_heads))
     same_l = has_axis(dst, "l") and draw(st.booleans())
     dg = draw(geometries(dst, row_width=width, planes=planes, max_layers=max_layers, max_slots=max_slots,
-                         budget=budget, layers=sg.L if same_l else None))
+                         budget=budget, layers=sg.L if same_l else None, max_heads=max_heads))
 
     # Layers: all (same count) or a subset paired in order.
     if sg.L == dg.L and draw(st.booleans()):
@@ -467,3 +484,47 @@ def transfer_cases(draw, src_layout: str | None = None, dst_layout: str | None =
     tup = (lambda s: None if s is None else tuple(int(v) for v in s))
     return TransferCase(src.name, sg, dst.name, dg, dtype, tup(src_slots), tup(dst_slots), src_layers,
                         dst_layers, skip, num_tokens, draw(st.integers(0, 2**32 - 1)))
+
+
+# ---------------------------------------------------------------------------------------
+# Move: source/destination slot pairs inside one cache
+# ---------------------------------------------------------------------------------------
+
+MOVE_PATTERNS = ("shift", "swap", "rotate", "random", "padded")
+
+
+@st.composite
+def move_slot_pairs(draw, n_slots: int, patterns: Sequence[str] = MOVE_PATTERNS) -> tuple[np.ndarray, np.ndarray]:
+    """``(src_slots, dst_slots)`` int64 for a move inside a cache of ``n_slots`` slots.
+
+    Destinations are distinct among the non-negative entries; sources may
+    repeat and usually overlap the destinations: ``shift`` (a run moved by
+    ``k``, either direction), ``swap`` (two disjoint sets exchanged),
+    ``rotate`` (a chain: each slot takes its neighbour's row), ``random``
+    (distinct destinations, sources with repeats), ``padded`` (random with
+    some pairs -1 on either side).
+    """
+    kind = draw(st.sampled_from(tuple(patterns)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "shift" and n_slots >= 2:
+        k = draw(st.integers(1, n_slots - 1)) * draw(st.sampled_from((1, -1)))
+        T = draw(st.integers(1, n_slots - abs(k)))
+        start = draw(st.integers(max(0, -k), n_slots - T - max(0, k)))
+        src = np.arange(start, start + T)
+        return src.astype(np.int64), (src + k).astype(np.int64)
+    if kind == "swap" and n_slots >= 2:
+        half = draw(st.integers(1, n_slots // 2))
+        chosen = rng.choice(n_slots, size=2 * half, replace=False)
+        a, b = chosen[:half], chosen[half:]
+        return np.concatenate([a, b]).astype(np.int64), np.concatenate([b, a]).astype(np.int64)
+    if kind == "rotate" and n_slots >= 2:
+        T = draw(st.integers(2, min(n_slots, 32)))
+        chain = rng.choice(n_slots, size=T, replace=False)
+        return chain.astype(np.int64), np.roll(chain, 1).astype(np.int64)
+    T = draw(st.integers(0, min(n_slots, 32)))
+    dst = rng.choice(n_slots, size=T, replace=False).astype(np.int64)
+    src = rng.integers(0, n_slots, size=T).astype(np.int64)
+    if kind == "padded" and T:
+        src[rng.random(T) < 0.25] = -1
+        dst[rng.random(T) < 0.25] = -1
+    return src, dst

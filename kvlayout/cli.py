@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, one-line help shown by `kvlayout --help`)
     "layouts": ("kvlayout.commands.layouts", "list the layout catalog (table or JSON)"),
     "spec": ("kvlayout.commands.spec", "write the Markdown spec generated from kvlayout.reference"),
+    "conformance": ("kvlayout.commands.conformance", "check every op on every device against the reference"),
+    "bench": ("kvlayout.commands.bench", "measure the ops against copy limits and the torch baseline"),
 }
 
 

@@ -1,0 +1,171 @@
+"""The conformance report: one data structure, rendered as a terminal table, JSON and Markdown."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from .checks import FAMILIES, ROPE_TOLERANCE
+
+RULES = {
+    "copies": "every output tensor of the op equals the reference's, bit for bit (compared as unsigned "
+              "integers; sources hold random bytes, destinations a sentinel byte or random bytes, so rows that "
+              "must stay untouched are checked too); sources must not change",
+    "rope": "rotated dims: |got - want| <= tol * (1 + |want|) in fp32 with tol " +
+            ", ".join(f"{k} {v:.3g}" for k, v in ROPE_TOLERANCE.items()) +
+            "; dims past the rotary part, tokens with a negative position and the V half of packed rows "
+            "bit for bit",
+    "out of range": "a slot >= the cache's slot count in a token that would be copied raises IndexError naming "
+                    "the argument: on CPU before anything is written; on CUDA from ops.check_errors() after the "
+                    "default path (that token's rows untouched, the rest copied) or before launching with "
+                    "validate=True",
+    "bad input": "every other invalid argument raises the documented exception (TypeError for dtypes, "
+                 "ValueError for shapes/lengths/duplicates/overlap, IndexError for indices, RuntimeError for "
+                 "unpinned host memory facing CUDA) naming the argument, with the destination unchanged",
+}
+
+
+def build(*, command, settings, statuses, results, environment, seconds, sanitizer, name) -> dict:
+    rows, failures = [], []
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    for r in sorted(results, key=lambda r: (order.get(r["family"], 99), r["device"])):
+        for group, rec in sorted(r["groups"].items()):
+            rows.append({"family": r["family"], "layouts": group, "device": r["device"], "cases": rec["cases"],
+                         "passed": rec["passed"], "failed": rec["failed"], "seconds": round(rec["seconds"], 2),
+                         "variants": rec["variants"]})
+        failures.extend(r["failures"])
+    cases = sum(r["cases"] for r in rows)
+    failed = sum(r["failed"] for r in rows)
+    per_family = {}
+    for r in rows:
+        key = (r["family"], r["device"])
+        agg = per_family.setdefault(key, {"family": r["family"], "device": r["device"], "cases": 0, "passed": 0,
+                                          "failed": 0, "seconds": 0.0})
+        for k in ("cases", "passed", "failed", "seconds"):
+            agg[k] += r[k]
+    return {
+        "name": name,
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(seconds, 1),
+        "settings": settings,
+        "environment": environment,
+        "devices": [s.as_dict() for s in statuses],
+        "rules": RULES,
+        "families": {f: FAMILIES[f].doc for f in settings["families"]},
+        "summary": {"cases": cases, "passed": cases - failed, "failed": failed,
+                    "status": "FAIL" if failed or (sanitizer and sanitizer.get("errors")) else
+                    ("NO DEVICE" if not rows and not any(s.status == "run" for s in statuses) else "PASS")},
+        "per_family": [dict(v, seconds=round(v["seconds"], 1)) for v in per_family.values()],
+        "results": rows,
+        "failures": failures,
+        "sanitizer": sanitizer,
+    }
+
+
+def _table(header: list[str], rows: list[list], align_right: set[int] = frozenset()) -> list[str]:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+
+    def fmt(row):
+        return "  ".join(c.rjust(w) if i in align_right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return [fmt(header).rstrip(), "  ".join("-" * w for w in widths)] + [fmt(r).rstrip() for r in cells]
+
+
+def _device_lines(data: dict) -> list[str]:
+    out = []
+    for d in data["devices"]:
+        text = f"{d['device']}: {d['status']}"
+        if d.get("name"):
+            text += f" ({d['name']})"
+        if d.get("reason"):
+            text += f" - {d['reason']}"
+        out.append(text)
+    return out
+
+
+def terminal(data: dict) -> str:
+    lines = [f"kvlayout conformance: {data['summary']['status']} - {data['summary']['cases']} cases, "
+             f"{data['summary']['passed']} passed, {data['summary']['failed']} failed in {data['seconds']:.0f}s"]
+    lines += ["devices: " + "; ".join(_device_lines(data))]
+    rows = [[r["family"], r["layouts"], r["device"], r["cases"], r["passed"], r["failed"], f"{r['seconds']:.1f}s"]
+            for r in data["results"]]
+    if rows:
+        lines += [""] + _table(["family", "layouts", "device", "cases", "passed", "failed", "time"], rows, {3, 4, 5, 6})
+    for f in data["failures"]:
+        first = f["message"].splitlines()[0] if f["message"] else ""
+        lines += ["", f"FAILED {f['family']} / {f['layouts']} / {f['device']} ({f['failed_cases']} cases): "
+                      f"{f['description']}", f"  {first[:300]}"]
+    if data["sanitizer"] is not None:
+        s = data["sanitizer"]
+        lines += ["", f"sanitizer (compute-sanitizer memcheck): {s['status']}" + (f" - {s['detail']}" if s.get("detail") else "")]
+    return "\n".join(lines)
+
+
+def markdown(data: dict) -> str:
+    env = data["environment"]
+    s = data["summary"]
+    lines = [f"# kvlayout conformance report: {data['name']}", "",
+             f"**{s['status']}**: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed "
+             f"({data['seconds']:.0f} s, {data['date']}).", "",
+             "```bash", data["command"], "```", "",
+             f"Examples per operation family and device: {data['settings']['examples']}; seed "
+             f"{data['settings']['seed']}; families: {', '.join(data['settings']['families'])}.", "",
+             "## Devices", ""]
+    lines += [f"* {l}" for l in _device_lines(data)]
+    lines += ["", "## Environment", "", "| | |", "|---|---|"]
+    for k, v in env.items():
+        lines.append(f"| {k} | {v} |")
+    lines += ["", "## What is checked", ""]
+    lines += [f"* **{k}**: {v}" for k, v in data["rules"].items()]
+    lines += ["", "Families:", ""]
+    lines += [f"* `{k}`: {v}" for k, v in data["families"].items()]
+    lines += ["", "## Results", "", "| family | device | cases | passed | failed | time |", "|---|---|--:|--:|--:|--:|"]
+    for r in data["per_family"]:
+        lines.append(f"| {r['family']} | {r['device']} | {r['cases']} | {r['passed']} | {r['failed']} | "
+                     f"{r['seconds']:.1f} s |")
+    lines += ["", "Per operation family × layout family (or bad-input class) × device:", "",
+              "| family | layouts | device | cases | passed | failed | time |", "|---|---|---|--:|--:|--:|--:|"]
+    for r in data["results"]:
+        mark = " **✗**" if r["failed"] else ""
+        lines.append(f"| {r['family']} | {r['layouts']} | {r['device']} | {r['cases']} | {r['passed']} | "
+                     f"{r['failed']}{mark} | {r['seconds']:.1f} s |")
+    lines += ["", "## Failures", ""]
+    if not data["failures"]:
+        lines.append("None.")
+    for f in data["failures"]:
+        lines += [f"### {f['family']} / {f['layouts']} / {f['device']}", "",
+                  f"{f['failed_cases']} failing case(s). "
+                  + ("Minimal case (shrunk by hypothesis):" if f["reduced"] else "First failing case (not shrunk):")
+                  + f" `{f['description']}`", "", "```", f["message"], "```", "", "Reproducer:", "",
+                  "```python", f["reproducer"].rstrip(), "```", ""]
+        if f["failed_cases"] > 1:
+            lines += ["First failing cases as drawn:", ""] + [f"* `{d}`" for d in f["first_failures"]] + [""]
+    lines += ["", "## Sanitizer", ""]
+    san = data["sanitizer"]
+    if san is None:
+        lines.append("Not requested (`--sanitize` runs the bad-input, fuzzed-index and transfer cases on CUDA "
+                     "under `compute-sanitizer --tool memcheck`).")
+    else:
+        lines.append(f"**{san['status']}**" + (f": {san['detail']}" if san.get("detail") else ""))
+        if san.get("command"):
+            lines += ["", "```bash", f"{san['environment'].split(' (')[0]} {san['command']}", "```"]
+            if "cases" in san:
+                lines.append(f"\n{san['cases']} cases under memcheck, {san['cases_failed']} failed; "
+                             f"{san['seconds']} s.")
+            if san.get("error_lines"):
+                lines += ["", "```"] + san["error_lines"] + ["```"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write(directory: str, data: dict) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, data["name"])
+    with open(base + ".json", "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.write("\n")
+    with open(base + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(data))
+    return [base + ".json", base + ".md"]

@@ -1,0 +1,470 @@
+"""``kvlayout conformance``: every op on every requested device against the reference.
+
+For each operation family (:data:`kvlayout.conformance.checks.FAMILIES`) and
+device, hypothesis draws ``--examples`` cases (seeded by ``--seed``, the
+family and the device: the same command draws the same cases) and each case is
+checked by running its own reproducer script.  Failures are then shrunk, per
+layout family, to a minimal failing case whose script goes into the report.
+
+Exit status: 0 when every case passed; 1 when a case failed (or the sanitizer
+found errors); 2 when none of the requested devices could be tested; 3 when
+``--sanitize`` was asked for but the sanitizer could not run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the reference runs on the CPU; jax must not take GPU memory
+
+import argparse
+import collections
+import fnmatch
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+
+EXAMPLE_PRESETS = {"small": 10, "default": 100, "large": 1000}
+DEFAULT_EXAMPLES = EXAMPLE_PRESETS["default"]
+"""Cases per operation family and device (the README's main command uses it: a few minutes on 2 cores)."""
+
+SANITIZE_FAMILIES = "bad_input,fuzz_index,transfer"
+MAX_SHRUNK_GROUPS = 6
+"""Failing groups shrunk per family and device; later ones report their first failing case as drawn."""
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+def _examples(text: str) -> int:
+    if text in EXAMPLE_PRESETS:
+        return EXAMPLE_PRESETS[text]
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--examples takes a number or one of {', '.join(EXAMPLE_PRESETS)}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("--examples must be >= 1")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", metavar="LIST",
+                        help="devices to test: comma-separated cpu, cuda, xpu, or 'all' (default: cpu)")
+    parser.add_argument("--examples", type=_examples, default=DEFAULT_EXAMPLES, metavar="N",
+                        help=f"cases per operation family and device, or {'/'.join(EXAMPLE_PRESETS)} "
+                             f"({', '.join(f'{k} = {v}' for k, v in EXAMPLE_PRESETS.items())}; default {DEFAULT_EXAMPLES})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the case generation (default 0)")
+    parser.add_argument("--only", metavar="PATTERN",
+                        help="comma-separated shell patterns over family names "
+                             "(transfer, gather, scatter, move, pages, rope, fuzz_index, bad_input)")
+    parser.add_argument("--report", metavar="DIR",
+                        help="write DIR/<name>.json and DIR/<name>.md (name: cpu, h200, or the device kind)")
+    parser.add_argument("--sanitize", action="store_true",
+                        help="CUDA: re-run the bad-index and fuzzed-index cases under compute-sanitizer memcheck")
+    parser.add_argument("--sanitize-examples", type=_examples, default=EXAMPLE_PRESETS["small"], metavar="N",
+                        help="cases per family in the sanitizer run (default: small)")
+    parser.add_argument("--jobs", type=int, default=0, metavar="N",
+                        help="worker processes (default: one per CPU core, at most 8; 1 = in this process)")
+    parser.add_argument("--shrink-seconds", type=float, default=60.0, metavar="S",
+                        help="time spent shrinking each failing group to a minimal case (default 60; 0 = off)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvlayout conformance", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    return run(args)
+
+
+def command_line(args) -> str:
+    """The command, options in canonical order, defaults left out (except the device list)."""
+    parts = ["kvlayout", "conformance", "--device", args.device]
+    if args.examples != DEFAULT_EXAMPLES:
+        parts += ["--examples", str(args.examples)]
+    if args.seed:
+        parts += ["--seed", str(args.seed)]
+    if args.only:
+        parts += ["--only", args.only]
+    if args.report:
+        parts += ["--report", args.report]
+    if args.sanitize:
+        parts.append("--sanitize")
+        if args.sanitize_examples != EXAMPLE_PRESETS["small"]:
+            parts += ["--sanitize-examples", str(args.sanitize_examples)]
+    if args.jobs:
+        parts += ["--jobs", str(args.jobs)]
+    if args.shrink_seconds != 60.0:
+        parts += ["--shrink-seconds", f"{args.shrink_seconds:g}"]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+# ---------------------------------------------------------------------------------------
+# One family on one device (runs in a worker process or in this one)
+# ---------------------------------------------------------------------------------------
+
+class _Failed(Exception):
+    pass
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("/".join(str(p) for p in parts).encode())
+
+
+def _settings(n: int, phases):
+    from hypothesis import HealthCheck, Verbosity, settings
+
+    return settings(max_examples=n, database=None, deadline=None, derandomize=False, phases=phases,
+                    suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
+                    report_multiple_bugs=False, print_blob=False)
+
+
+def check(case, device: str) -> str | None:
+    """Run the case's reproducer on ``device``: ``None`` if it passes, else what went wrong."""
+    if device != "cpu":
+        from kvlayout import ops
+
+        try:   # a previous case may have left an error behind
+            ops.check_errors(device)
+        except IndexError:
+            pass
+    code = case.to_python(device)
+    try:
+        exec(compile(code, "<reproducer>", "exec"), {"__name__": "__kvlayout_reproducer__"})
+    except Exception as e:  # noqa: BLE001 - every failure is a finding
+        text = f"{type(e).__name__}: {e}"
+        return text if len(text) <= 2000 else text[:2000] + " ..."
+    return None
+
+
+def _planned(family: str, device: str, examples: int) -> list[tuple[str | None, int]]:
+    from .checks import FAMILIES
+
+    groups = FAMILIES[family].groups(device)
+    if groups is None:
+        return [(None, examples)]
+    base, extra = divmod(examples, len(groups))
+    return [(g, max(1, base + (i < extra))) for i, g in enumerate(groups)]
+
+
+def planned_cases(family: str, device: str, examples: int) -> int:
+    return sum(n for _, n in _planned(family, device, examples))
+
+
+def _shrink(family: str, device: str, group: str, seed: int, examples: int, seconds: float):
+    """A minimal failing case of ``group`` (hypothesis shrinking), or ``None``."""
+    from hypothesis import Phase, given
+    from hypothesis import seed as hseed
+
+    from .checks import FAMILIES
+
+    memo: dict[str, str | None] = {}
+    deadline = time.monotonic() + seconds
+    best = [None]
+
+    @hseed(_seed(seed, family, device, group, "shrink"))
+    @_settings(max(examples, 50), [Phase.generate, Phase.shrink])
+    @given(FAMILIES[family].strategy(device, group))
+    def body(case):
+        key = repr(case)
+        if key not in memo:
+            if time.monotonic() > deadline:
+                return   # out of time: new candidates count as passing, so shrinking stops
+            memo[key] = check(case, device)
+        if memo[key] is not None and case.group() == group:
+            best[0] = (case, memo[key])
+            raise _Failed(memo[key])
+
+    try:
+        body()
+    except _Failed:
+        pass
+    except Exception:  # noqa: BLE001 - e.g. no failing case found again
+        pass
+    return best[0]
+
+
+def run_task(family: str, device: str, examples: int, seed: int, shrink_seconds: float, progress=None) -> dict:
+    """Generate, check and (on failure) shrink the cases of one family on one device."""
+    from hypothesis import Phase, given
+    from hypothesis import seed as hseed
+
+    from .checks import FAMILIES
+
+    progress = progress or (lambda n, label: None)
+    fam = FAMILIES[family]
+    groups: dict[str, dict] = {}
+    failures: dict[str, list] = collections.defaultdict(list)
+    started = time.perf_counter()
+    ran = 0
+    planned = _planned(family, device, examples)
+    for group, n in planned:
+        @hseed(_seed(seed, family, device, group or ""))
+        @_settings(n, [Phase.generate])
+        @given(fam.strategy(device, group))
+        def generate(case):
+            nonlocal ran
+            t0 = time.perf_counter()
+            message = check(case, device)
+            g = case.group()
+            rec = groups.setdefault(g, {"cases": 0, "passed": 0, "failed": 0, "seconds": 0.0,
+                                        "variants": collections.Counter()})
+            rec["cases"] += 1
+            rec["passed" if message is None else "failed"] += 1
+            rec["seconds"] += time.perf_counter() - t0
+            rec["variants"][_variant(case)] += 1
+            if message is not None:
+                failures[g].append((case, message))
+            ran += 1
+            progress(1, f"{family} {device}")
+
+        generate()
+    progress(max(0, sum(n for _, n in planned) - ran), f"{family} {device}")
+
+    reports = []
+    for i, (g, items) in enumerate(failures.items()):
+        case, message = items[0]
+        reduced = False
+        if i < MAX_SHRUNK_GROUPS and shrink_seconds > 0:
+            progress(0, f"shrinking {family} {g} {device}")
+            minimal = _shrink(family, device, g, seed, examples, shrink_seconds)
+            if minimal is not None:
+                case, message = minimal
+                reduced = True
+        reports.append({"family": family, "layouts": g, "device": device, "failed_cases": len(items),
+                        "reduced": reduced, "description": case.describe(), "message": message,
+                        "reproducer": case.to_python(device),
+                        "first_failures": [c.describe() for c, _ in items[:5]]})
+    for rec in groups.values():
+        rec["variants"] = dict(sorted(rec["variants"].items()))
+    return {"family": family, "device": device, "groups": groups, "failures": reports,
+            "seconds": time.perf_counter() - started}
+
+
+def _variant(case) -> str:
+    """Placement / path / dtype details counted per group in the JSON report."""
+    parts = []
+    for attr in ("placement", "path"):
+        v = getattr(case, attr, None)
+        if v is not None:
+            parts.append(str(v))
+    if getattr(case, "pinned_out", False) or getattr(case, "pinned_rows", False):
+        parts.append("pinned host")
+    dtype = getattr(case, "dtype", None) or getattr(getattr(case, "case", None), "dtype", None)
+    if dtype:
+        parts.append(dtype)
+    return " ".join(parts) or "-"
+
+
+# ---------------------------------------------------------------------------------------
+# Progress
+# ---------------------------------------------------------------------------------------
+
+class Progress:
+    """A progress bar on stderr (a line every 10 % when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = max(1, total), 0, enabled
+        self.tty = sys.stderr.isatty()
+        self.start = time.monotonic()
+        self.last_decile = -1
+        self.lock = threading.Lock()
+
+    def __call__(self, n: int, label: str) -> None:
+        with self.lock:
+            self.done = min(self.total, self.done + n)
+            if not self.enabled:
+                return
+            frac = self.done / self.total
+            elapsed = time.monotonic() - self.start
+            if self.tty:
+                width = 30
+                bar = "#" * int(width * frac) + "." * (width - int(width * frac))
+                sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label[:48]:<48}")
+                sys.stderr.flush()
+            elif int(frac * 10) > self.last_decile:
+                self.last_decile = int(frac * 10)
+                sys.stderr.write(f"conformance: {self.done}/{self.total} cases ({elapsed:.0f}s) {label}\n")
+                sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+_worker_queue = None
+
+
+def _init_worker(queue) -> None:
+    global _worker_queue
+    _worker_queue = queue
+
+
+def _worker_task(family, device, examples, seed, shrink_seconds) -> dict:
+    return run_task(family, device, examples, seed, shrink_seconds,
+                    progress=lambda n, label: _worker_queue.put((n, label)))
+
+
+def _run_tasks(tasks: list[tuple], jobs: int, progress: Progress) -> list[dict]:
+    if jobs <= 1 or len(tasks) <= 1:
+        return [run_task(*t, progress=progress) for t in tasks]
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    stop = threading.Event()
+
+    def drain():
+        while not stop.is_set():
+            try:
+                n, label = queue.get(timeout=0.2)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                continue
+            progress(n, label)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
+                                                    initargs=(queue,)) as pool:
+            futures = [pool.submit(_worker_task, *t) for t in tasks]
+            results = [f.result() for f in futures]
+    finally:
+        time.sleep(0.3)
+        stop.set()
+        thread.join()
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# Sanitizer
+# ---------------------------------------------------------------------------------------
+
+def find_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "compute-sanitizer"), os.X_OK):
+            return os.path.join(root, "bin", "compute-sanitizer")
+    return None
+
+
+def sanitize(args, cuda_ran: bool) -> dict:
+    """Re-run the index-heavy families on CUDA under compute-sanitizer memcheck."""
+    if not cuda_ran:
+        return {"status": "not run", "detail": "no CUDA device was tested, so there is nothing to sanitize"}
+    exe = find_sanitizer()
+    if exe is None:
+        return {"status": "sanitizer not available",
+                "detail": "compute-sanitizer is not on PATH (nor in $CUDA_HOME/bin or /usr/local/cuda/bin)"}
+    tmp = tempfile.mkdtemp(prefix="kvlayout-sanitize-")
+    child = [sys.executable, "-m", "kvlayout", "conformance", "--device", "cuda", "--only", SANITIZE_FAMILIES,
+             "--examples", str(args.sanitize_examples), "--seed", str(args.seed), "--jobs", "1",
+             "--shrink-seconds", "0", "--no-progress", "--report", tmp]
+    cmd = [exe, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "100"] + child
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    started = time.monotonic()
+    sys.stderr.write(f"conformance: sanitizer run: {' '.join(shlex.quote(c) for c in cmd)}\n")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        out, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out, code = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else "", None
+    summaries = re.findall(r"ERROR SUMMARY:\s*(\d+)\s+error", out)
+    errors = int(summaries[-1]) if summaries else None
+    child_report = None
+    for name in sorted(os.listdir(tmp)):
+        if name.endswith(".json"):
+            with open(os.path.join(tmp, name), encoding="utf-8") as f:
+                child_report = json.load(f)
+    lines = [l for l in out.splitlines() if l.startswith("=========") and "ERROR SUMMARY" not in l]
+    result = {
+        "command": " ".join(shlex.quote(c) for c in cmd),
+        "environment": "JAX_PLATFORMS=cpu PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every allocation its own, so an "
+                       "out-of-bounds access cannot land in a cached block)",
+        "exit_code": code,
+        "seconds": round(time.monotonic() - started, 1),
+        "errors": errors,
+        "error_lines": lines[:80],
+    }
+    if child_report is not None:
+        result["cases"] = child_report["summary"]["cases"]
+        result["cases_failed"] = child_report["summary"]["failed"]
+    if errors is None:
+        result["status"] = "no ERROR SUMMARY (the run did not finish)"
+        result["output_tail"] = out[-4000:]
+    else:
+        result["status"] = f"{errors} errors"
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------
+
+def select_families(only: str | None) -> list[str]:
+    from .checks import FAMILIES
+
+    if not only:
+        return list(FAMILIES)
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    chosen = [f for f in FAMILIES if any(fnmatch.fnmatchcase(f, p) for p in patterns)]
+    if not chosen:
+        raise SystemExit(f"kvlayout conformance: --only {only!r} matches no family ({', '.join(FAMILIES)})")
+    return chosen
+
+
+def run(args) -> int:
+    from . import environment, report
+
+    requested = environment.parse_devices(args.device)
+    if not requested:
+        raise SystemExit("kvlayout conformance: --device names no device")
+    families = select_families(args.only)
+    statuses = environment.devices(requested)
+    if "xpu" not in requested:   # say plainly what happened to XPU even when it was not asked for
+        xpu = environment.devices(["xpu"])[0]
+        statuses.append(environment.DeviceStatus("xpu", "not run", "not requested; " + xpu.reason
+                                                 if xpu.status != "run" else "not requested", xpu.name))
+    ran = [s.device for s in statuses if s.status == "run"]
+    tasks = [(f, d, args.examples, args.seed, args.shrink_seconds) for d in ran for f in families]
+    jobs = args.jobs or min(8, os.cpu_count() or 1)
+    progress = Progress(sum(planned_cases(f, d, n) for f, d, n, _, _ in tasks), enabled=not args.no_progress)
+    started = time.time()
+    results = _run_tasks(tasks, jobs, progress)
+    progress.close()
+    sanitizer = sanitize(args, "cuda" in ran) if args.sanitize else None
+    data = report.build(
+        command=command_line(args),
+        settings={"devices": requested, "examples": args.examples, "seed": args.seed, "only": args.only,
+                  "families": families, "jobs": jobs, "shrink_seconds": args.shrink_seconds},
+        statuses=statuses, results=results, environment=environment.collect(statuses),
+        seconds=time.time() - started, sanitizer=sanitizer, name=environment.report_name(statuses))
+    print(report.terminal(data))
+    if args.report:
+        paths = report.write(args.report, data)
+        print("reports: " + ", ".join(paths))
+    if data["summary"]["failed"] or (sanitizer and sanitizer.get("errors")):
+        return 1
+    if not ran:
+        return 2
+    if sanitizer and sanitizer["status"] != "0 errors":
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

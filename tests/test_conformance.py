@@ -1,0 +1,99 @@
+"""The conformance runner itself: it passes on the real ops, fails on a broken one, names absent devices."""
+
+import importlib
+import json
+import os
+
+import pytest
+import torch
+
+from kvlayout.conformance import runner
+
+transfer_module = importlib.import_module("kvlayout.ops.transfer")
+
+
+def _run(tmp_path, *args):
+    report = tmp_path / "report"
+    code = runner.main(["--jobs", "1", "--no-progress", "--report", str(report), *args])
+    files = sorted(os.listdir(report))
+    name = files[0].rsplit(".", 1)[0]
+    with open(report / f"{name}.json", encoding="utf-8") as f:
+        data = json.load(f)
+    markdown = (report / f"{name}.md").read_text(encoding="utf-8")
+    return code, files, data, markdown
+
+
+def test_tiny_cpu_run_passes_and_writes_both_reports(tmp_path, capsys):
+    code, files, data, markdown = _run(tmp_path, "--device", "cpu", "--examples", "2", "--seed", "1")
+    assert files == ["cpu.json", "cpu.md"]
+    assert data["summary"]["failed"] == 0, json.dumps(data["failures"], indent=1)[:4000]
+    assert code == 0
+    assert data["summary"]["status"] == "PASS"
+    families = {r["family"] for r in data["results"]}
+    assert families == {"transfer", "gather", "scatter", "move", "pages", "rope", "fuzz_index", "bad_input"}
+    assert data["environment"]["torch"] == torch.__version__
+    assert any(d["device"] == "xpu" and d["status"] == "not run" for d in data["devices"])
+    assert "# kvlayout conformance report: cpu" in markdown and "| transfer |" in markdown
+    out = capsys.readouterr().out
+    assert "kvlayout conformance: PASS" in out and "family" in out
+
+
+def _swap_first_two_destination_segments(plan):
+    """A broken op layer: the first two (layer, plane) destinations of each launch trade places."""
+    def broken(*args, **kwargs):
+        launches = plan(*args, **kwargs)
+        for launch in launches:
+            seg = launch.dst_segments
+            if len(seg) >= 4:
+                seg[0:2], seg[2:4] = seg[2:4], seg[0:2]
+        return launches
+    return broken
+
+
+def test_runner_catches_a_broken_op_and_reduces_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(transfer_module, "plan", _swap_first_two_destination_segments(transfer_module.plan))
+    monkeypatch.setattr(runner, "MAX_SHRUNK_GROUPS", 1)
+    code, _, data, markdown = _run(tmp_path, "--device", "cpu", "--only", "transfer", "--examples", "12",
+                                   "--shrink-seconds", "20")
+    assert code == 1
+    assert data["summary"]["failed"] > 0 and data["summary"]["status"] == "FAIL"
+    reduced = [f for f in data["failures"] if f["reduced"]]
+    assert reduced, "no failure was shrunk"
+    snippet = reduced[0]["reproducer"]
+    assert "from kvlayout import ops" in snippet and "ops.transfer(" in snippet
+    assert "```python" in markdown and "Minimal case" in markdown
+    # The reproducer fails with the fault in place and passes without it.
+    with pytest.raises(AssertionError):
+        exec(compile(snippet, "<reproducer>", "exec"), {})
+    monkeypatch.undo()
+    exec(compile(snippet, "<reproducer>", "exec"), {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_absent_device_is_reported_not_present(tmp_path):
+    code, _, data, markdown = _run(tmp_path, "--device", "cuda", "--examples", "1")
+    assert code == 2
+    cuda = next(d for d in data["devices"] if d["device"] == "cuda")
+    assert cuda["status"] == "not present"
+    assert data["summary"]["cases"] == 0
+    assert "cuda: not present" in markdown
+
+
+def test_device_list_and_family_selection():
+    from kvlayout.conformance import environment
+
+    assert environment.parse_devices("all") == ["cpu", "cuda", "xpu"]
+    assert environment.parse_devices("cuda, cpu,cuda") == ["cuda", "cpu"]
+    assert runner.select_families("bad_*,move") == ["move", "bad_input"]
+    with pytest.raises(SystemExit):
+        runner.select_families("nothing")
+
+
+def test_sanitizer_absent_is_not_a_pass(monkeypatch):
+    monkeypatch.setattr(runner, "find_sanitizer", lambda: None)
+
+    class Args:
+        sanitize_examples, seed = 2, 0
+
+    assert runner.sanitize(Args, cuda_ran=True)["status"] == "sanitizer not available"
+    assert runner.sanitize(Args, cuda_ran=False)["status"] == "not run"
