@@ -62,7 +62,7 @@ def _pieces(src: PartView, dst: PartView, width: int) -> tuple[int, int, int, in
     if src.heads_contiguous and dst.heads_contiguous:
         return 1, width, 0, 0
     if not src.heads_contiguous and not dst.heads_contiguous:
-        if (src.heads, src.head_width) != (dst.heads, dst.head_width):
+        if (src.heads, src.head_width) != (dst.heads, dst.head_width):   # plan() cuts such rows at heads
             raise ValueError(f"row structures differ: source {src.heads} heads x {src.head_width}, "
                              f"destination {dst.heads} heads x {dst.head_width}, both strided")
         return src.heads, src.head_width, src.strides["h"], dst.strides["h"]
@@ -84,6 +84,23 @@ def _column_blocks(cache: KVCache, plane: int) -> list[tuple[int, int, PartView]
     return [(v.column_start * v.heads, v.heads * v.head_width, v) for v in views]
 
 
+def _head_cuts(src: PartView, dst: PartView, width: int) -> set[int]:
+    """Head boundaries of both rows when both have their heads apart with different splits.
+
+    Such rows have no common piece stride; cut at every head boundary of
+    either side, each block then lies inside one head on both sides.
+    """
+    if src.heads_contiguous or dst.heads_contiguous or (src.heads, src.head_width) == (dst.heads, dst.head_width):
+        return set()
+    return set(range(0, width, src.head_width)) | set(range(0, width, dst.head_width))
+
+
+def _column_offset(view: PartView, column: int) -> int:
+    """Element offset of a column of the part's row ``(h e)`` from its head 0."""
+    head, e = divmod(column, view.head_width)
+    return head * view.strides["h"] + e
+
+
 def plan(src: KVCache, dst: KVCache, src_layers: Sequence[int], dst_layers: Sequence[int],
          src_planes: Sequence[int], dst_planes: Sequence[int]) -> list[Launch]:
     """Launches copying the chosen (plane, layer) rows of ``src`` into ``dst``."""
@@ -93,11 +110,14 @@ def plan(src: KVCache, dst: KVCache, src_layers: Sequence[int], dst_layers: Sequ
     isz = src.itemsize
     for ps, pd in zip(src_planes, dst_planes):
         src_blocks, dst_blocks = _column_blocks(src, ps), _column_blocks(dst, pd)
-        cuts = sorted({b[0] for b in src_blocks} | {b[0] for b in dst_blocks} | {src.row_width})
+        cuts = {b[0] for b in src_blocks} | {b[0] for b in dst_blocks} | {src.row_width}
+        if len(src_blocks) == len(dst_blocks) == 1:
+            cuts |= _head_cuts(src_blocks[0][2], dst_blocks[0][2], src.row_width)
+        cuts = sorted(cuts)
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             s_start, _, s_view = next(b for b in src_blocks if b[0] <= lo < b[0] + b[1])
             d_start, _, d_view = next(b for b in dst_blocks if b[0] <= lo < b[0] + b[1])
-            if len(cuts) > 2:   # a split row: both sides are contiguous there
+            if len(cuts) > 2:   # a split row: each block is contiguous on both sides
                 pieces, piece, s_sp, d_sp = 1, hi - lo, 0, 0
             else:
                 pieces, piece, s_sp, d_sp = _pieces(s_view, d_view, hi - lo)
@@ -114,7 +134,7 @@ def plan(src: KVCache, dst: KVCache, src_layers: Sequence[int], dst_layers: Sequ
                     index = ids.setdefault(id(tensor), len(tensors))
                     if index == len(tensors):
                         tensors.append(tensor)
-                    segments += [index, (offset + lo - start) * isz]
+                    segments += [index, (offset + _column_offset(view, lo - start)) * isz]
     return list(groups.values())
 
 
