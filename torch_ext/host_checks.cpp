@@ -205,7 +205,7 @@ RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_pos
   const auto kt = key.scalar_type();
   TORCH_CHECK(kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16,
               "kvlayout::rope_reposition: key must be float32, float16 or bfloat16, got ", kt);
-  TORCH_CHECK(key.size(2) <= 1 || key.stride(2) == 1,
+  TORCH_CHECK(key.numel() == 0 || key.size(2) <= 1 || key.stride(2) == 1,
               "kvlayout::rope_reposition: key's last dimension must be contiguous (stride 1), "
               "got strides ", key.strides());
   TORCH_CHECK(cos_sin_cache.dim() == 2,
