@@ -129,6 +129,11 @@ def _settings(n: int, phases):
                     report_multiple_bugs=False, print_blob=False)
 
 
+_CRASH_FILE: str | None = None
+"""Where a worker writes the script of the case it is about to run, so that a case that kills the
+process (a segmentation fault in a native op) can still be reported."""
+
+
 def check(case, device: str) -> str | None:
     """Run the case's reproducer on ``device``: ``None`` if it passes, else what went wrong."""
     if device != "cpu":
@@ -139,6 +144,9 @@ def check(case, device: str) -> str | None:
         except IndexError:
             pass
     code = case.to_python(device)
+    if _CRASH_FILE:
+        with open(_CRASH_FILE, "w", encoding="utf-8") as f:
+            f.write(f"# {case.describe()}\n{code}")
     try:
         exec(compile(code, "<reproducer>", "exec"), {"__name__": "__kvlayout_reproducer__"})
     except Exception as e:  # noqa: BLE001 - every failure is a finding
@@ -311,9 +319,32 @@ def _init_worker(queue) -> None:
     _worker_queue = queue
 
 
-def _worker_task(family, device, examples, seed, shrink_seconds) -> dict:
-    return run_task(family, device, examples, seed, shrink_seconds,
-                    progress=lambda n, label: _worker_queue.put((n, label)))
+def _worker_task(family, device, examples, seed, shrink_seconds, crash_file) -> dict:
+    global _CRASH_FILE
+    _CRASH_FILE = crash_file
+    result = run_task(family, device, examples, seed, shrink_seconds,
+                      progress=lambda n, label: _worker_queue.put((n, label)))
+    _CRASH_FILE = None
+    os.remove(crash_file) if os.path.exists(crash_file) else None
+    return result
+
+
+def _died(task: tuple, error: BaseException, crash_file: str) -> dict:
+    """The result of a task whose worker process died (or whose pool broke while it ran)."""
+    family, device = task[0], task[1]
+    script = ""
+    if os.path.exists(crash_file):
+        with open(crash_file, encoding="utf-8") as f:
+            script = f.read()
+    description = script.splitlines()[0][2:] if script else "(no case had started)"
+    message = (f"{type(error).__name__}: {error}. A worker process died (e.g. a segmentation fault in a native "
+               "op) while this family ran; the case shown was running in this task at that moment. "
+               f"Rerun with --jobs 1 --only {family} for the traceback.")
+    return {"family": family, "device": device, "seconds": 0.0,
+            "groups": {"(process died)": {"cases": 1, "passed": 0, "failed": 1, "seconds": 0.0, "variants": {}}},
+            "failures": [{"family": family, "layouts": "(process died)", "device": device, "failed_cases": 1,
+                          "reduced": False, "description": description, "message": message,
+                          "reproducer": script.split("\n", 1)[1] if script else "", "first_failures": []}]}
 
 
 def _run_tasks(tasks: list[tuple], jobs: int, progress: Progress) -> list[dict]:
@@ -336,11 +367,18 @@ def _run_tasks(tasks: list[tuple], jobs: int, progress: Progress) -> list[dict]:
 
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()
+    crash_dir = tempfile.mkdtemp(prefix="kvlayout-conformance-")
+    crash_files = [os.path.join(crash_dir, f"{t[0]}-{t[1]}.py") for t in tasks]
+    results = []
     try:
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
                                                     initargs=(queue,)) as pool:
-            futures = [pool.submit(_worker_task, *t) for t in tasks]
-            results = [f.result() for f in futures]
+            futures = [pool.submit(_worker_task, *t, c) for t, c in zip(tasks, crash_files)]
+            for task, future, crash_file in zip(tasks, futures, crash_files):
+                try:
+                    results.append(future.result())
+                except Exception as e:  # noqa: BLE001 - a dead worker is a finding, not the end of the run
+                    results.append(_died(task, e, crash_file))
     finally:
         time.sleep(0.3)
         stop.set()
