@@ -108,12 +108,17 @@ def status_tensor(device) -> torch.Tensor:
     return t
 
 
-def raise_on_device_errors(device) -> None:
+def raise_on_device_errors(device=None) -> None:
     """Raise IndexError if a device kernel recorded an out-of-range index.
 
     Reads the status tensor of `device` (a host synchronisation), then zeroes
-    it, so each recorded error is reported once.
+    it, so each recorded error is reported once. `device=None` checks every
+    device that has a status tensor.
     """
+    if device is None:
+        for d in list(_status):
+            raise_on_device_errors(d)
+        return
     device = _normalize_device(device)
     t = _status.get(device)
     if t is None:

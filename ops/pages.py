@@ -38,9 +38,18 @@ def _page_views(cache: KVCache, page: int) -> list[torch.Tensor]:
     return views
 
 
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as integers of their size: copies of these keep every bit (float copies
+    may rewrite NaN payloads, e.g. fp8 on CUDA)."""
+    return t.view(_RAW[t.element_size()])
+
+
 def get_page(cache: KVCache, page: int) -> torch.Tensor:
     """The page's flat data ``[P * L * BS * H * E]`` in the layout's byte order (a new tensor)."""
-    return torch.cat([v.reshape(-1) for v in _page_views(cache, page)])
+    return torch.cat([_raw(v).reshape(-1) for v in _page_views(cache, page)]).view(cache.dtype)
 
 
 def set_page(cache: KVCache, page: int, flat: torch.Tensor) -> None:
@@ -54,7 +63,7 @@ def set_page(cache: KVCache, page: int, flat: torch.Tensor) -> None:
     flat = flat.view(cache.dtype) if flat.dtype != cache.dtype else flat
     start = 0
     for v in views:
-        v.copy_(flat[start:start + v.numel()].view(v.shape))
+        _raw(v).copy_(_raw(flat[start:start + v.numel()]).view(v.shape))
         start += v.numel()
 
 

@@ -131,7 +131,8 @@ def plan(src: KVCache, dst: KVCache, src_layers: Sequence[int], dst_layers: Sequ
                         (s_view, s_start, ps, ls, launch.src_tensors, launch.src_segments, src_ids[key]),
                         (d_view, d_start, pd, ld, launch.dst_tensors, launch.dst_segments, dst_ids[key])):
                     tensor, offset = view.tensor_and_offset(plane, layer)
-                    index = ids.setdefault(id(tensor), len(tensors))
+                    # which tensor of the cache this is (no id(): tensors made inside a compiled graph have none)
+                    index = ids.setdefault((view.part.name, layer if view.part.per_layer else None), len(tensors))
                     if index == len(tensors):
                         tensors.append(tensor)
                     segments += [index, (offset + _column_offset(view, lo - start)) * isz]
@@ -145,6 +146,8 @@ def _slots_tensor(name: str, slots, device: torch.device) -> torch.Tensor | None
         slots = torch.as_tensor(slots, dtype=torch.int64, device=device)
     if slots.dtype not in SLOT_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
+    if slots.device.type != "cpu" and slots.device != device:
+        raise ValueError(f"{name} is on {slots.device} but the operation runs on {device}")
     if slots.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
     return slots
@@ -312,6 +315,7 @@ def skip_prefix(slots: torch.Tensor | None, n: int, num_tokens: int | None = Non
 def check_errors(device=None) -> None:
     """Raise ``IndexError`` if a CUDA kernel skipped an out-of-range slot since the last check.
 
-    Synchronizes with the device.  CPU operations raise immediately instead.
+    Synchronizes with the device (``None``: every device used so far).  CPU
+    operations raise immediately instead.
     """
     _native.raise_on_device_errors(torch.device(device) if device is not None else None)
