@@ -121,6 +121,14 @@ def test_unpinned_host_slots_facing_cuda(cuda_device):
         ops.transfer(src, dst, slots([0, 1], "cpu"), slots([5, 6], cuda_device))
 
 
+def test_host_caches_with_device_slots(cuda_device):
+    """Slots on the GPU while both caches are in host memory (the copy would run on the CPU)."""
+    src = make_cache("hicache_layer_first", "cpu")
+    dst = make_cache("hicache_page_first", "cpu", seed=2)
+    with rejects(ValueError, r"src_slots is on cuda:\d but the operation runs on cpu", dst, device=cuda_device):
+        ops.transfer(src, dst, slots([0, 1], cuda_device), slots([5, 6], cuda_device))
+
+
 def test_unpinned_host_rows_for_gather(cuda_device):
     cache = make_cache("vllm_flash_attn_hnd", cuda_device)
     out = torch.zeros(2, 2, 3, 2, 8, dtype=torch.float16)
