@@ -740,7 +740,7 @@ def _bad_lines(b: BadInputOp, device: str) -> list[str]:
                 "assert_same(src.tensors, arrays_of(case.src_layout, src_np), 'source (must not change)')"]
         if what == "unpinned host source":
             lines += [*tensors]
-            return lines + raises("ops.transfer(src, dst, src_s, dst_s)", "RuntimeError", ["pinned"]) + unchanged
+            return lines + raises(f"ops.transfer(src, dst, src_s, dst_s{lk})", "RuntimeError", ["pinned"]) + unchanged
         if what in ("src_layers out of range", "dst_layers out of range"):
             L = sg.L if what.startswith("src") else dg.L
             arg = "src_layers" if what.startswith("src") else "dst_layers"

@@ -293,7 +293,10 @@ def move(cache: KVCache, src_slots, dst_slots, *, max_ctas: int = 0, validate: b
     if not torch.compiler.is_compiling() and (validating(validate) or device.type == "cpu"):
         _check_slots_on_host("dst_slots", d, cache.geometry.N, unique=True)
     rows = gather(cache, s, max_ctas=max_ctas, validate=validate)
-    scatter(cache, rows, torch.where(s < 0, torch.full_like(d, -1), d), max_ctas=max_ctas, validate=validate)
+    # a source the gather did not read (negative, or out of range and recorded by the
+    # kernel) must not be written: its row in `rows` holds no data
+    unread = (s < 0) | (s >= cache.geometry.N)
+    scatter(cache, rows, torch.where(unread, torch.full_like(d, -1), d), max_ctas=max_ctas, validate=validate)
 
 
 def skip_prefix(slots: torch.Tensor | None, n: int, num_tokens: int | None = None) -> torch.Tensor:
