@@ -169,7 +169,7 @@ def gather(layout: Layout | str, cache: Physical, slots=None, *, out=None, layer
     if out is None:
         out = jnp.zeros((P, L, T, geom.H, geom.E), dtype_of(layout, cache))
     return transfer(layout, cache, "rows", out, slots, None, src_layers=layers, src_planes=planes,
-                    skip_prefix=skip_prefix)
+                    skip_prefix=skip_prefix, num_tokens=T if slots is None else None)
 
 
 def scatter(layout: Layout | str, cache: Physical, rows: jax.Array, slots=None, *, layers=None, planes=None,
