@@ -27,6 +27,8 @@ import torch
 
 from kvlayout import ops
 
+from ._device import indices_on, launch_device
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -163,27 +165,11 @@ def _bind_chunk(key_value: torch.Tensor, mla: bool) -> ops.KVCache:
     return ops.bind("lmcache_kv_mla" if mla else "lmcache_kv_2ltd", key_value)
 
 
-def _launch_device(*caches: ops.KVCache) -> torch.device:
-    for c in caches:
-        if c.device.type != "cpu":
-            return c.device
-    return torch.device("cpu")
-
-
-def _slots_on(slots, device: torch.device) -> torch.Tensor:
-    """Slots as an int tensor the launch device can read (a host tensor is copied there unless pinned)."""
-    if not isinstance(slots, torch.Tensor):
-        slots = torch.as_tensor(slots, dtype=torch.int64)
-    if slots.device != device and not (slots.device.type == "cpu" and slots.is_pinned()):
-        slots = slots.to(device, non_blocking=True)
-    return slots
-
-
 def _move_rows(chunk: ops.KVCache, paged: ops.KVCache, slot_mapping, direction, skip: int = 0,
                num_tokens: int | None = None) -> None:
     """The one composition every op here reduces to: chunk position t <-> paged slot slot_mapping[t]."""
     direction = TransferDirection(int(direction))
-    slots = _slots_on(slot_mapping, _launch_device(chunk, paged))
+    slots = indices_on(slot_mapping, launch_device(chunk, paged))
     if num_tokens is not None and slots.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slots.shape[0]} entries, the memory object {num_tokens} tokens")
     if direction == TransferDirection.H2D:
@@ -339,7 +325,7 @@ def rotary_embedding_k_fused(old_positions: torch.Tensor, new_positions: torch.T
     if keys.shape[-1] != head_size:
         raise ValueError(f"key heads have {keys.shape[-1]} elements, head_size = {head_size}")
     dev = keys.device
-    ops.rope_reposition(keys, _slots_on(old_positions, dev), _slots_on(new_positions, dev),
+    ops.rope_reposition(keys, indices_on(old_positions, dev), indices_on(new_positions, dev),
                         cos_sin_cache.to(dev), is_neox=bool(is_neox))
 
 

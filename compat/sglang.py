@@ -36,6 +36,8 @@ import torch
 from kvlayout import ops
 from kvlayout.reference.layouts import Layout, Part
 
+from ._device import indices_on, launch_device
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -103,24 +105,8 @@ def _page_first_direct(t: torch.Tensor, page_size: int, what: str) -> torch.Tens
     return t.view(t.shape[0], t.shape[1], page_size, 1, -1)
 
 
-def _launch_device(*tensors: torch.Tensor) -> torch.device:
-    for t in tensors:
-        if t.device.type != "cpu":
-            return t.device
-    return torch.device("cpu")
-
-
-def _indices(idx, device: torch.device) -> torch.Tensor:
-    """Indices the launch device can read (host indices are copied there unless pinned)."""
-    if not isinstance(idx, torch.Tensor):
-        idx = torch.as_tensor(idx, dtype=torch.int64)
-    if idx.device != device and not (idx.device.type == "cpu" and idx.is_pinned()):
-        idx = idx.to(device, non_blocking=True)
-    return idx
-
-
 def _pair(src_indices, dst_indices, device):
-    s, d = _indices(src_indices, device), _indices(dst_indices, device)
+    s, d = indices_on(src_indices, device), indices_on(dst_indices, device)
     if s.numel() != d.numel():
         raise ValueError(f"src_indices has {s.numel()} entries, dst_indices {d.numel()}")
     return s, d
@@ -141,7 +127,7 @@ def page_slots(indices, page_size: int) -> torch.Tensor:
 
 
 def _go(src: ops.KVCache, dst: ops.KVCache, src_indices, dst_indices, block_quota=0, **layers) -> None:
-    device = _launch_device(*src.tensors, *dst.tensors)
+    device = launch_device(*src.tensors, *dst.tensors)
     s, d = _pair(src_indices, dst_indices, device)
     if s.numel() == 0:
         return
@@ -353,7 +339,7 @@ class _DevicePool:
             ops.move(self.cache, s, d)
 
     def _chunks(self, indices):
-        idx = _indices(indices, self.device)
+        idx = indices_on(indices, self.device)
         return [idx[i:i + self.CPU_COPY_CHUNK] for i in range(0, idx.numel(), self.CPU_COPY_CHUNK)]
 
     def get_cpu_copy(self, indices) -> list:
@@ -405,7 +391,7 @@ class MHATokenToKVPool(_DevicePool):
     def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write one layer's K/V rows ``[T, H, D]`` at ``loc`` (no scaling: same dtype as the pool)."""
         rows = torch.stack([cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)])[:, None]
-        ops.scatter(self.cache, rows, _indices(loc, self.device), layers=[layer_id - self.start_layer])
+        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer])
 
     def _unpack(self, rows):                     # [2, n, H, E] -> [k, v]
         return [rows[0].contiguous(), rows[1].contiguous()]
@@ -438,7 +424,7 @@ class MLATokenToKVPool(_DevicePool):
 
     def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v=None) -> None:
         rows = cache_k.view(self.store_dtype)[None, None]
-        ops.scatter(self.cache, rows, _indices(loc, self.device), layers=[layer_id - self.start_layer])
+        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer])
 
     def _unpack(self, rows):                     # [1, n, 1, E] -> tensor
         return rows[0].contiguous()
