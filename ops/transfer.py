@@ -45,6 +45,13 @@ class Launch:
     dst_geometry: list
     num_pieces: int
     piece_bytes: int
+    src_keys: list = dataclasses.field(default_factory=list)   # (part name, layer or None) of each tensor
+    dst_keys: list = dataclasses.field(default_factory=list)
+
+    def bound_to(self, src: KVCache, dst: KVCache) -> "Launch":
+        """The same launch on other caches of the same layouts, geometry and strides."""
+        return dataclasses.replace(self, src_tensors=[src.tensor_for(k) for k in self.src_keys],
+                                   dst_tensors=[dst.tensor_for(k) for k in self.dst_keys])
 
 
 def _side_geometry(cache: KVCache, view: PartView, stride_piece: int) -> tuple[int, ...]:
@@ -127,16 +134,44 @@ def plan(src: KVCache, dst: KVCache, src_layers: Sequence[int], dst_layers: Sequ
                 launch = groups[key] = Launch([], [], [], [], list(key[0]), list(key[1]), pieces, piece * isz)
                 src_ids[key], dst_ids[key] = {}, {}
             for ls, ld in zip(src_layers, dst_layers):
-                for view, start, plane, layer, tensors, segments, ids in (
-                        (s_view, s_start, ps, ls, launch.src_tensors, launch.src_segments, src_ids[key]),
-                        (d_view, d_start, pd, ld, launch.dst_tensors, launch.dst_segments, dst_ids[key])):
+                for view, start, plane, layer, tensors, keys, segments, ids in (
+                        (s_view, s_start, ps, ls, launch.src_tensors, launch.src_keys, launch.src_segments,
+                         src_ids[key]),
+                        (d_view, d_start, pd, ld, launch.dst_tensors, launch.dst_keys, launch.dst_segments,
+                         dst_ids[key])):
                     tensor, offset = view.tensor_and_offset(plane, layer)
                     # which tensor of the cache this is (no id(): tensors made inside a compiled graph have none)
-                    index = ids.setdefault((view.part.name, layer if view.part.per_layer else None), len(tensors))
+                    tensor_key = (view.part.name, layer if view.part.per_layer else None)
+                    index = ids.setdefault(tensor_key, len(tensors))
                     if index == len(tensors):
                         tensors.append(tensor)
+                        keys.append(tensor_key)
                     segments += [index, (offset + _column_offset(view, lo - start)) * isz]
     return list(groups.values())
+
+
+_PLANS: dict[tuple, list[Launch]] = {}
+
+
+def cached_plan(src: KVCache, dst: KVCache, *choice) -> list[Launch]:
+    """:func:`plan`, remembered per (layout, geometry, strides) of both caches and choice of layers/planes.
+
+    A layer-wise pipeline calls transfer L times per step on the same caches:
+    planning once keeps the per-call host cost to argument checks and the
+    launch.  Remembered plans hold no tensors (only which part and layer each
+    tensor is), so they keep no cache alive.  Not used while compiling: the
+    graph holds the launches instead.
+    """
+    planner = plan
+    if torch.compiler.is_compiling():
+        return planner(src, dst, *choice)
+    key = (planner, src.signature, dst.signature, *(tuple(c) for c in choice))
+    launches = _PLANS.get(key)
+    if launches is None:
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        launches = _PLANS[key] = planner(src, dst, *choice)
+    return [launch.bound_to(src, dst) for launch in launches]
 
 
 def _slots_tensor(name: str, slots, device: torch.device) -> torch.Tensor | None:
@@ -186,10 +221,16 @@ def _check_pair(src: KVCache, dst: KVCache) -> None:
     if src.row_width != dst.row_width:
         g, h = src.geometry, dst.geometry
         raise ValueError(f"row widths differ: source H*E = {g.H}*{g.E}, destination H*E = {h.H}*{h.E}")
-    if not torch.compiler.is_compiling():
-        for i, a in enumerate(src.tensors):
-            for j, b in enumerate(dst.tensors):
+
+
+def _check_disjoint(src: KVCache, dst: KVCache, launches: list[Launch]) -> None:
+    """No tensor a launch reads overlaps one it writes (within one cache, move() is the way)."""
+    for launch in launches:
+        for a in launch.src_tensors:
+            for b in launch.dst_tensors:
                 if same_storage_overlap(a, b):
+                    i = next(k for k, t in enumerate(src.tensors) if t is a)
+                    j = next(k for k, t in enumerate(dst.tensors) if t is b)
                     raise ValueError(f"source tensor {i} and destination tensor {j} overlap in memory; "
                                      "use move() within one cache")
 
@@ -243,7 +284,10 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     if T == 0 or not s_layers or not s_planes:
         return
     status = _native.status_tensor(device)
-    for launch in plan(src, dst, s_layers, d_layers, s_planes, d_planes):
+    launches = cached_plan(src, dst, s_layers, d_layers, s_planes, d_planes)
+    if not torch.compiler.is_compiling():
+        _check_disjoint(src, dst, launches)
+    for launch in launches:
         _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
                           launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,
                           launch.num_pieces, launch.piece_bytes, max_ctas, status)

@@ -90,6 +90,9 @@ class KVCache:
         self.device: torch.device = first.device
         self.itemsize: int = first.element_size()
         self.parts: tuple[PartView, ...] = tuple(self._part_view(p, v) for p, v in zip(self.layout.parts, parts))
+        # what a transfer plan depends on: layout, sizes, element size and strides (not the data pointers)
+        self.signature = (self.layout.name, self.geometry, self.itemsize,
+                          tuple(tuple(sorted(pv.strides.items())) for pv in self.parts))
 
     # -- construction -------------------------------------------------------------------
     def _split_parts(self, tensors) -> tuple:
@@ -128,6 +131,12 @@ class KVCache:
     def part_for(self, plane: int) -> list[PartView]:
         """The parts holding ``plane`` (several when the row is split into column parts)."""
         return [pv for pv in self.parts if pv.part.plane in (None, plane)]
+
+    def tensor_for(self, key: tuple[str, int | None]) -> torch.Tensor:
+        """The tensor of part ``key[0]`` (layer ``key[1]`` of a per-layer part)."""
+        name, layer = key
+        pv = next(pv for pv in self.parts if pv.part.name == name)
+        return pv.tensors[layer if layer is not None else 0]
 
     @property
     def row_width(self) -> int:

@@ -643,3 +643,17 @@ def test_gather_to_and_scatter_from_pinned_rows(cuda_device, slot_place):
     ops.scatter(cache, TC.tensor(rows_np, pin=True), s)
     TC.sync(cuda_device)
     TC.assert_same_bytes(cache.tensors, TC.flat("vllm_flashinfer_hnd", want), "cache after scatter from pinned")
+
+
+def test_remembered_plans_follow_the_caches_they_are_used_with(device):
+    """Caches of equal layout, sizes and strides share one plan; each call still reads and writes its own tensors."""
+    gen = torch.Generator().manual_seed(5)
+    caches = [[torch.randint(0, 255, (2, 4, 4, 2, 8), dtype=torch.uint8, generator=gen).to(device) for _ in range(3)]
+              for _ in range(2)]
+    chunks = [torch.zeros(2, 3, 5, 16, dtype=torch.uint8, device=device) for _ in range(2)]
+    slots = torch.tensor([3, 0, 9, 15, 4], device=device)
+    for kv, chunk in zip(caches, chunks):
+        ops.transfer(ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk), slots, None)
+    for kv, chunk in zip(caches, chunks):
+        want = torch.stack([torch.stack([layer[p].reshape(16, 16)[slots] for layer in kv]) for p in range(2)])
+        assert torch.equal(chunk, want)
