@@ -39,6 +39,7 @@ def markdown(doc: dict) -> str:
     out = ["# kvlayout bench", "",
            "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
            "## Machine limits (GB/s, one way)", "",
+           "On a CPU, D2D is a host-memory `copy_` of 64 MiB (no pinned copies are measured).", "",
            "| limit | start | end |", "|---|---|---|"]
     for k, v in doc["limits"].items():
         out.append(f"| {k} | {v:.1f} | {_fmt(doc.get('limits_end', {}).get(k))} |")
