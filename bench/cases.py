@@ -135,7 +135,7 @@ def _physical(layout: str, shape: Shape, n_slots: int, page_size: int, L: int, d
     lay = get(layout)
     axes = {a for p in lay.parts for a in p.full_axes}
     H, E = (shape.H, shape.D) if "h" in axes and not shape.mla else (1, shape.H * shape.D)
-    ps = page_size if ("nb" in axes or layout.startswith(("sglang", "hicache"))) else 1
+    ps = page_size if (lay.paged or layout.startswith(("sglang", "hicache"))) else 1
     geom = make_geometry(lay, L=L if "l" in axes else 1, N=n_slots, H=H, E=E, page_size=ps,
                          P=shape.planes if lay.planes is None else None)
 
