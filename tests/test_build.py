@@ -1,0 +1,66 @@
+"""The build wires every backend: CPU always, CUDA and SYCL sources when their toolchains exist.
+
+No machine here has an XPU or icpx, so the SYCL sources are checked for
+presence, for sharing the address/kernel headers with CUDA, for registering
+the XPU dispatch key, and for being handed to ``SyclExtension`` by setup.py
+when torch reports XPU and icpx is on the PATH.
+"""
+
+import pathlib
+import shutil
+
+import pytest
+import setuptools
+import torch
+from torch.utils import cpp_extension
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_HEADERS = ("kvlayout/copy_rows_kernel.h", "kvlayout/rope_kernel.h")
+
+
+@pytest.mark.parametrize("backend,suffix,key", [("cuda", "cu", "CUDA"), ("sycl", "sycl", "XPU")])
+def test_device_sources_share_the_kernel_headers_and_register_their_key(backend, suffix, key):
+    sources = {p.stem: p.read_text() for p in (ROOT / "torch_ext" / backend).glob(f"*.{suffix}")}
+    assert set(sources) == {"copy_rows", "rope"}
+    assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["copy_rows"]
+    assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["rope"]
+    assert SHARED_HEADERS[0] in sources["copy_rows"] and SHARED_HEADERS[1] in sources["rope"]
+    # no backend knows layout names: the address math lives in the shared header
+    for text in sources.values():
+        assert "vllm" not in text and "hicache" not in text and "sglang" not in text
+
+
+def _run_setup(monkeypatch, *, xpu: bool, icpx: bool):
+    """Execute setup.py with setuptools.setup and the extension classes recorded instead of built."""
+    made = {}
+
+    def record(kind):
+        def make(name, sources, **kwargs):
+            made.update(kind=kind, name=name, sources=[str(s) for s in sources], kwargs=kwargs)
+            return kind
+        return make
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: made.setdefault("setup", kwargs))
+    for kind in ("CppExtension", "CUDAExtension", "SyclExtension"):
+        monkeypatch.setattr(cpp_extension, kind, record(kind), raising=False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: xpu)
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda cmd: "/opt/icpx" if cmd == "icpx" and icpx else real_which(cmd))
+    monkeypatch.setenv("KVLAYOUT_FORCE_CPU_ONLY", "1")
+    monkeypatch.chdir(ROOT)
+    code = compile((ROOT / "setup.py").read_text(), str(ROOT / "setup.py"), "exec")
+    exec(code, {"__name__": "__main__", "__file__": str(ROOT / "setup.py")})
+    return made
+
+
+def test_setup_builds_sycl_sources_when_torch_has_xpu_and_icpx(monkeypatch):
+    made = _run_setup(monkeypatch, xpu=True, icpx=True)
+    assert made["kind"] == "SyclExtension" and made["name"] == "kvlayout._C"
+    assert {pathlib.Path(s).name for s in made["sources"]} >= {"copy_rows.sycl", "rope.sycl", "copy_rows.cpp"}
+
+
+def test_setup_builds_the_cpu_extension_without_accelerator_toolchains(monkeypatch):
+    made = _run_setup(monkeypatch, xpu=False, icpx=False)
+    assert made["kind"] == "CppExtension"
+    names = {pathlib.Path(s).name for s in made["sources"]}
+    assert "copy_rows.cpp" in names and not any(n.endswith((".cu", ".sycl")) for n in names)
