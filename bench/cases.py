@@ -65,12 +65,14 @@ class Case:
     direction: str
     layerwise: bool = False
     max_ctas: int = 0
+    engine: str = "kernel"  # or "copy": the copy engine, page-granular runs
 
     @property
     def key(self) -> str:
         mode = "x%d layers" % SHAPES[self.shape].L if self.layerwise else "all layers"
+        engine = "" if self.engine == "kernel" else " copy-engine"
         return (f"{self.shape} T={self.T} ps={self.page_size} {self.device_layout}->{self.buffer_layout} "
-                f"{self.direction} {mode} ctas={self.max_ctas or 'default'}")
+                f"{self.direction} {mode} ctas={self.max_ctas or 'default'}{engine}")
 
     def payload_bytes(self, itemsize: int = 2) -> int:
         s = SHAPES[self.shape]
@@ -113,6 +115,13 @@ def plan_cases(quick: bool) -> list[Case]:
                                                    ("to_host", "from_host"), (1, 2, 4, 8, 16, 0)):
         dev, buf = _default_layouts(SHAPES[name])
         cases.append(Case("ctas", name, dev, buf, 4096, 16, direction, max_ctas=ctas))
+    # the copy engine on page-granular host transfers (no SMs), against the kernel on the same data
+    for name, ps, direction, engine in itertools.product(["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_MLA_D576"],
+                                                         [16] if quick else [16, 64], ("to_host", "from_host"),
+                                                         ("copy", "kernel")):
+        dev = "vllm_mla" if SHAPES[name].mla else "vllm_flash_attn_nhd"
+        buf = "hicache_mla_page_first_direct" if SHAPES[name].mla else "hicache_page_first_direct"
+        cases.append(Case("copy_engine", name, dev, buf, 4096, ps, direction, engine=engine))
     return cases
 
 
@@ -164,13 +173,14 @@ def build(case: Case, device: torch.device, generator) -> dict:
                        "cpu" if host else device, host and device.type == "cuda", generator)
     pages = torch.randperm(n_cache // case.page_size, generator=generator)[: -(-case.T // case.page_size)]
     cache_slots = (pages[:, None] * case.page_size + torch.arange(case.page_size)).reshape(-1)[: case.T]
-    cache_slots = cache_slots.to(device)
+    slot_device = device if case.engine == "kernel" else torch.device("cpu")   # the copy engine reads them on the host
+    cache_slots = cache_slots.to(slot_device)
     if buffer_is_chunk:
         buffer_slots = None
     else:
         host_pages = torch.randperm(n_buf // case.page_size, generator=generator)[: -(-case.T // case.page_size)]
         buffer_slots = (host_pages[:, None] * case.page_size + torch.arange(case.page_size)).reshape(-1)[: case.T]
-        buffer_slots = buffer_slots.to(device)
+        buffer_slots = buffer_slots.to(slot_device)
     return {"cache": cache, "buffer": buffer, "cache_slots": cache_slots, "buffer_slots": buffer_slots}
 
 
@@ -185,7 +195,7 @@ def kvlayout_fn(case: Case, data: dict):
     """The measured kvlayout call(s)."""
     src, ss, dst, ds = endpoints(case, data)
     if not case.layerwise:
-        return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas)
+        return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
     L = SHAPES[case.shape].L
     cache_is_src = src is data["cache"]
 
@@ -231,6 +241,7 @@ def torch_fn(case: Case, data: dict):
     buffer.
     """
     cache, cache_slots, buffer, buffer_slots = data["cache"], data["cache_slots"], data["buffer"], data["buffer_slots"]
+    cache_slots = cache_slots.to(cache.device)
     L = SHAPES[case.shape].L
     layer_sets = [[layer] for layer in range(L)] if case.layerwise else [list(range(L))]
     g, gb = cache.geometry, buffer.geometry

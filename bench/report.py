@@ -15,7 +15,8 @@ def table_rows(doc: dict) -> list[list[str]]:
     for r in doc["results"]:
         mode = "per layer" if r["layerwise"] else "all layers"
         rows.append([r["group"], r["shape"], f"{r['device_layout']}->{r['buffer_layout']}", str(r["T"]),
-                     str(r["page_size"]), r["direction"], mode, str(r["max_ctas"] or "default"),
+                     str(r["page_size"]), r["direction"], mode,
+                     "copy engine" if r.get("engine") == "copy" else str(r["max_ctas"] or "default"),
                      _fmt(r.get("gbps")), _fmt(r.get("pct_of_limit"), ".0f") + ("%" if "gbps" in r else ""),
                      _fmt(r.get("torch_gbps")), _fmt(r.get("x_torch"), ".2f"),
                      "yes" if r["bit_exact"] else "NO"])

@@ -85,6 +85,7 @@ def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 
         row = {"group": case.group, "shape": case.shape, "device_layout": case.device_layout,
                "buffer_layout": case.buffer_layout, "T": case.T, "page_size": case.page_size,
                "direction": case.direction, "layerwise": case.layerwise, "max_ctas": case.max_ctas,
+               "engine": case.engine,
                "payload_bytes": case.payload_bytes(), "key": case.key}
         row["bit_exact"] = check_bit_exact(case, data, timer)
         if row["bit_exact"]:

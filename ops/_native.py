@@ -58,6 +58,12 @@ def _copy_rows_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src
     return None
 
 
+@torch.library.register_fake("kvlayout::copy_runs")
+def _copy_runs_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
+                    dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes):
+    return None
+
+
 @torch.library.register_fake("kvlayout::rope_reposition")
 def _rope_reposition_fake(key, old_positions, new_positions, cos_sin_cache, is_neox,
                           max_ctas, status):
@@ -177,6 +183,22 @@ def copy_rows(
         list(src), list(dst), src_slots, dst_slots, int(num_tokens), int(skip_prefix),
         list(src_segments), list(dst_segments), list(src_geometry), list(dst_geometry),
         int(num_pieces), int(piece_bytes), int(max_ctas), status,
+    )
+
+
+def copy_runs(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments, dst_segments,
+              src_geometry, dst_geometry, num_pieces, piece_bytes) -> None:
+    """:func:`copy_rows` done by the copy engine (torch.ops.kvlayout.copy_runs).
+
+    Same arguments and rule, no CTA budget and no status: the slots must be
+    CPU tensors (the host reads them, raises on an out-of-range slot before
+    anything is copied, and issues one memory copy per contiguous block).  On
+    CUDA it uses no SMs and cannot be captured in a CUDA graph.
+    """
+    torch.ops.kvlayout.copy_runs(
+        list(src), list(dst), src_slots, dst_slots, int(num_tokens), int(skip_prefix),
+        list(src_segments), list(dst_segments), list(src_geometry), list(dst_geometry),
+        int(num_pieces), int(piece_bytes),
     )
 
 

@@ -242,7 +242,7 @@ def validating(validate: bool | None) -> bool:
 
 def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
              src_planes=None, dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None,
-             max_ctas: int = 0, validate: bool | None = None) -> None:
+             max_ctas: int = 0, validate: bool | None = None, engine: str = "kernel") -> None:
     """Copy token rows from ``src`` into ``dst`` in place (see ``reference.transfer``).
 
     ``src_slots``/``dst_slots``: int32/int64 ``[T]`` tensors on the launch
@@ -262,9 +262,16 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes")
     if len(s_planes) != len(d_planes):
         raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
+    if engine not in ("kernel", "copy"):
+        raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
     device = _launch_device(src, dst)
-    s_slots = _slots_tensor("src_slots", src_slots, device)
-    d_slots = _slots_tensor("dst_slots", dst_slots, device)
+    slot_device = device if engine == "kernel" else torch.device("cpu")
+    s_slots = _slots_tensor("src_slots", src_slots, slot_device)
+    d_slots = _slots_tensor("dst_slots", dst_slots, slot_device)
+    if engine == "copy":
+        for name, slots in (("src_slots", s_slots), ("dst_slots", d_slots)):
+            if slots is not None and slots.device.type != "cpu":
+                raise ValueError(f"{name} is on {slots.device}: engine='copy' reads the slots on the host")
     lengths = {int(s.shape[0]) for s in (s_slots, d_slots) if s is not None}
     if len(lengths) > 1:
         raise ValueError(f"src_slots and dst_slots differ in length: {sorted(lengths)}")
@@ -279,14 +286,20 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     if not torch.compiler.is_compiling():
         if validating(validate):
             _check_slots_on_host("src_slots", s_slots, g_src.N, unique=False)
-        if validating(validate) or device.type == "cpu":   # cheap where no device sync is involved
+        if validating(validate) or device.type == "cpu" or engine == "copy":   # no device sync involved
             _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
     if T == 0 or not s_layers or not s_planes:
         return
-    status = _native.status_tensor(device)
     launches = cached_plan(src, dst, s_layers, d_layers, s_planes, d_planes)
     if not torch.compiler.is_compiling():
         _check_disjoint(src, dst, launches)
+    if engine == "copy":
+        for launch in launches:
+            _native.copy_runs(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
+                              launch.src_segments, launch.dst_segments, launch.src_geometry,
+                              launch.dst_geometry, launch.num_pieces, launch.piece_bytes)
+        return
+    status = _native.status_tensor(device)
     for launch in launches:
         _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
                           launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,

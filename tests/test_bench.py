@@ -25,8 +25,9 @@ def test_every_planned_case_builds_and_matches_the_baseline_on_small_data():
     for case in C.plan_cases(quick=False):
         small = C.Case(case.group, "L32_H1_D128" if not C.SHAPES[case.shape].mla else case.shape,
                        case.device_layout, case.buffer_layout, 32, min(case.page_size, 16), case.direction,
-                       case.layerwise)
-        key = (small.shape, small.device_layout, small.buffer_layout, small.page_size, small.direction, small.layerwise)
+                       case.layerwise, engine=case.engine)
+        key = (small.shape, small.device_layout, small.buffer_layout, small.page_size, small.direction, small.layerwise,
+               small.engine)
         if key in seen:
             continue
         seen.add(key)

@@ -55,6 +55,38 @@ CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
 // whose slot is >= the side's slot count. Negative slots are fine.
 void check_slots_in_range_on_host(const CopyPlan& plan);
 
+// Walks tokens [begin, end) of a plan and calls copy(segment, src_offset,
+// dst_offset, bytes) for each contiguous block to move, offsets from the
+// segment's base. Contiguous rows (num_pieces == 1) of consecutive tokens that
+// are adjacent on both sides are coalesced into one block (address.h run
+// detection); otherwise every piece is one block. Tokens with a negative slot
+// are skipped. Slots must be host-readable and already range-checked.
+template <class Copy>
+void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& copy) {
+  const int64_t row_bytes = p.row_bytes();
+  int64_t t = begin;
+  while (t < end) {
+    const int64_t s = p.src_slots.load(t);
+    const int64_t d = p.dst_slots.load(t);
+    if (s < 0 || d < 0) {
+      ++t;
+      continue;
+    }
+    if (p.num_pieces == 1) {
+      const int64_t n =
+          run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t, end, s, d, row_bytes);
+      for (int64_t g = 0; g < p.num_segments; ++g)
+        copy(g, row_offset(p.src_geom, s), row_offset(p.dst_geom, d), n * row_bytes);
+      t += n;
+    } else {
+      for (int64_t g = 0; g < p.num_segments; ++g)
+        for (int64_t h = 0; h < p.num_pieces; ++h)
+          copy(g, piece_offset(p.src_geom, s, h), piece_offset(p.dst_geom, d, h), p.piece_bytes);
+      ++t;
+    }
+  }
+}
+
 // Validates rope_reposition's arguments and fills the parameters (pointers
 // are the tensors' own data pointers; status is left null).
 RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_positions,

@@ -34,6 +34,13 @@ TORCH_LIBRARY(kvlayout, m) {
       "int num_tokens, int skip_prefix, int[] src_segments, int[] dst_segments, "
       "int[] src_geometry, int[] dst_geometry, int num_pieces, int piece_bytes, "
       "int max_ctas, Tensor(b!) status) -> ()");
+  // The same copy done by the copy engine (no SMs): the host reads the slots
+  // (CPU tensors), coalesces runs and issues one memory copy per block.
+  // Not capturable in a CUDA graph.
+  m.def(
+      "copy_runs(Tensor[] src, Tensor(a!)[] dst, Tensor? src_slots, Tensor? dst_slots, "
+      "int num_tokens, int skip_prefix, int[] src_segments, int[] dst_segments, "
+      "int[] src_geometry, int[] dst_geometry, int num_pieces, int piece_bytes) -> ()");
   // Rotates cached keys from old to new RoPE positions (see kvlayout/rope.h).
   m.def(
       "rope_reposition(Tensor(a!) key, Tensor old_positions, Tensor new_positions, "

@@ -1,9 +1,10 @@
-// CPU implementation of kvlayout::copy_rows.
+// CPU implementation of kvlayout::copy_rows (and copy_runs, the same on CPU).
 //
 // All slots are validated before anything is written. Tokens are split over
 // threads with at::parallel_for; inside a thread's range, consecutive tokens
 // whose rows are adjacent on both sides are coalesced into one run (address.h
-// run detection) and moved with one memmove per segment. memmove (not memcpy)
+// run detection, host_checks.h for_each_block) and moved with one memmove per
+// segment. memmove (not memcpy)
 // keeps a copy within one tensor defined when a row is copied onto itself.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,45 +48,31 @@ void copy_rows_cpu(at::TensorList src, at::TensorList dst,
     sb[g] = static_cast<const char*>(src[p.src_tensor[g]].data_ptr()) + p.src_offset[g];
     db[g] = static_cast<char*>(dst[p.dst_tensor[g]].data_ptr()) + p.dst_offset[g];
   }
-  const int64_t row_bytes = p.row_bytes();
-  const bool runs = p.num_pieces == 1;
-  const int64_t bytes_per_token = std::max<int64_t>(1, G * row_bytes);
+  const int64_t bytes_per_token = std::max<int64_t>(1, G * p.row_bytes());
   const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / bytes_per_token);
-
   at::parallel_for(p.skip_prefix, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
-    int64_t t = begin;
-    while (t < end) {
-      const int64_t s = p.src_slots.load(t);
-      const int64_t d = p.dst_slots.load(t);
-      if (s < 0 || d < 0) {
-        ++t;
-        continue;
-      }
-      if (runs) {
-        const int64_t n =
-            run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t, end, s, d, row_bytes);
-        const int64_t so = row_offset(p.src_geom, s);
-        const int64_t dof = row_offset(p.dst_geom, d);
-        for (int64_t g = 0; g < G; ++g) {
-          std::memmove(db[g] + dof, sb[g] + so, static_cast<size_t>(n * row_bytes));
-        }
-        t += n;
-      } else {
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t h = 0; h < p.num_pieces; ++h) {
-            std::memmove(db[g] + piece_offset(p.dst_geom, d, h),
-                         sb[g] + piece_offset(p.src_geom, s, h),
-                         static_cast<size_t>(p.piece_bytes));
-          }
-        }
-        ++t;
-      }
-    }
+    for_each_block(p, begin, end, [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
+      std::memmove(db[g] + dof, sb[g] + so, static_cast<size_t>(bytes));
+    });
   });
+}
+
+// The copy-engine op on CPU is the same host walk: one memmove per block.
+void copy_runs_cpu(at::TensorList src, at::TensorList dst,
+                   const std::optional<at::Tensor>& src_slots,
+                   const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
+                   int64_t skip_prefix, c10::IntArrayRef src_segments,
+                   c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
+                   c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes) {
+  copy_rows_cpu(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
+                dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0, at::Tensor());
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvlayout, CPU, m) { m.impl("copy_rows", &copy_rows_cpu); }
+TORCH_LIBRARY_IMPL(kvlayout, CPU, m) {
+  m.impl("copy_rows", &copy_rows_cpu);
+  m.impl("copy_runs", &copy_runs_cpu);
+}
 
 }  // namespace kvlayout

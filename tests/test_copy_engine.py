@@ -1,0 +1,87 @@
+"""engine="copy": the same transfers done by the copy engine (no SMs), checked against the reference.
+
+On CPU the copy engine is the host walk of the CPU kernel; on CUDA it issues one
+memory copy per contiguous block from host-read slots.  Page-granular slots
+(whole pages, in random page order) are what it is for; other slot patterns
+must still be right.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kvlayout import ops, reference as R
+from kvlayout.conformance import strategies as S
+from kvlayout.reference import Geometry
+
+import torch_cases as TC
+from test_ops_compile import copy_rows_samples
+
+PAIRS = [("vllm_flash_attn_nhd", "hicache_page_first_direct"), ("hicache_page_first", "vllm_flash_attn_hnd"),
+         ("sglang_mha", "hicache_page_head"), ("vllm_mla", "hicache_mla_page_first")]
+
+
+def page_slots(rng, num_pages, page, count):
+    pages = rng.permutation(num_pages)[:count]
+    return (pages[:, None] * page + np.arange(page)).reshape(-1)
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", PAIRS)
+@pytest.mark.parametrize("pattern", ["pages", "random", "with -1"])
+def test_copy_engine_equals_the_reference(device, src_layout, dst_layout, pattern):
+    rng = np.random.default_rng(len(pattern) + len(src_layout))
+    mla = R.get(src_layout).is_mla
+    g = Geometry(P=1 if mla else 2, L=3, NB=6, BS=4, H=1 if mla else 2, E=24 if mla else 8)
+    src_np = S.random_cache(src_layout, g, "bfloat16", rng)
+    dst_np = S.random_cache(dst_layout, g, "bfloat16", rng)
+    if pattern == "pages":
+        s, d = page_slots(rng, g.NB, g.BS, 3), page_slots(rng, g.NB, g.BS, 3)
+    else:
+        s, d = rng.permutation(g.N)[:10], rng.permutation(g.N)[:10]
+        if pattern == "with -1":
+            s[2] = d[5] = -1
+    pin = device == "cuda"
+    src = ops.bind(src_layout, TC.to_torch(src_layout, src_np, device), page_size=g.BS)
+    dst = ops.bind(dst_layout, TC.to_torch(dst_layout, dst_np, "cpu", pin=pin), page_size=g.BS)
+    ops.transfer(src, dst, torch.from_numpy(s), torch.from_numpy(d), engine="copy")
+    TC.sync(device)
+    want = R.transfer(src_layout, src_np, dst_layout, dst_np, s, d)
+    for got, expected in zip(dst.tensors, R.flat_arrays(dst_layout, want)):
+        assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))
+
+
+def test_copy_engine_rejects_bad_slots_before_copying(device):
+    g = Geometry(P=2, L=2, NB=4, BS=4, H=2, E=8)
+    rng = np.random.default_rng(0)
+    src = ops.bind("vllm_flash_attn_nhd", TC.to_torch("vllm_flash_attn_nhd", S.random_cache(
+        "vllm_flash_attn_nhd", g, "float16", rng), device))
+    dst_np = S.random_cache("hicache_layer_first", g, "float16", rng)
+    dst = ops.bind("hicache_layer_first", TC.to_torch("hicache_layer_first", dst_np, "cpu", pin=device == "cuda"),
+                   page_size=4)
+    before = TC.snapshot(dst.tensors)
+    with pytest.raises(IndexError, match=r"dst_slots\[1\] = 16 is out of range"):
+        ops.transfer(src, dst, torch.tensor([0, 1]), torch.tensor([3, 16]), engine="copy")
+    TC.assert_unchanged(dst.tensors, before)
+    with pytest.raises(ValueError, match="engine must be 'kernel' or 'copy'"):
+        ops.transfer(src, dst, torch.tensor([0]), torch.tensor([3]), engine="dma")
+
+
+def test_copy_engine_needs_host_slots_and_refuses_graph_capture(cuda_device):
+    g = Geometry(P=2, L=1, NB=2, BS=4, H=1, E=8)
+    rng = np.random.default_rng(1)
+    src = ops.bind("vllm_flash_attn_nhd", TC.to_torch("vllm_flash_attn_nhd", S.random_cache(
+        "vllm_flash_attn_nhd", g, "float16", rng), cuda_device))
+    dst = ops.bind("vllm_flash_attn_nhd", TC.to_torch("vllm_flash_attn_nhd", S.random_cache(
+        "vllm_flash_attn_nhd", g, "float16", rng), cuda_device))
+    with pytest.raises(ValueError, match="src_slots is on cuda"):
+        ops.transfer(src, dst, torch.tensor([0, 1], device=cuda_device), torch.tensor([2, 3]), engine="copy")
+    graph = torch.cuda.CUDAGraph()
+    s, d = torch.tensor([0, 1]), torch.tensor([2, 3])
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            ops.transfer(src, dst, s, d, engine="copy")
+
+
+def test_opcheck_copy_runs():
+    for args in copy_rows_samples("cpu"):
+        torch.library.opcheck(torch.ops.kvlayout.copy_runs.default, args[:12])
