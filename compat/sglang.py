@@ -27,7 +27,6 @@ page-contiguous slots, which it coalesces into runs.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Sequence
 
@@ -449,14 +448,19 @@ HOST_MEMORY_RESERVE_BYTES = 10 * (1 << 30)
 
 
 def _available_host_memory() -> int | None:
+    """Memory the host can still hand out (MemAvailable: free plus reclaimable page cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         import psutil
         return int(psutil.virtual_memory().available)
     except ImportError:
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
+        return None
 
 
 class HostKVPool:
@@ -492,7 +496,7 @@ class HostKVPool:
 
     def __init__(self, device_pool, host_to_device_ratio: float = 2.0, host_size: float = 0,
                  page_size: int | None = None, layout: str = "layer_first", pin_memory: bool | None = None,
-                 max_ctas: int = 0):
+                 max_ctas: int = 0, host_memory_reserve: int | None = None):
         self.device_pool = device_pool
         self.is_mla = isinstance(device_pool, MLATokenToKVPool)
         table = HOST_LAYOUTS["mla" if self.is_mla else "mha"]
@@ -518,11 +522,13 @@ class HostKVPool:
         if self.size <= device_pool.size:
             logger.warning("host pool (%d tokens) is not larger than the device pool (%d tokens)",
                            self.size, device_pool.size)
+        # the seed's rule: the pool must leave host_memory_reserve bytes (default 10 GiB) available
+        reserve = HOST_MEMORY_RESERVE_BYTES if host_memory_reserve is None else int(host_memory_reserve)
         available = _available_host_memory()
         need = self.size * self.size_per_token
-        if available is not None and need > available - HOST_MEMORY_RESERVE_BYTES:
+        if available is not None and need > available - reserve:
             raise ValueError(f"not enough host memory for the host pool: need {need / 1e9:.2f} GB, "
-                             f"{available / 1e9:.2f} GB available, {HOST_MEMORY_RESERVE_BYTES / 1e9:.2f} GB reserved")
+                             f"{available / 1e9:.2f} GB available, {reserve / 1e9:.2f} GB reserved")
         self.pin_memory = device_pool.device.type in ("cuda", "xpu") if pin_memory is None else bool(pin_memory)
         self._alloc_buffers()
         self.cache = ops.bind(table[layout], self._physical(), page_size=self.page_size)

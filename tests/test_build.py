@@ -21,7 +21,7 @@ SHARED_HEADERS = ("kvlayout/copy_rows_kernel.h", "kvlayout/rope_kernel.h")
 @pytest.mark.parametrize("backend,suffix,key", [("cuda", "cu", "CUDA"), ("sycl", "sycl", "XPU")])
 def test_device_sources_share_the_kernel_headers_and_register_their_key(backend, suffix, key):
     sources = {p.stem: p.read_text() for p in (ROOT / "torch_ext" / backend).glob(f"*.{suffix}")}
-    assert set(sources) == {"copy_rows", "rope"}
+    assert {"copy_rows", "rope"} <= set(sources)
     assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["copy_rows"]
     assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["rope"]
     assert SHARED_HEADERS[0] in sources["copy_rows"] and SHARED_HEADERS[1] in sources["rope"]

@@ -329,6 +329,21 @@ def test_host_pool_pages(mla, layout):
         host.get_data_page(1)
 
 
+@pytest.fixture(autouse=True)
+def no_host_memory_reserve(monkeypatch):
+    """The tests' pools are tiny: whether the machine has 10 GiB spare must not matter."""
+    monkeypatch.setattr(S, "HOST_MEMORY_RESERVE_BYTES", 0)
+
+
+def test_host_pool_refuses_more_than_the_available_memory_minus_the_reserve(monkeypatch):
+    pool = _device_pool("cpu", torch.Generator().manual_seed(9))
+    assert S._available_host_memory() > 0
+    monkeypatch.setattr(S, "_available_host_memory", lambda: 11 * (1 << 30))
+    with pytest.raises(ValueError, match="not enough host memory for the host pool"):
+        S.HostKVPool(pool, layout="page_first", host_memory_reserve=11 * (1 << 30))
+    S.HostKVPool(pool, layout="page_first", host_memory_reserve=10 * (1 << 30))   # fits beside a 10 GiB reserve
+
+
 def test_host_pool_sizing_and_allocator():
     gen = torch.Generator().manual_seed(8)
     pool = _device_pool("cpu", gen)
