@@ -288,7 +288,7 @@ class GatherOp:
 
     def describe(self) -> str:
         g = self.geom
-        return (f"gather {self.layout}[P{g.P} L{g.L} NB{g.NB}xBS{g.BS} H{g.H} E{g.E}] {self.dtype} T={self.T}"
+        return (f"gather {self.layout}[{S.geometry_label(g)}] {self.dtype} T={self.T}"
                 f" layers={_list(self.layers)} planes={_list(self.planes)} skip={self.skip_prefix}"
                 f"{' pinned out' if self.pinned_out else ''}{'' if self.out_given else ' (out allocated)'}")
 
@@ -355,7 +355,7 @@ class ScatterOp:
 
     def describe(self) -> str:
         g = self.geom
-        return (f"scatter {self.layout}[P{g.P} L{g.L} NB{g.NB}xBS{g.BS} H{g.H} E{g.E}] {self.dtype} T={self.T}"
+        return (f"scatter {self.layout}[{S.geometry_label(g)}] {self.dtype} T={self.T}"
                 f" rows H'={self.rows_heads} layers={_list(self.layers)} planes={_list(self.planes)}"
                 f" skip={self.skip_prefix}{' pinned rows' if self.pinned_rows else ''}")
 
@@ -411,7 +411,7 @@ class MoveOp:
 
     def describe(self) -> str:
         g = self.geom
-        return (f"move {self.layout}[P{g.P} L{g.L} NB{g.NB}xBS{g.BS} H{g.H} E{g.E}] {self.dtype} "
+        return (f"move {self.layout}[{S.geometry_label(g)}] {self.dtype} "
                 f"T={len(self.src_slots)}")
 
     def to_python(self, device: str) -> str:
@@ -450,7 +450,7 @@ class PageOp:
 
     def describe(self) -> str:
         g = self.geom
-        return (f"{self.op} {self.layout}[P{g.P} L{g.L} NB{g.NB}xBS{g.BS} H{g.H} E{g.E}] {self.dtype} "
+        return (f"{self.op} {self.layout}[{S.geometry_label(g)}] {self.dtype} "
                 f"pages={list(self.pages)}")
 
     def to_python(self, device: str) -> str:

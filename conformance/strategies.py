@@ -323,6 +323,12 @@ def copy_cache(layout: Layout | str, physical) -> object:
 # Transfer cases
 # ---------------------------------------------------------------------------------------
 
+def geometry_label(g: Geometry) -> str:
+    """A geometry in one short token, e.g. ``P2 L4 NB8xBS16 H2 E64`` (column widths when split)."""
+    cols = f" cols={list(g.columns)}" if g.columns else ""
+    return f"P{g.P} L{g.L} NB{g.NB}xBS{g.BS} H{g.H} E{g.E}{cols}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferCase:
     """One transfer: ``dst <- src`` with slots, layers and skip_prefix.
@@ -379,13 +385,10 @@ class TransferCase:
 
     def describe(self) -> str:
         """One line: layouts, geometries, dtype, tokens, layers, skip."""
-        def geo(g: Geometry) -> str:
-            cols = f" cols={list(g.columns)}" if g.columns else ""
-            return f"P{g.P} L{g.L} NB{g.NB}xBS{g.BS} H{g.H} E{g.E}{cols}"
         layers = "" if self.src_layers is None else f" layers {list(self.src_layers)}->{list(self.dst_layers)}"
         skip = f" skip {self.skip_prefix}" if self.skip_prefix else ""
-        return (f"{self.src_layout}[{geo(self.src_geom)}] -> {self.dst_layout}[{geo(self.dst_geom)}] "
-                f"{self.dtype} T={self.T}{layers}{skip}")
+        return (f"{self.src_layout}[{geometry_label(self.src_geom)}] -> "
+                f"{self.dst_layout}[{geometry_label(self.dst_geom)}] {self.dtype} T={self.T}{layers}{skip}")
 
     def to_python(self) -> str:
         """A self-contained script that rebuilds this case and runs the reference on it."""
