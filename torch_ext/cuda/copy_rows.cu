@@ -90,10 +90,7 @@ void launch(const Params& p, int64_t max_blocks, cudaStream_t stream) {
 c10::Device launch_device(at::TensorList src, at::TensorList dst,
                           const std::optional<at::Tensor>& src_slots,
                           const std::optional<at::Tensor>& dst_slots, const at::Tensor& status) {
-  for (const auto& t : dst)
-    if (t.is_cuda()) return t.device();
-  for (const auto& t : src)
-    if (t.is_cuda()) return t.device();
+  if (const auto dev = cuda::first_cuda_device(dst, src)) return *dev;
   if (src_slots.has_value() && src_slots->is_cuda()) return src_slots->device();
   if (dst_slots.has_value() && dst_slots->is_cuda()) return dst_slots->device();
   TORCH_CHECK(status.is_cuda(), "kvlayout::copy_rows: no CUDA tensor among the arguments");

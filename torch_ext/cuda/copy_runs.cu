@@ -22,15 +22,6 @@
 namespace kvlayout {
 namespace {
 
-c10::Device copy_device(at::TensorList src, at::TensorList dst) {
-  for (const auto& t : dst)
-    if (t.is_cuda()) return t.device();
-  for (const auto& t : src)
-    if (t.is_cuda()) return t.device();
-  TORCH_CHECK(false, "kvlayout::copy_runs: no CUDA tensor among src and dst");
-  return c10::Device(c10::kCPU);
-}
-
 void check_host_slots(const std::optional<at::Tensor>& slots, const char* name) {
   TORCH_CHECK(!slots.has_value() || !slots->defined() || slots->device().is_cpu(), "kvlayout: ", name,
               " is on ", slots.has_value() ? slots->device() : c10::Device(c10::kCPU),
@@ -69,7 +60,9 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
   const CopyPlan plan =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
-  const c10::Device dev = copy_device(src, dst);
+  const auto cuda_dev = cuda::first_cuda_device(dst, src);
+  TORCH_CHECK(cuda_dev.has_value(), "kvlayout::copy_runs: no CUDA tensor among src and dst");
+  const c10::Device dev = *cuda_dev;
   const c10::cuda::CUDAGuard guard(dev);
   if (plan.empty()) return;
   check_slots_in_range_on_host(plan);

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "kvlayout/copy_rows_kernel.h"
 
@@ -86,6 +87,16 @@ struct StatusRecorder {
     }
   }
 };
+
+// The device of the first CUDA tensor among dst, then src (nullopt when all
+// are host tensors): the device a copy between them runs on.
+inline std::optional<c10::Device> first_cuda_device(at::TensorList dst, at::TensorList src) {
+  for (const auto& t : dst)
+    if (t.is_cuda()) return t.device();
+  for (const auto& t : src)
+    if (t.is_cuda()) return t.device();
+  return std::nullopt;
+}
 
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
