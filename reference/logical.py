@@ -33,6 +33,8 @@ def as_bits(x: jax.Array) -> jax.Array:
     Layout changes run on these bits: XLA may rewrite NaN payloads when it
     stacks or concatenates float arrays, and copies must be byte-exact.
     """
+    if isinstance(x, np.ndarray):          # numpy views bits without any computation
+        return jnp.asarray(x.view(_UINT[x.dtype.itemsize]))
     x = jnp.asarray(x)
     return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) if x.dtype.kind != "u" else x
 

@@ -49,15 +49,19 @@ def set_page(layout: Layout | str, cache: Physical, page: int, flat, *, page_siz
     layout = get(layout)
     geom = geometry_of(layout, cache, page_size)
     masks = _page_masks(layout, geom, page)
-    flat = jnp.asarray(flat).reshape(-1)
+    # Only bits are sliced and scattered: a float conversion (even to the same
+    # dtype) may rewrite NaN payloads, and the page's bytes must land as given.
+    flat_bits = as_bits(flat).reshape(-1)
     need = sum(int(m.sum()) for m in masks)
-    if flat.shape[0] != need:
-        raise ValueError(f"flat page has {flat.shape[0]} elements, the page holds {need}")
+    if flat_bits.shape[0] != need:
+        raise ValueError(f"flat page has {flat_bits.shape[0]} elements, the page holds {need}")
     out, start = [], 0
     for x, m in zip(flat_arrays(layout, cache), masks):
         x = jnp.asarray(x)
+        if jnp.dtype(flat_bits.dtype).itemsize != x.dtype.itemsize:
+            raise ValueError(f"flat page has {flat_bits.dtype.itemsize}-byte elements, the cache {x.dtype}")
         idx = np.flatnonzero(m)
-        bits = as_bits(x).reshape(-1).at[idx].set(as_bits(flat[start:start + idx.size].astype(x.dtype)))
+        bits = as_bits(x).reshape(-1).at[idx].set(flat_bits[start:start + idx.size])
         out.append(from_bits(bits, x.dtype).reshape(x.shape))
         start += idx.size
     return _rebuild(layout, cache, out)

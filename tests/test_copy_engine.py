@@ -85,3 +85,52 @@ def test_copy_engine_needs_host_slots_and_refuses_graph_capture(cuda_device):
 def test_opcheck_copy_runs():
     for args in copy_rows_samples("cpu"):
         torch.library.opcheck(torch.ops.kvlayout.copy_runs.default, args[:12])
+
+
+def _page_first_pair(device, g, seed):
+    """A vLLM cache on ``device`` and a pinned (or CPU) HiCache page-first-direct pool, random bits."""
+    rng = np.random.default_rng(seed)
+    src_np = S.random_cache("vllm_flash_attn_nhd", g, "bfloat16", rng)
+    dst_np = S.random_cache("hicache_page_first_direct", g, "bfloat16", rng)
+    src = ops.bind("vllm_flash_attn_nhd", TC.to_torch("vllm_flash_attn_nhd", src_np, device))
+    dst = ops.bind("hicache_page_first_direct", TC.to_torch("hicache_page_first_direct", dst_np, "cpu",
+                                                            pin=device == "cuda"), page_size=g.BS)
+    return src_np, dst_np, src, dst, rng
+
+
+@pytest.mark.parametrize("stream", ["default", "user"])
+def test_copy_engine_keeps_stream_order(cuda_device, stream):
+    """Work queued before the copy on the caller's stream is seen by it; work after it sees its result."""
+    g = Geometry(P=2, L=2, NB=16, BS=8, H=2, E=64)
+    src_np, dst_np, src, dst, rng = _page_first_pair(cuda_device, g, 3)
+    s = torch.from_numpy(page_slots(rng, g.NB, g.BS, 6))
+    d = torch.from_numpy(page_slots(rng, g.NB, g.BS, 6))
+    on = torch.cuda.Stream() if stream == "user" else torch.cuda.default_stream()
+    with torch.cuda.stream(on):
+        fresh = TC.to_torch("vllm_flash_attn_nhd", S.random_cache("vllm_flash_attn_nhd", g, "bfloat16", rng),
+                            cuda_device)
+        torch.cuda._sleep(20_000_000)                # the copy must wait for this stream's earlier work
+        for t, f in zip(src.tensors, fresh):
+            t.copy_(f)
+        ops.transfer(src, dst, s, d, engine="copy")
+        back = [torch.empty_like(t, device=cuda_device) for t in dst.tensors]
+        for b, t in zip(back, dst.tensors):
+            b.copy_(t, non_blocking=True)
+    on.synchronize()
+    want = R.transfer("vllm_flash_attn_nhd", [TC.bits(f).view(src_np[0].dtype) for f in fresh],
+                      "hicache_page_first_direct", dst_np, s.numpy(), d.numpy())
+    for got, expected in zip(back, R.flat_arrays("hicache_page_first_direct", want)):
+        assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))
+
+
+def test_copy_engine_with_more_runs_than_one_batch(device):
+    """Over 8192 separate copies (single tokens in random order) are all issued and land."""
+    g = Geometry(P=2, L=2, NB=640, BS=16, H=1, E=8)
+    src_np, dst_np, src, dst, rng = _page_first_pair(device, g, 4)
+    s = torch.from_numpy(rng.permutation(g.N)[:9000])
+    d = torch.from_numpy(rng.permutation(g.N)[:9000])
+    ops.transfer(src, dst, s, d, engine="copy")
+    TC.sync(device)
+    want = R.transfer("vllm_flash_attn_nhd", src_np, "hicache_page_first_direct", dst_np, s.numpy(), d.numpy())
+    for got, expected in zip(dst.tensors, R.flat_arrays("hicache_page_first_direct", want)):
+        assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))

@@ -2,18 +2,30 @@
 // engine instead of SMs.
 //
 // The host reads the slots (CPU tensors), checks them, coalesces consecutive
-// tokens whose rows are adjacent on both sides (host_checks.h for_each_block)
-// and issues one memory copy per block on the current stream: one
-// cudaMemcpyBatchAsync where the runtime has it (CUDA >= 12.8), else one
-// cudaMemcpyAsync per block. It is meant for page-granular transfers (long
-// runs), runs beside the forward pass without taking SMs, and cannot be
-// captured in a CUDA graph (a batched copy is not capturable): it refuses a
-// capturing stream. Pinned host memory is reached through unified addressing.
+// tokens whose rows are adjacent on both sides (host_checks.h for_each_block),
+// merges copies that continue each other on both sides, and issues the copies
+// in stream order on the current stream:
+//
+// * cudaMemcpyBatchAsync where the runtime has it (CUDA >= 12.8), in batches
+//   of at most kMaxBatch copies. The batch API refuses the legacy NULL stream
+//   (torch's default stream): there the batches go to a side stream that
+//   waits for the current stream before and is waited on after (events), so
+//   the caller still sees stream order.
+// * one cudaMemcpyAsync per copy where the runtime lacks the batch API or
+//   refuses a batch (the refusal is cleared and the batch is re-issued).
+//
+// It is meant for page-granular transfers (long runs), runs beside the
+// forward pass without taking SMs, and cannot be captured in a CUDA graph (a
+// batched copy is not capturable): it refuses a capturing stream. Pinned host
+// memory is reached through unified addressing.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../host_checks.h"
@@ -22,30 +34,92 @@
 namespace kvlayout {
 namespace {
 
+// Copies per cudaMemcpyBatchAsync call: very large batches have failed on
+// some drivers, and a few thousand already amortise the call.
+constexpr size_t kMaxBatch = 2048;
+
 void check_host_slots(const std::optional<at::Tensor>& slots, const char* name) {
   TORCH_CHECK(!slots.has_value() || !slots->defined() || slots->device().is_cpu(), "kvlayout: ", name,
               " is on ", slots.has_value() ? slots->device() : c10::Device(c10::kCPU),
               "; the copy engine reads the slots on the host: pass a CPU tensor (or use the kernel)");
 }
 
-void issue(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes,
-           cudaStream_t stream) {
-  if (sizes.empty()) return;
+// The copies of one call, in issue order; add() extends the previous copy when
+// the new one continues it on both sides.
+struct CopyList {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+
+  void add(char* dst, const char* src, size_t bytes) {
+    if (!sizes.empty() && static_cast<char*>(dsts.back()) + sizes.back() == dst &&
+        static_cast<const char*>(srcs.back()) + sizes.back() == src) {
+      sizes.back() += bytes;
+      return;
+    }
+    dsts.push_back(dst);
+    srcs.push_back(src);
+    sizes.push_back(bytes);
+  }
+};
+
+void issue_one_by_one(const CopyList& c, size_t begin, size_t end, cudaStream_t stream) {
+  for (size_t i = begin; i < end; ++i)
+    C10_CUDA_CHECK(cudaMemcpyAsync(c.dsts[i], c.srcs[i], c.sizes[i], cudaMemcpyDefault, stream));
+}
+
 #if CUDART_VERSION >= 12080
+// One batch [begin, end); false (error cleared) when the runtime refuses it.
+bool issue_batch(CopyList& c, size_t begin, size_t end, cudaStream_t stream) {
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
-  C10_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
-                                      &attr_index, 1, stream));
+  const cudaError_t err = cudaMemcpyBatchAsync(c.dsts.data() + begin, c.srcs.data() + begin,
+                                               c.sizes.data() + begin, end - begin, &attr,
+                                               &attr_index, 1, stream);
 #else
   size_t fail_index = 0;
-  C10_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(),
-                                      sizes.size(), &attr, &attr_index, 1, &fail_index, stream));
+  const cudaError_t err = cudaMemcpyBatchAsync(
+      c.dsts.data() + begin, const_cast<void**>(c.srcs.data() + begin), c.sizes.data() + begin,
+      end - begin, &attr, &attr_index, 1, &fail_index, stream);
 #endif
+  if (err == cudaSuccess) return true;
+  (void)cudaGetLastError();  // a refused batch is not sticky: clear it, copy one by one
+  return false;
+}
+#endif
+
+// Issues every copy in stream order with respect to the current stream.
+void issue(CopyList& c, c10::Device dev) {
+  if (c.sizes.empty()) return;
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(dev.index());
+#if CUDART_VERSION >= 12080
+  // The batch API needs a stream other than the legacy NULL stream.
+  const bool legacy = current.stream() == nullptr || current.stream() == cudaStreamLegacy;
+  const c10::cuda::CUDAStream stream =
+      legacy ? c10::cuda::getStreamFromPool(/*isHighPriority=*/false, dev.index()) : current;
+  if (legacy) {
+    at::cuda::CUDAEvent before;
+    before.record(current);
+    before.block(stream);
+  }
+  bool batched = true;
+  for (size_t begin = 0; begin < c.sizes.size(); begin += kMaxBatch) {
+    const size_t end = std::min(c.sizes.size(), begin + kMaxBatch);
+    if (!(batched && issue_batch(c, begin, end, stream.stream()))) {
+      batched = false;  // once refused, the rest goes one by one
+      issue_one_by_one(c, begin, end, stream.stream());
+    }
+  }
+  if (legacy) {
+    at::cuda::CUDAEvent after;
+    after.record(stream);
+    after.block(current);
+  }
 #else
-  for (size_t i = 0; i < sizes.size(); ++i)
-    C10_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream));
+  issue_one_by_one(c, 0, c.sizes.size(), current.stream());
 #endif
 }
 
@@ -67,9 +141,9 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
   if (plan.empty()) return;
   check_slots_in_range_on_host(plan);
 
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  C10_CUDA_CHECK(
+      cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(dev.index()).stream(), &capture));
   TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
               "kvlayout: the copy engine cannot be captured in a CUDA graph; use the kernel "
               "(engine='kernel') inside graphs");
@@ -82,16 +156,12 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
     dst_base[g] = cuda::device_address(dst[plan.dst_tensor[g]], dev, "dst", plan.dst_tensor[g]) +
                   plan.dst_offset[g];
   }
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
+  CopyList copies;
   for_each_block(plan, plan.skip_prefix, plan.num_tokens,
                  [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
-                   dsts.push_back(dst_base[g] + dof);
-                   srcs.push_back(src_base[g] + so);
-                   sizes.push_back(static_cast<size_t>(bytes));
+                   copies.add(dst_base[g] + dof, src_base[g] + so, static_cast<size_t>(bytes));
                  });
-  issue(dsts, srcs, sizes, stream);
+  issue(copies, dev);
 }
 
 }  // namespace
