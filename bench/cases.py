@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import torch
 
@@ -56,7 +57,7 @@ DIRECTIONS = ("to_host", "from_host", "gather_device", "scatter_device")
 class Case:
     """One measured configuration."""
 
-    group: str            # headline | layouts | layerwise | ctas
+    group: str            # headline | layouts | layerwise | ctas | copy_engine
     shape: str
     device_layout: str    # the engine cache
     buffer_layout: str    # the chunk / host pool / device buffer
@@ -137,8 +138,60 @@ def cpu_cases() -> list[Case]:
 # Building the tensors
 # ---------------------------------------------------------------------------------------------
 
-def _physical(layout: str, shape: Shape, n_slots: int, page_size: int, L: int, dtype, device, pin: bool,
-              generator) -> KVCache:
+class HostArena:
+    """Pinned host memory, allocated once and carved into a case's host tensors.
+
+    :meth:`reset` at the start of each case hands the same memory out again.
+    When a case needs more than the arena holds it grows (at least doubling),
+    so a run pins memory a few times, not once per case; tensors handed out
+    before a growth keep the old buffer alive until they are dropped.
+    """
+
+    ALIGN = 4096
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
+
+    def reset(self) -> None:
+        self._used = 0
+
+    def take(self, shape, dtype) -> torch.Tensor:
+        """A pinned ``[*shape]`` tensor of ``dtype`` (uninitialised), valid until the next :meth:`reset`."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if self._buffer is None or start + nbytes > self._buffer.numel():
+            size = max(nbytes, 2 * (self._buffer.numel() if self._buffer is not None else 0))
+            self._buffer = None
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            start = 0
+        self._used = start + nbytes
+        return self._buffer[start:start + nbytes].view(dtype).view(shape)
+
+
+class Inputs:
+    """Where a case's tensors come from: random bits generated on ``device``; pinned host tensors from
+    one :class:`HostArena`, filled by a copy from the device."""
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.index_generator = torch.Generator().manual_seed(seed)   # slot permutations (small) on the host
+        self.arena = HostArena() if self.device.type == "cuda" else None
+
+    def random(self, shape, dtype, *, host: bool) -> torch.Tensor:
+        """Random bits (NaN patterns included) of ``dtype``; pinned host memory if ``host`` on a GPU run."""
+        bits = torch.randint(-(1 << 15), 1 << 15, (math.prod(shape) * dtype.itemsize // 2,), dtype=torch.int16,
+                             device=self.device, generator=self.generator).view(dtype).view(shape)
+        if not host or self.arena is None:
+            return bits
+        pinned = self.arena.take(shape, dtype)
+        pinned.copy_(bits)
+        return pinned
+
+
+def _physical(layout: str, shape: Shape, n_slots: int, page_size: int, L: int, dtype, inputs: Inputs,
+              host: bool) -> KVCache:
     """Random tensors in ``layout`` (slots ``n_slots``) bound as a KVCache."""
     from kvlayout.reference.layouts import get, make_geometry
     lay = get(layout)
@@ -149,38 +202,41 @@ def _physical(layout: str, shape: Shape, n_slots: int, page_size: int, L: int, d
                          P=shape.planes if lay.planes is None else None)
 
     def tensor(part):
-        t = torch.randint(-100, 100, geom.part_shape(part), dtype=torch.int16, generator=generator).view(dtype)
-        t = t.to(device)
-        return t.pin_memory() if pin else t
+        return inputs.random(tuple(geom.part_shape(part)), dtype, host=host)
 
     parts = [[tensor(p) for _ in range(geom.L)] if p.per_layer else tensor(p) for p in lay.parts]
     value = parts[0] if lay.single_part else tuple(parts)
     return ops.bind(lay, value, page_size=ps if not lay.paged else None)
 
 
-def build(case: Case, device: torch.device, generator) -> dict:
-    """Tensors and slot arrays for one case (bf16 data)."""
+def _page_slots(n_slots: int, page_size: int, T: int, generator) -> torch.Tensor:
+    """The first ``T`` slots of whole pages taken in random order."""
+    pages = torch.randperm(n_slots // page_size, generator=generator)[: -(-T // page_size)]
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:T]
+
+
+def build(case: Case, inputs: Inputs, min_cache_slots: int = 8192) -> dict:
+    """Tensors and slot arrays for one case (bf16 data), made by ``inputs``.
+
+    The device cache holds ``max(2 T, min_cache_slots)`` slots, so the case's
+    pages are spread over a cache larger than L2.
+    """
     shape = SHAPES[case.shape]
     dtype = torch.bfloat16
     host = case.direction in ("to_host", "from_host")
-    n_cache = max(2 * case.T, 8192)
+    n_cache = max(2 * case.T, min_cache_slots)
     n_cache += -n_cache % case.page_size
-    cache = _physical(case.device_layout, shape, n_cache, case.page_size, shape.L, dtype, device, False, generator)
+    if inputs.arena is not None:
+        inputs.arena.reset()
+    cache = _physical(case.device_layout, shape, n_cache, case.page_size, shape.L, dtype, inputs, False)
     buffer_is_chunk = case.buffer_layout.startswith("lmcache")
     n_buf = case.T if buffer_is_chunk else n_cache
     buf_layers = 1 if case.layerwise else shape.L
-    buffer = _physical(case.buffer_layout, shape, n_buf, case.page_size, buf_layers, dtype,
-                       "cpu" if host else device, host and device.type == "cuda", generator)
-    pages = torch.randperm(n_cache // case.page_size, generator=generator)[: -(-case.T // case.page_size)]
-    cache_slots = (pages[:, None] * case.page_size + torch.arange(case.page_size)).reshape(-1)[: case.T]
-    slot_device = device if case.engine == "kernel" else torch.device("cpu")   # the copy engine reads them on the host
-    cache_slots = cache_slots.to(slot_device)
-    if buffer_is_chunk:
-        buffer_slots = None
-    else:
-        host_pages = torch.randperm(n_buf // case.page_size, generator=generator)[: -(-case.T // case.page_size)]
-        buffer_slots = (host_pages[:, None] * case.page_size + torch.arange(case.page_size)).reshape(-1)[: case.T]
-        buffer_slots = buffer_slots.to(slot_device)
+    buffer = _physical(case.buffer_layout, shape, n_buf, case.page_size, buf_layers, dtype, inputs, host)
+    slot_device = inputs.device if case.engine == "kernel" else torch.device("cpu")   # the copy engine reads them on the host
+    cache_slots = _page_slots(n_cache, case.page_size, case.T, inputs.index_generator).to(slot_device)
+    buffer_slots = None if buffer_is_chunk else \
+        _page_slots(n_buf, case.page_size, case.T, inputs.index_generator).to(slot_device)
     return {"cache": cache, "buffer": buffer, "cache_slots": cache_slots, "buffer_slots": buffer_slots}
 
 

@@ -10,6 +10,16 @@ def _fmt(value, spec=".1f", missing="–"):
     return missing if value is None else format(value, spec)
 
 
+def _pct(value) -> str:
+    return "–" if value is None else f"{value:.0f}%"
+
+
+def _peer(r: dict) -> str:
+    if "peer" not in r:
+        return "–"
+    return f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%) {r['vs_peer']}"
+
+
 def table_rows(doc: dict) -> list[list[str]]:
     rows = []
     for r in doc["results"]:
@@ -17,14 +27,25 @@ def table_rows(doc: dict) -> list[list[str]]:
         rows.append([r["group"], r["shape"], f"{r['device_layout']}->{r['buffer_layout']}", str(r["T"]),
                      str(r["page_size"]), r["direction"], mode,
                      "copy engine" if r.get("engine") == "copy" else str(r["max_ctas"] or "default"),
-                     _fmt(r.get("gbps")), _fmt(r.get("pct_of_limit"), ".0f") + ("%" if "gbps" in r else ""),
-                     _fmt(r.get("torch_gbps")), _fmt(r.get("x_torch"), ".2f"),
+                     _fmt(r.get("gbps")), _fmt(r.get("kernel_gbps")), _pct(r.get("pct_of_limit")),
+                     _pct(r.get("pct_of_same_size")), _fmt(r.get("host_us"), ".0f"),
+                     _fmt(r.get("torch_gbps")), _fmt(r.get("x_torch"), ".2f"), _peer(r),
                      "yes" if r["bit_exact"] else "NO"])
     return rows
 
 
-HEADER = ["group", "shape", "layouts", "T", "ps", "direction", "mode", "CTAs", "GB/s", "% limit",
-          "torch GB/s", "x torch", "bit-exact"]
+HEADER = ["group", "shape", "layouts", "T", "ps", "direction", "mode", "CTAs", "GB/s", "kernel GB/s", "% ceiling",
+          "% same size", "host µs", "torch GB/s", "x torch", "best peer GB/s (% of its limit)", "bit-exact"]
+
+EXPLAIN = (
+    "GB/s = payload bytes moved one way / median end-to-end time (CUDA events around the call, device idle "
+    "before it, so host issue time counts); kernel GB/s = the same with the device kept busy while the host "
+    "issues the call (launched work only); % ceiling against the pinned 256 MiB copy (host transfers) or the "
+    "device copy; % same size against a pinned copy of the same payload size (up to 512 MiB); host µs = host "
+    "time inside the call; x torch = torch time / kvlayout time on the same data; best peer = the best "
+    "LMCache / SGLang / torch figure recorded for the same job in `bench/peers.json`, ahead/behind by % of each "
+    "run's own limit. Every row was checked bit-exact against the torch baseline first; L2 is flushed by reading "
+    "a buffer larger than L2 before each timed call.")
 
 
 def terminal_table(doc: dict) -> str:
@@ -32,6 +53,8 @@ def terminal_table(doc: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    for k, (a, b) in doc.get("limits_drift", {}).items():
+        lines.append(f"WARNING: limit {k} moved from {a:.1f} to {b:.1f} GB/s during the run (> 5 %)")
     return "\n".join(lines)
 
 
@@ -44,10 +67,9 @@ def markdown(doc: dict) -> str:
            "| limit | start | end |", "|---|---|---|"]
     for k, v in doc["limits"].items():
         out.append(f"| {k} | {v:.1f} | {_fmt(doc.get('limits_end', {}).get(k))} |")
-    out += ["", "## Results", "",
-            "GB/s = payload bytes moved one way / median time; % limit against the matching limit "
-            "(pinned 256 MiB copy for host transfers, device copy otherwise); x torch = torch time / kvlayout "
-            "time on the same data; every row was checked bit-exact against the torch baseline first.", "",
+    for k, (a, b) in doc.get("limits_drift", {}).items():
+        out += ["", f"**Warning:** limit {k} moved from {a:.1f} to {b:.1f} GB/s during the run (more than 5 %)."]
+    out += ["", "## Results", "", EXPLAIN, "",
             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(r) + " |" for r in table_rows(doc)]
     return "\n".join(out) + "\n"
@@ -107,6 +129,7 @@ def plots(doc: dict, folder: str, stem: str) -> list[str]:
 
 
 def write_reports(doc: dict, folder: str, stem: str) -> list[str]:
+    """Print the terminal table; write ``<stem>.json``, ``<stem>.md`` and the PNG plots into ``folder``."""
     print(terminal_table(doc))
     json_path = os.path.join(folder, f"{stem}.json")
     with open(json_path, "w") as f:

@@ -1,8 +1,14 @@
 """``kvlayout bench``: measure kvlayout against the machine's copy limits and the torch baseline.
 
-Every measured case is first checked bit-exact against the baseline (same
-input, both outputs compared byte for byte); a mismatch is reported and the
+Every case is first checked bit-exact against the baseline (same input, both
+outputs compared byte for byte on the device); a mismatch is reported and the
 case is not timed.
+
+Each finished case is appended at once to ``<out>/<name>.jsonl`` (first line:
+the environment and the limits measured at the start; then one object per
+case; last: the limits measured at the end), so a run that is cut short keeps
+what it finished, and ``--resume`` continues it.  The JSON, Markdown and PNG
+reports are written from that file.
 """
 
 from __future__ import annotations
@@ -17,38 +23,47 @@ import time
 import torch
 
 from . import cases as C
+from .peers import load_peers
 from .report import write_reports
-from .timing import Timer, host_limit, measure_limits
+from .timing import SameSizeCopies, Timer, drifted, host_key, measure_limits
 
 
-def _snapshot(cache) -> list[torch.Tensor]:
-    return [t.clone() for t in cache.tensors]
+def _device_copies(tensors, device) -> list[torch.Tensor]:
+    return [t.to(device, copy=True) for t in tensors]
 
 
-def _restore(cache, saved) -> None:
-    for t, s in zip(cache.tensors, saved):
+def _restore(tensors, saved) -> None:
+    for t, s in zip(tensors, saved):
         t.copy_(s)
 
 
 def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
-    """Run kvlayout and the baseline from the same start; compare every destination byte."""
+    """Run kvlayout and the baseline from the same start; compare every destination byte (on the device)."""
     _, _, dst, _ = C.endpoints(case, data)
-    start = _snapshot(dst)
+    start = _device_copies(dst.tensors, timer.device)
     C.kvlayout_fn(case, data)()
     timer.sync()
-    ours = _snapshot(dst)
-    _restore(dst, start)
+    ours = _device_copies(dst.tensors, timer.device)
+    _restore(dst.tensors, start)
     C.torch_fn(case, data)()
     timer.sync()
-    ok = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours, dst.tensors))
-    _restore(dst, start)
+    ok = all(torch.equal(a.view(torch.uint8), b.to(timer.device).view(torch.uint8))
+             for a, b in zip(ours, dst.tensors))
+    _restore(dst.tensors, start)
+    timer.sync()
     return ok
 
 
-def _limit_for(case: C.Case, limits: dict) -> tuple[str, float]:
-    if case.direction in ("to_host", "from_host") and "D2H_256MiB" in limits:
-        return host_limit(limits, case.direction, case.payload_bytes())
-    return "D2D", limits["D2D"]
+GROUPS = ("headline", "layouts", "layerwise", "ctas", "copy_engine")
+
+
+def selected(case: C.Case, only: str | None) -> bool:
+    """``only``: comma-separated terms; a term that names a group selects that group's cases, any other term
+    the cases whose description contains it."""
+    if not only:
+        return True
+    terms = [t.strip() for t in only.split(",") if t.strip()]
+    return any(case.group == t if t in GROUPS else t in case.key for t in terms)
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -70,52 +85,140 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 0) -> dict:
-    """Measure limits then every case; returns the result document."""
-    timer = Timer(device, warmup=2 if quick else 3, reps=7 if quick else 15)
-    limits = measure_limits(timer, quick=quick)
-    case_list = C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()
-    if only:
-        case_list = [c for c in case_list if only in c.key]
-    generator = torch.Generator().manual_seed(seed)
+def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, limits: dict,
+                 same_size: SameSizeCopies | None, peers) -> dict:
+    """One result row: bit-exactness, then (if exact) kvlayout and torch times against the limits.
+
+    kvlayout is timed with ``timer``; the torch baseline (a comparison, some of
+    its paths index on the host and take long) with ``baseline_timer``.
+    """
+    row = {"group": case.group, "shape": case.shape, "device_layout": case.device_layout,
+           "buffer_layout": case.buffer_layout, "T": case.T, "page_size": case.page_size,
+           "direction": case.direction, "layerwise": case.layerwise, "max_ctas": case.max_ctas,
+           "engine": case.engine, "payload_bytes": case.payload_bytes(), "key": case.key}
+    row["bit_exact"] = check_bit_exact(case, data, timer)
+    if not row["bit_exact"]:
+        return row
+    nbytes = case.payload_bytes()
+    fn = C.kvlayout_fn(case, data)
+    ours = timer(fn)
+    row.update(gbps=ours.gbps(nbytes), spread=ours.spread, median_us=ours.median * 1e6,
+               host_us=ours.host * 1e6)
+    if timer.cuda:
+        kernel = timer(fn, kernel_only=True, host_s=ours.host)
+        row.update(kernel_gbps=kernel.gbps(nbytes), kernel_us=kernel.median * 1e6)
+    host = case.direction in ("to_host", "from_host") and timer.cuda
+    limit_name = f"{host_key(case.direction)}_256MiB" if host else "D2D"
+    row.update(limit_name=limit_name, limit_gbps=limits[limit_name], pct_of_limit=100 * row["gbps"] / limits[limit_name])
+    if host and same_size is not None:
+        row["same_size_gbps"] = same_size.gbps(case.direction, nbytes)
+        row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
+    if case.max_ctas == 0 and case.engine == "kernel":
+        base = baseline_timer(C.torch_fn(case, data))
+        row.update(torch_gbps=base.gbps(nbytes), torch_spread=base.spread, x_torch=base.median / ours.median)
+    matches = peers.matching(case) if peers is not None else []
+    if matches:
+        best = max(matches, key=lambda p: p["pct"])
+        row.update(peer=f"{best['peer']} {best['op']}", peer_gbps=best["gbps"], peer_pct=best["pct"],
+                   vs_peer="ahead" if row["pct_of_limit"] >= best["pct"] else "behind")
+    return row
+
+
+def _read_jsonl(path: str) -> tuple[dict | None, list[dict], dict | None]:
+    head, rows, end = None, [], None
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:      # a line cut off by an interrupted run
+                continue
+            kind = obj.pop("kind", None)
+            if kind == "run":
+                head = obj
+            elif kind == "case":
+                rows.append(obj)
+            elif kind == "limits_end":
+                end = obj["limits"]
+    return head, rows, end
+
+
+def document(path: str) -> dict:
+    """The result document of a (finished or interrupted) JSON-lines file."""
+    head, rows, end = _read_jsonl(path)
+    if head is None:
+        raise ValueError(f"{path}: no run header line")
+    doc = dict(head, results=rows)
+    if end is not None:
+        doc["limits_end"] = end
+        doc["limits_drift"] = drifted(head["limits"], end)
+    return doc
+
+
+def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 0, *,
+        jsonl: str | None = None, resume: bool = False) -> dict:
+    """Measure limits then every selected case, appending each to ``jsonl``; returns the result document."""
+    timer = Timer(device, warmup=2 if quick else 3, reps=7 if quick else 15, budget_s=1.0 if quick else 2.0)
+    baseline_timer = Timer(device, warmup=1, reps=7, min_reps=3, budget_s=0.5)
+    done: set[str] = set()
+    if resume and jsonl and os.path.exists(jsonl):
+        head, rows, _ = _read_jsonl(jsonl)
+        done = {r["key"] for r in rows}
+        limits = head["limits"] if head else None
+        print(f"kvlayout bench: resuming {jsonl}: {len(done)} cases already measured", file=sys.stderr)
+    else:
+        head, limits = None, None
+        if jsonl:
+            open(jsonl, "w").close()
+    if limits is None:
+        limits = measure_limits(timer, quick=quick)
+        head = {"environment": environment(device), "limits": limits, "quick": quick, "seed": seed}
+    if jsonl and not done:
+        _append(jsonl, dict(head, kind="run"))
+    case_list = [c for c in (C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()) if selected(c, only)]
+    peers = load_peers() if device.type == "cuda" else None
+    same_size = SameSizeCopies(timer) if device.type == "cuda" else None
+    inputs = C.Inputs(device, seed)
     results = []
     for i, case in enumerate(case_list):
+        if case.key in done:
+            continue
         _progress(i, len(case_list), case.key)
-        data = C.build(case, device, generator)
-        row = {"group": case.group, "shape": case.shape, "device_layout": case.device_layout,
-               "buffer_layout": case.buffer_layout, "T": case.T, "page_size": case.page_size,
-               "direction": case.direction, "layerwise": case.layerwise, "max_ctas": case.max_ctas,
-               "engine": case.engine,
-               "payload_bytes": case.payload_bytes(), "key": case.key}
-        row["bit_exact"] = check_bit_exact(case, data, timer)
-        if row["bit_exact"]:
-            ours = timer(C.kvlayout_fn(case, data))
-            base = timer(C.torch_fn(case, data)) if case.max_ctas == 0 else None
-            limit_name, limit = _limit_for(case, limits)
-            row.update(gbps=ours.gbps(case.payload_bytes()), spread=ours.spread, median_us=ours.median * 1e6,
-                       limit_name=limit_name, limit_gbps=limit,
-                       pct_of_limit=100 * ours.gbps(case.payload_bytes()) / limit)
-            if base is not None:
-                row.update(torch_gbps=base.gbps(case.payload_bytes()), torch_spread=base.spread,
-                           x_torch=base.median / ours.median)
+        data = C.build(case, inputs)
+        row = measure_case(case, data, timer, baseline_timer, limits, same_size, peers)
         results.append(row)
+        if jsonl:
+            _append(jsonl, dict(row, kind="case"))
         del data
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     _progress(len(case_list), len(case_list), "done")
     sys.stderr.write("\n")
     # the limits again at the end: a drift shows the machine changed during the run
     limits_end = measure_limits(timer, quick=True)
-    return {"environment": environment(device), "limits": limits, "limits_end": limits_end,
-            "quick": quick, "results": results}
+    if jsonl:
+        _append(jsonl, {"kind": "limits_end", "limits": limits_end})
+        return document(jsonl)
+    return dict(head, results=results, limits_end=limits_end, limits_drift=drifted(limits, limits_end))
+
+
+def _append(path: str, obj: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present, else cpu)")
     parser.add_argument("--quick", action="store_true", help="a short case list")
-    parser.add_argument("--out", default="bench-results", help="folder for JSON, Markdown and PNG output")
+    parser.add_argument("--out", default="bench-results", help="folder for JSON-lines, JSON, Markdown and PNG output")
     parser.add_argument("--name", default=None, help="file stem of the outputs (default: the device kind)")
-    parser.add_argument("--only", default=None, help="run only cases whose description contains this text")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated: run only cases of these groups (headline, layouts, layerwise, ctas, "
+                             "copy_engine) or whose description contains one of these texts")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run recorded in <out>/<name>.jsonl (skips the cases it holds)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -124,12 +227,17 @@ def main(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("kvlayout bench: CUDA requested but not present", file=sys.stderr)
         return 2
-    doc = run(device, args.quick, args.only, args.seed)
-    stem = args.name or ("h200" if "H200" in doc["environment"].get("gpu", "") else device.type)
+    stem = args.name or ("h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
+                         else device.type)
     os.makedirs(args.out, exist_ok=True)
+    doc = run(device, args.quick, args.only, args.seed, jsonl=os.path.join(args.out, f"{stem}.jsonl"),
+              resume=args.resume)
     paths = write_reports(doc, args.out, stem)
     bad = [r["key"] for r in doc["results"] if not r["bit_exact"]]
     print(f"wrote {', '.join(paths)}")
+    if doc.get("limits_drift"):
+        print("WARNING: the machine's limits moved by more than 5 % during the run:",
+              ", ".join(f"{k} {a:.1f} -> {b:.1f} GB/s" for k, (a, b) in doc["limits_drift"].items()), file=sys.stderr)
     if bad:
         print(f"{len(bad)} cases were not bit-exact against the baseline:", *bad, sep="\n  ")
         return 1

@@ -12,12 +12,17 @@ import torch
 
 @dataclasses.dataclass
 class Timing:
-    """Seconds per call: median and the 10th/90th percentiles over the timed repetitions."""
+    """Seconds per call: median and the 10th/90th percentiles over the timed repetitions.
+
+    ``host`` is the median host time spent inside the call (issuing it, not
+    waiting for the device).
+    """
 
     median: float
     p10: float
     p90: float
     reps: int
+    host: float = 0.0
 
     def gbps(self, nbytes: int) -> float:
         return nbytes / self.median / 1e9
@@ -28,41 +33,79 @@ class Timing:
         return (self.p90 - self.p10) / self.median if self.median else 0.0
 
 
+def _timing(samples: list[float], host: list[float]) -> Timing:
+    samples = sorted(samples)
+    q = statistics.quantiles(samples, n=10) if len(samples) >= 2 else [samples[0]] * 9
+    return Timing(statistics.median(samples), q[0], q[-1], len(samples), statistics.median(host))
+
+
 class Timer:
     """Times a callable on one device: CUDA events on GPUs, perf_counter on CPU.
 
-    Before each timed repetition the L2 cache is flushed (a write of a buffer
-    larger than L2), outside the timed region, so that no measurement reads
-    data the previous one left in cache.
+    Before each timed repetition, outside the timed region, the L2 cache is
+    flushed by *reading* a buffer larger than L2 (a write would leave dirty
+    lines that are written back inside the next timed call).
+
+    Two times per call on CUDA:
+
+    * end to end (:meth:`__call__`): events recorded around the call with the
+      device idle before it, so the host's issue time counts where the device
+      waits for it (what a caller feels);
+    * kernel only (``kernel_only=True``): the device is first held busy
+      (``torch.cuda._sleep``) for longer than the host needs to issue the call,
+      so the events enclose only the launched work, back to back.
+
+    Repetitions stop after ``reps``, or after ``min_reps`` once ``budget_s``
+    seconds have been spent (slow baselines need no more samples to be
+    compared).
     """
 
-    def __init__(self, device: torch.device, warmup: int = 3, reps: int = 15):
+    def __init__(self, device: torch.device, warmup: int = 3, reps: int = 15, *, min_reps: int = 3,
+                 budget_s: float = 2.0):
         self.device = torch.device(device)
-        self.warmup, self.reps = warmup, reps
+        self.warmup, self.reps, self.min_reps, self.budget_s = warmup, reps, min(min_reps, reps), budget_s
         self._flush = None
+        self._cycles_per_s = 2e9
         if self.device.type == "cuda":
-            l2 = torch.cuda.get_device_properties(self.device).L2_cache_size
-            self._flush = torch.empty(max(2 * l2, 256 << 20), dtype=torch.uint8, device=self.device)
+            props = torch.cuda.get_device_properties(self.device)
+            self._flush = torch.ones(max(2 * props.L2_cache_size, 256 << 20) // 4, dtype=torch.int32,
+                                     device=self.device)
+            self._cycles_per_s = getattr(props, "clock_rate", 2_000_000) * 1e3 or 2e9
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.synchronize(self.device)
 
     def flush(self) -> None:
         if self._flush is not None:
-            self._flush.zero_()
+            self._flush.sum()   # reads every line; writes one scalar
 
-    def __call__(self, fn: Callable[[], object]) -> Timing:
+    def __call__(self, fn: Callable[[], object], *, kernel_only: bool = False, host_s: float = 0.0) -> Timing:
+        """Time ``fn``; ``host_s`` (kernel only): how long the host takes to issue it (from an end-to-end run)."""
+        if kernel_only and not self.cuda:
+            raise ValueError("kernel-only timing needs a CUDA device")
         for _ in range(self.warmup):
             fn()
         self.sync()
-        samples = []
-        for _ in range(self.reps):
+        samples, host = [], []
+        started = time.perf_counter()
+        while len(samples) < self.reps and not (len(samples) >= self.min_reps
+                                                 and time.perf_counter() - started > self.budget_s):
             self.flush()
-            if self.device.type == "cuda":
+            if self.cuda:
+                if kernel_only:
+                    torch.cuda._sleep(int((2 * host_s + 200e-6) * self._cycles_per_s))
+                else:
+                    self.sync()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t0 = time.perf_counter()
                 fn()
+                host.append(time.perf_counter() - t0)
                 end.record()
                 end.synchronize()
                 samples.append(start.elapsed_time(end) / 1e3)
@@ -70,20 +113,31 @@ class Timer:
                 t0 = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t0)
-        samples.sort()
-        q = statistics.quantiles(samples, n=10) if len(samples) >= 2 else [samples[0]] * 9
-        return Timing(statistics.median(samples), q[0], q[-1], len(samples))
+                host.append(samples[-1])
+        return _timing(samples, host)
 
 
 MiB = 1 << 20
+LIMIT_SIZES_MIB = (1, 32, 256)
+SAME_SIZE_MAX = 512 * MiB
+
+
+def _pinned_copy_gbps(timer: Timer, nbytes: int) -> tuple[float, float]:
+    """(H2D, D2H) GB/s of one pinned ``copy_`` of ``nbytes``."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
+    h2d = timer(lambda: device.copy_(host, non_blocking=True)).gbps(nbytes)
+    d2h = timer(lambda: host.copy_(device, non_blocking=True)).gbps(nbytes)
+    return h2d, d2h
 
 
 def measure_limits(timer: Timer, *, quick: bool) -> dict[str, float]:
     """The machine's own copy bandwidth (GB/s, one way): device copy and pinned host copies.
 
     Keys: ``D2D`` (a large device-to-device ``copy_``), ``H2D_<n>MiB`` and
-    ``D2H_<n>MiB`` (pinned host <-> device ``copy_``) at 1, 32 and 256 MiB.
-    On CPU only ``D2D`` (a host memcpy) is measured.
+    ``D2H_<n>MiB`` (pinned host <-> device ``copy_``) at 1, 32 and 256 MiB;
+    the 256 MiB figure is the host ceiling.  On CPU only ``D2D`` (a host
+    memcpy) is measured.
     """
     dev = timer.device
     limits = {}
@@ -93,15 +147,36 @@ def measure_limits(timer: Timer, *, quick: bool) -> dict[str, float]:
     limits["D2D"] = timer(lambda: b.copy_(a)).gbps(big)
     del a, b
     if dev.type == "cuda":
-        for size in (1, 32, 256):
-            host = torch.empty(size * MiB, dtype=torch.uint8, pin_memory=True)
-            device = torch.empty(size * MiB, dtype=torch.uint8, device=dev)
-            limits[f"H2D_{size}MiB"] = timer(lambda: device.copy_(host, non_blocking=True)).gbps(size * MiB)
-            limits[f"D2H_{size}MiB"] = timer(lambda: host.copy_(device, non_blocking=True)).gbps(size * MiB)
+        for size in LIMIT_SIZES_MIB:
+            limits[f"H2D_{size}MiB"], limits[f"D2H_{size}MiB"] = _pinned_copy_gbps(timer, size * MiB)
     return limits
 
 
-def host_limit(limits: dict[str, float], direction: str, nbytes: int) -> tuple[str, float]:
-    """The pinned-copy limit matching a host transfer: the 256 MiB figure (the ceiling)."""
-    key = f"{'D2H' if direction == 'to_host' else 'H2D'}_256MiB"
-    return key, limits[key]
+def drifted(start: dict[str, float], end: dict[str, float], tolerance: float = 0.05) -> dict[str, tuple]:
+    """Limits that moved by more than ``tolerance`` (relative) between the start and the end of a run."""
+    return {k: (start[k], end[k]) for k in start
+            if k in end and start[k] and abs(end[k] - start[k]) / start[k] > tolerance}
+
+
+def host_key(direction: str) -> str:
+    return "D2H" if direction == "to_host" else "H2D"
+
+
+class SameSizeCopies:
+    """The pinned ``copy_`` of the same payload size as a host case, measured once per size and direction.
+
+    Payloads above 512 MiB are judged against the 512 MiB copy (the pinned
+    copy rate is flat well below that size).
+    """
+
+    def __init__(self, timer: Timer):
+        self.timer = timer
+        self._seen: dict[int, tuple[float, float]] = {}
+
+    def gbps(self, direction: str, nbytes: int) -> float:
+        nbytes = min(nbytes, SAME_SIZE_MAX)
+        if nbytes not in self._seen:
+            self._seen[nbytes] = _pinned_copy_gbps(self.timer, nbytes)
+            torch.cuda.empty_cache()
+        h2d, d2h = self._seen[nbytes]
+        return d2h if direction == "to_host" else h2d
