@@ -1,23 +1,57 @@
 #!/usr/bin/env bash
-# On a CUDA machine with kvlayout built: run the test suite, the CPU+CUDA
-# conformance run (with compute-sanitizer) and, with "bench", the benchmark;
-# logs and reports go under OUTDIR.
-#   scripts/cuda_record.sh OUTDIR [tests|bench|all]
+# On a CUDA machine: build kvlayout, then record the test suite, the CPU+CUDA
+# conformance run (with compute-sanitizer) and the benchmark. Every step writes
+# its own files under OUTDIR while it runs and its time into OUTDIR/steps.txt,
+# so a step cut short leaves the earlier ones on record.
+#
+#   scripts/cuda_record.sh OUTDIR [STEP...]
+#
+# Steps (default: build tests conformance bench):
+#   build        pip install --no-build-isolation --no-deps -e .   -> build.txt
+#   fast         pytest -m "not slow" (every CUDA code path)        -> tests_fast.txt
+#   tests        the full test suite                               -> tests.txt
+#   conformance  kvlayout conformance --device cpu,cuda --sanitize  -> conformance.txt, conformance/
+#   bench        kvlayout bench --device cuda (full)               -> bench/<gpu>.{jsonl,json,md,png}
+#   bench-quick  kvlayout bench --device cuda --quick              -> bench-quick/
+# PYTHON picks the interpreter (default python3); PYTEST_ARGS adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [tests|bench|all]}
-what=${2:-all}
-mkdir -p "$out/conformance" "$out/bench"
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick ...]}
+shift
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
+mkdir -p "$out"
 export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 status=0
-if [ "$what" != bench ]; then
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/tests.txt"
-    $py -m pytest -q -p no:cacheprovider tests 2>&1 | tee -a "$out/tests.txt" || status=1
-    $py -m kvlayout conformance --device cpu,cuda --sanitize --no-progress --report "$out/conformance" \
-        2>&1 | tee "$out/conformance.txt" || status=1
-fi
-if [ "$what" != tests ]; then
-    $py -m kvlayout bench --device cuda --out "$out/bench" 2>"$out/bench_progress.txt" | tail -5 || status=1
-fi
+
+gpu_header() {
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+    $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+}
+
+run_step() {   # run_step NAME LOGFILE COMMAND...: the command's output goes to the log as it comes
+    local name=$1 log=$2 start=$SECONDS rc
+    shift 2
+    { gpu_header; echo "\$ $*"; } > "$out/$log"
+    "$@" >> "$out/$log" 2>&1
+    rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/steps.txt"
+    [ $rc -eq 0 ] || status=1
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        build) run_step build build.txt $py -m pip install --no-build-isolation --no-deps -e . ;;
+        fast) run_step fast tests_fast.txt $py -m pytest -q -p no:cacheprovider -m "not slow" --durations=25 \
+                  ${PYTEST_ARGS:-} tests ;;
+        tests) run_step tests tests.txt $py -m pytest -q -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} tests ;;
+        conformance) run_step conformance conformance.txt $py -m kvlayout conformance --device cpu,cuda --sanitize \
+                         --no-progress --report "$out/conformance" ;;
+        bench) run_step bench bench.txt $py -m kvlayout bench --device cuda --out "$out/bench" ;;
+        bench-quick) run_step bench-quick bench_quick.txt $py -m kvlayout bench --device cuda --quick \
+                         --out "$out/bench-quick" ;;
+        *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
+    esac
+done
 exit $status
