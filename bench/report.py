@@ -17,7 +17,8 @@ def _pct(value) -> str:
 def _peer(r: dict) -> str:
     if "peer" not in r:
         return "–"
-    return f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%) {r['vs_peer']}"
+    kernel = f", kernel {r['vs_peer_kernel']}" if "vs_peer_kernel" in r else ""
+    return f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%) {r['vs_peer']}{kernel}"
 
 
 def table_rows(doc: dict) -> list[list[str]]:
@@ -44,7 +45,8 @@ EXPLAIN = (
     "device copy; % same size against a pinned copy of the same payload size (up to 512 MiB); host µs = host "
     "time inside the call; x torch = torch time / kvlayout time on the same data; best peer = the best "
     "LMCache / SGLang / torch figure recorded for the same job in `bench/peers.json`, ahead/behind by % of each "
-    "run's own limit. Every row was checked bit-exact against the torch baseline first; L2 is flushed by reading "
+    "run's own limit, end to end (and kernel only: the peers were timed with L2 flushed by a memset queued "
+    "just before the call, which hides host issue time shorter than that memset). Every row was checked bit-exact against the torch baseline first; L2 is flushed by reading "
     "a buffer larger than L2 before each timed call.")
 
 

@@ -121,6 +121,9 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         best = max(matches, key=lambda p: p["pct"])
         row.update(peer=f"{best['peer']} {best['op']}", peer_gbps=best["gbps"], peer_pct=best["pct"],
                    vs_peer="ahead" if row["pct_of_limit"] >= best["pct"] else "behind")
+        if "kernel_gbps" in row:
+            kernel_pct = 100 * row["kernel_gbps"] / row["limit_gbps"]
+            row["vs_peer_kernel"] = "ahead" if kernel_pct >= best["pct"] else "behind"
     return row
 
 

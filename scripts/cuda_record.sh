@@ -8,6 +8,9 @@
 #
 # Steps (default: build tests conformance bench):
 #   build        pip install --no-build-isolation --no-deps -e .   -> build.txt
+#                (with the system gcc/g++ where present: a toolchain that links
+#                libstdc++ statically makes an extension that crashes on its first
+#                formatted error message)
 #   fast         pytest -m "not slow" (every CUDA code path)        -> tests_fast.txt
 #   tests        the full test suite                               -> tests.txt
 #   conformance  kvlayout conformance --device cpu,cuda --sanitize  -> conformance.txt, conformance/
@@ -42,7 +45,8 @@ run_step() {   # run_step NAME LOGFILE COMMAND...: the command's output goes to 
 
 for step in "${steps[@]}"; do
     case $step in
-        build) run_step build build.txt $py -m pip install --no-build-isolation --no-deps -e . ;;
+        build) if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+               run_step build build.txt $py -m pip install --no-build-isolation --no-deps -e . ;;
         fast) run_step fast tests_fast.txt $py -m pytest -q -p no:cacheprovider -m "not slow" --durations=25 \
                   ${PYTEST_ARGS:-} tests ;;
         tests) run_step tests tests.txt $py -m pytest -q -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} tests ;;

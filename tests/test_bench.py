@@ -77,6 +77,7 @@ def test_peer_figures_match_the_same_job():
                                  "to_host", max_ctas=4)) == []
 
 
+@pytest.mark.slow   # CPU only: the transfers themselves are covered by the ops tests and conformance
 def test_every_planned_case_builds_and_matches_the_baseline_on_small_data():
     """Each layout pair and direction of the GPU plan, shrunk: kvlayout and the baseline agree byte for byte."""
     timer = Timer(torch.device("cpu"), warmup=0, reps=1)

@@ -17,6 +17,9 @@ import torch
 from kvlayout.ops import _native as nat
 
 DEVICES = ["cpu"] + (["cuda"] if nat.cuda_available() else [])
+# torch.compile of the raw ops on CPU (inductor's C++ build) is slow, and test_ops_compile
+# already compiles every public op on CPU: the CPU variants here run in the full suite only.
+COMPILE_DEVICES = [pytest.param(d, marks=pytest.mark.slow) if d == "cpu" else d for d in DEVICES]
 needs_cuda = pytest.mark.skipif(not nat.cuda_available(), reason="CUDA kernels not built or no GPU")
 
 
@@ -298,7 +301,7 @@ def test_copy_rows_opcheck(device):
     torch.library.opcheck(torch.ops.kvlayout.copy_rows.default, args)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILE_DEVICES)
 def test_copy_rows_compile_fullgraph(device):
     rng = np.random.default_rng(6)
     src = Side(rng, 2, 3, 4, 1, 32, (0, 1, 2), 0, 0, True)
@@ -483,7 +486,7 @@ def test_rope_status_records_out_of_range():
     assert torch.equal(key[1:], before[1:])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILE_DEVICES)
 def test_rope_opcheck_and_compile(device):
     g = torch.Generator().manual_seed(1)
     key = torch.randn(5, 2, 16, generator=g).to(device)
