@@ -163,8 +163,17 @@ def test_direct_functions(device, mla):
 
 
 def test_page_slots_reads_first_index_of_each_page():
-    idx = torch.tensor([8, 99, 99, 99, 0, -5, 7, 7])
+    idx = torch.tensor([8, 99, 99, 99, 0, 1, 7, 7])
     assert S.page_slots(idx, 4).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+
+
+def test_page_slots_negative_means_no_token():
+    # a page whose first index is -1 holds no token; a -1 inside a page is that token only
+    assert S.page_slots([-1] * 4, 4).tolist() == [-1, -1, -1, -1]
+    assert S.page_slots(torch.tensor([-1, 5, 6, 7, 8, -1, 10, 11]), 4).tolist() == [-1, -1, -1, -1, 8, -1, 10, 11]
+    with pytest.raises(ValueError, match=r"host_indices\[4\] = 6 is not the first slot of a page"):
+        S.page_slots([0, 1, 2, 3, 6, 7, 8, 9], 4, name="host_indices", aligned=True)
+    assert S.page_slots([-1, -1, -1, -1], 4, aligned=True).tolist() == [-1] * 4
 
 
 @pytest.mark.parametrize("device", devices)
@@ -358,7 +367,7 @@ def test_host_pool_sizing_and_allocator():
         host.alloc(P + 1)
     assert host.alloc(host.size) is None
     host.free(a)
-    with pytest.raises(RuntimeError, match="not allocated"):
+    with pytest.raises(ValueError, match=r"indices\[0\] = 0 is not allocated"):
         host.free(a)
     assert host.available_size() == host.size
     with pytest.raises(ValueError, match="unsupported layout"):
