@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from compat_oracles import devices, host_zeros, rand, same
+from compat_oracles import clear_device_status, devices, host_zeros, rand, record_skipped_row, same
 from kvlayout.compat import sglang as S
 
 L, H, D, P = 3, 2, 8, 4
@@ -522,12 +522,6 @@ def test_page_head_arguments_must_match_the_host_shape():
         S.transfer_kv_all_layer_lf_pf(dev_k[:1], pf[0], dev_v[:1], pf[1], idx, idx, ITEM, ITEM, 1)
 
 
-def _record_skipped_row(device="cpu"):
-    """What a CUDA kernel leaves behind after skipping dst_slots[3] = 999 (bound 68)."""
-    from kvlayout.ops import _native
-    _native.status_tensor(torch.device(device)).copy_(torch.tensor([1, 3, 999, 68, 1]))
-
-
 def test_validate_reaches_kvlayout(monkeypatch):
     from kvlayout import ops
     seen = []
@@ -549,7 +543,8 @@ def test_validate_reaches_kvlayout(monkeypatch):
                                 idx, idx + POOL + P, ITEM, validate=True)
 
 
-def test_skipped_rows_raise_where_sglang_synchronizes():
+def test_skipped_rows_raise_where_sglang_synchronizes(request):
+    request.addfinalizer(clear_device_status)
     gen = torch.Generator().manual_seed(28)
     pool = _device_pool("cpu", gen)
     idx = torch.arange(P, 2 * P)
@@ -557,7 +552,7 @@ def test_skipped_rows_raise_where_sglang_synchronizes():
     for call in (lambda: pool.get_cpu_copy(idx),
                  lambda: pool.load_cpu_copy(copy, idx),
                  lambda: S.transfer_kv_direct(pool.k_buffer, pool.v_buffer, idx, idx + P, P)):
-        _record_skipped_row()
+        record_skipped_row(68)
         with pytest.raises(IndexError, match=r"dst_slots\[3\] = 999 is out of range"):
             call()
     S.transfer_kv_direct(pool.k_buffer, pool.v_buffer, idx, idx + P, P)   # reported once, then clear
