@@ -668,7 +668,7 @@ class HostKVPool:
         return int(self.free_slots.numel())
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """The first ``need_size`` free slots ``[need_size]`` (whole pages), or ``None`` when there is not enough room."""
+        """The first ``need_size`` free slots ``[need_size]`` (whole pages), or ``None`` when too few are free."""
         need_size = operator.index(need_size)
         if need_size < 0:
             raise ValueError(f"need_size = {need_size} must be >= 0")

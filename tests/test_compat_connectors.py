@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat_oracles import (clear_device_status, cos_sin_cache, devices, distinct_slots, host_zeros, logical, make_cache,
-                            rand, record_skipped_row, rope_oracle, rows, same, zeros_like)
+from compat_oracles import (clear_device_status, cos_sin_cache, devices, distinct_slots, host_zeros, logical,
+                            make_cache, rand, record_skipped_row, rope_oracle, rows, same, zeros_like)
 from kvlayout.compat import connectors as C
 from kvlayout.compat.lmcache import MemoryFormat as MF
 

@@ -459,7 +459,8 @@ def test_allocator_rejects_bad_frees_and_sizes():
     assert host.available_size() == 0
     with pytest.raises(ValueError, match=r"indices\[0\] = -1 is negative"):
         host.free([-1])
-    with pytest.raises(ValueError, match=rf"indices\[1\] = {host.size} is out of range: the host pool holds {host.size}"):
+    with pytest.raises(ValueError, match=rf"indices\[1\] = {host.size} is out of range: the host pool holds "
+                                         rf"{host.size}"):
         host.free([0, host.size])
     with pytest.raises(ValueError, match="indices repeats slot 4"):
         host.free([4, 4, 5, 6])
