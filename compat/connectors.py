@@ -17,10 +17,18 @@ Conventions shared by all connectors:
   :meth:`register_kv_caches` (also spelled ``initialize_kvcaches_ptr``); the
   format is discovered once per cache structure with LMCache's rules
   (``kv_layout`` hint from the constructor or ``kwargs["kv_layout"]``).
-* Work is enqueued on the current stream.  When a store ends in host memory
-  the connector synchronizes the device before returning (the host would
-  otherwise read unfinished data); ``kwargs["sync"]`` forces a
-  synchronization at the end of layer-wise loads.
+* The format is discovered with the ``layout_hints`` given to the
+  constructor (LMCache's keyword; ``{"kv_layout": "HND"}`` selects the HND
+  formats), or ``kv_layout=`` directly.
+* Work is enqueued on the current stream.  The connectors synchronize where
+  LMCache's do: when a store ends in host memory (the host would otherwise
+  read unfinished data), at the end of ``batched_to_gpu`` of the paged
+  V2/V3 connectors, and at the end of layer-wise loads/stores with
+  ``kwargs["sync"]``.  At each of these points they also call
+  :func:`kvlayout.ops.check_errors`, so a slot a device kernel skipped as out
+  of range raises ``IndexError`` there.  ``validate=`` (constructor default,
+  or ``kwargs["validate"]`` per call) is forwarded to kvlayout: ``True``
+  checks every slot on the host before anything moves.
 * ``use_gpu=True`` stages memory objects that do not live on the cache's
   device through a device buffer (``Tensor.copy_`` + one kvlayout transfer);
   the buffer grows to the largest chunk seen.  Without it, host memory
@@ -31,7 +39,7 @@ Conventions shared by all connectors:
 from __future__ import annotations
 
 import dataclasses
-from typing import Generator, Sequence
+from typing import Any, Generator, Mapping, Sequence
 
 import torch
 
@@ -89,8 +97,10 @@ def skip_tokens(start: int, end: int, cached_tokens: int) -> int:
 
 
 def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``, then raise any out-of-range slot one of its kernels skipped since the last check."""
     if device.type != "cpu":
         getattr(torch, device.type).synchronize(device)
+    ops.check_errors(device)
 
 
 def _pin(t: torch.Tensor) -> torch.Tensor:
@@ -108,10 +118,18 @@ class _Connector:
     """Cache registration, format discovery and staging buffers shared by every connector."""
 
     engine = "vllm"
+    sync_after_batched_load = True      # LMCache's paged V2/V3 wait for their load stream after batched_to_gpu
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, *, chunk_size: int = 256,
                  dtype: torch.dtype | None = None, device=None, use_mla: bool = False, kv_layout: str | None = None,
-                 kvcaches=None, **_ignored):
+                 layout_hints: Mapping[str, Any] | None = None, kvcaches=None, validate: bool | None = None,
+                 **_ignored):
+        self.layout_hints = dict(layout_hints or {})
+        hinted = self.layout_hints.get("kv_layout")
+        if kv_layout is not None and hinted is not None and str(kv_layout).upper() != str(hinted).upper():
+            raise ValueError(f"kv_layout = {kv_layout!r} contradicts layout_hints['kv_layout'] = {hinted!r}")
+        kv_layout = kv_layout if kv_layout is not None else hinted
+        self.validate = validate
         self.hidden_dim_size = int(hidden_dim_size)
         self.num_layers = int(num_layers)
         self.use_gpu = bool(use_gpu)
@@ -121,6 +139,7 @@ class _Connector:
         self.use_mla = bool(use_mla)
         self.kv_layout = kv_layout
         self.kvcaches = None
+        self.geometry = None
         self.gpu_kv_format: GPUKVFormat | None = None
         self._staging: dict[int, torch.Tensor] = {}
         if kvcaches is not None:
@@ -131,18 +150,25 @@ class _Connector:
         """Take the engine's caches (recovering permuted HND views) and discover their format."""
         layout = kv_layout or self.kv_layout
         kv = ensure_contiguous_kv_caches(kvcaches, layout) if self.engine == "vllm" else kvcaches
-        hints = {"kv_layout": layout} if layout else {}
-        self.gpu_kv_format = discover_gpu_kv_format(kv, self.engine, hints)
+        self.gpu_kv_format = discover_gpu_kv_format(kv, self.engine, self._hints(layout))
         if self.use_mla != (self.gpu_kv_format in MLA_FORMATS):
             raise ValueError(f"use_mla={self.use_mla} but the caches are {self.gpu_kv_format.name}")
         self.kvcaches = kv
         self._registered = kvcaches
         bound = bind_kv_caches(kv, self.gpu_kv_format)
+        self.geometry = bound.geometry
         self.device = bound.device
         self.dtype = self.dtype or bound.dtype
         return self.gpu_kv_format
 
     initialize_kvcaches_ptr = register_kv_caches
+
+    def _hints(self, layout: str | None) -> dict:
+        """The constructor's layout hints with ``kv_layout`` set to ``layout`` (when given)."""
+        return {**self.layout_hints, "kv_layout": layout} if layout else dict(self.layout_hints)
+
+    def _validate(self, kwargs):
+        return kwargs.get("validate", self.validate)
 
     def _caches(self, kwargs):
         kv = kwargs.get("kvcaches")
@@ -176,8 +202,8 @@ class _Connector:
         return buf[:nbytes].view(dtype)[:torch.Size(shape).numel()].view(shape)
 
     def _host_done(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Synchronize when a store wrote host memory from a device."""
-        if self.device is not None and self.device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
+        """Synchronize (and check for skipped slots) when a store wrote host memory."""
+        if self.device is not None and any(t.device.type == "cpu" for t in tensors):
             _synchronize(self.device)
 
     @staticmethod
@@ -214,21 +240,25 @@ class VLLMPagedMemGPUConnectorV2(_Connector):
     def _memory_format(self) -> MemoryFormat:
         return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_2LTD
 
-    def _transfer(self, tensor, kv, slots, direction, skip=0):
+    def _transfer(self, tensor, kv, slots, direction, skip=0, validate=None):
         multi_layer_kv_transfer(tensor, kv, slots, self.device, 0, direction, self.gpu_kv_format,
-                                skip_prefix_n_tokens=skip)
+                                skip_prefix_n_tokens=skip, validate=validate)
+
+    def _load_slots(self, kwargs, start: int, end: int) -> torch.Tensor:
+        return self._slots(kwargs, start, end)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         """Memory object (chunk ``[start, end)``) -> paged cache."""
         _check_fmt(memory_obj, self._memory_format)
         kv = self._caches(kwargs)
         skip = skip_tokens(start, end, kwargs.get("vllm_cached_tokens", 0))
+        slots = self._load_slots(kwargs, start, end)
         src = memory_obj.tensor
         staged = self._staging_view(src)
         if staged is not None:
             staged.copy_(src, non_blocking=True)
             src = staged
-        self._transfer(src, kv, self._slots(kwargs, start, end), H2D, skip)
+        self._transfer(src, kv, slots, H2D, skip, self._validate(kwargs))
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         """Paged cache -> memory object (chunk ``[start, end)``); tags the object's format."""
@@ -237,7 +267,8 @@ class VLLMPagedMemGPUConnectorV2(_Connector):
         kv = self._caches(kwargs)
         dst = memory_obj.tensor
         staged = self._staging_view(dst)
-        self._transfer(staged if staged is not None else dst, kv, self._slots(kwargs, start, end), D2H)
+        self._transfer(staged if staged is not None else dst, kv, self._slots(kwargs, start, end), D2H,
+                       validate=self._validate(kwargs))
         if staged is not None:
             dst.copy_(staged, non_blocking=True)
         memory_obj.fmt = self._memory_format
@@ -246,6 +277,8 @@ class VLLMPagedMemGPUConnectorV2(_Connector):
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         for obj, start, end in zip(memory_objs, starts, ends):
             self.to_gpu(obj, start, end, **kwargs)
+        if self.sync_after_batched_load and self.device is not None:
+            _synchronize(self.device)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         for obj, start, end in zip(memory_objs, starts, ends):
@@ -270,7 +303,7 @@ class VLLMPagedMemGPUConnectorV3(_Connector):
     def register_kv_caches(self, kvcaches, kv_layout: str | None = None):
         layout = kv_layout or self.kv_layout
         kv = list(ensure_contiguous_kv_caches(list(kvcaches), layout))
-        hints = {"kv_layout": layout} if layout else {}
+        hints = self._hints(layout)
         by_key: dict = {}
         for i, t in enumerate(kv):
             by_key.setdefault((tuple(t.shape), t.dtype), []).append(i)
@@ -329,7 +362,8 @@ class VLLMPagedMemGPUConnectorV3(_Connector):
             if staged is not None:
                 staged.copy_(src, non_blocking=True)
                 src = staged
-            multi_layer_kv_transfer(src, tensors, slots, self.device, 0, H2D, fmt, skip_prefix_n_tokens=skip)
+            multi_layer_kv_transfer(src, tensors, slots, self.device, 0, H2D, fmt, skip_prefix_n_tokens=skip,
+                                    validate=self._validate(kwargs))
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         self._caches(kwargs)
@@ -337,7 +371,8 @@ class VLLMPagedMemGPUConnectorV3(_Connector):
         for i, ((_, fmt, tensors), dst, slots) in enumerate(zip(self.groups, dsts,
                                                                  self._group_slots(kwargs, start, end))):
             staged = self._staging_view(dst, slot=i)
-            multi_layer_kv_transfer(staged if staged is not None else dst, tensors, slots, self.device, 0, D2H, fmt)
+            multi_layer_kv_transfer(staged if staged is not None else dst, tensors, slots, self.device, 0, D2H, fmt,
+                                    validate=self._validate(kwargs))
             if staged is not None:
                 dst.copy_(staged, non_blocking=True)
         memory_obj.fmt = self._memory_format
@@ -351,13 +386,28 @@ class SGLangGPUConnector(VLLMPagedMemGPUConnectorV2):
     """SGLang pools (``[[K...], [V...]]`` lists, or MLA ``[PBS, 1, D]`` list) <-> ``KV_2LTD``/``KV_MLA_FMT``.
 
     Uses :func:`~kvlayout.compat.lmcache.multi_layer_kv_transfer_unilateral`;
-    like LMCache's SGLang connector it applies no prefix skip.
+    like LMCache's SGLang connector it applies no prefix skip, and ``to_gpu``
+    reads ``slot_mapping[start - offset:end - offset]`` (``kwargs["offset"]``,
+    default 0: the slot mapping then covers only the tokens from ``offset``
+    on); ``from_gpu`` reads ``slot_mapping[start:end]``.
     """
 
     engine = "sglang"
+    sync_after_batched_load = False     # LMCache's SGLang connector does not wait after its loads
 
-    def _transfer(self, tensor, kv, slots, direction, skip=0):
-        multi_layer_kv_transfer_unilateral(tensor, kv, slots, self.device, 0, direction, self.gpu_kv_format)
+    def _transfer(self, tensor, kv, slots, direction, skip=0, validate=None):
+        multi_layer_kv_transfer_unilateral(tensor, kv, slots, self.device, 0, direction, self.gpu_kv_format,
+                                           validate=validate)
+
+    def _load_slots(self, kwargs, start: int, end: int) -> torch.Tensor:
+        offset = int(kwargs.get("offset", 0))
+        if "slot_mapping" not in kwargs:
+            raise ValueError("slot_mapping is required")
+        n = int(kwargs["slot_mapping"].shape[0])
+        if not 0 <= start - offset <= end - offset <= n:
+            raise ValueError(f"offset = {offset}: chunk [{start}, {end}) maps to slot_mapping[{start - offset}:"
+                             f"{end - offset}], outside its {n} entries")
+        return kwargs["slot_mapping"][start - offset:end - offset]
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         kwargs.pop("vllm_cached_tokens", None)
@@ -404,10 +454,10 @@ class _LayerwiseConnector(_Connector):
     def _token_dim(self) -> int:
         return 1 if (self.layer_format == MemoryFormat.KV_2TD and not self.use_mla) else 0
 
-    def _move_layer(self, layer: int, tensor: torch.Tensor, slots: torch.Tensor, direction) -> None:
+    def _move_layer(self, layer: int, tensor: torch.Tensor, slots: torch.Tensor, direction, validate=None) -> None:
         """One layer, one token-indexed tensor <-> the paged cache."""
         single_layer_kv_transfer(tensor, self._layer(layer), slots, direction, self.gpu_kv_format,
-                                 token_major=self.layer_format == MemoryFormat.KV_T2D)
+                                 token_major=self.layer_format == MemoryFormat.KV_T2D, validate=validate)
 
     def _chunk_slots(self, kwargs, starts, ends) -> list[torch.Tensor]:
         """Per chunk: its slots, with positions vLLM already holds set to -1."""
@@ -419,7 +469,7 @@ class _LayerwiseConnector(_Connector):
             out.append(ops.skip_prefix(slots, skip) if skip else slots)
         return out
 
-    def _load_layer(self, layer: int, objs, starts, ends, chunk_slots) -> None:
+    def _load_layer(self, layer: int, objs, starts, ends, chunk_slots, validate=None) -> None:
         for obj in objs:
             _check_fmt(obj, self._expected_format())
         if self.use_gpu and any(o.tensor.device != self.device for o in objs):
@@ -429,10 +479,10 @@ class _LayerwiseConnector(_Connector):
             staged = self._device_buffer(self.get_shape(total), objs[0].tensor.dtype, slot=layer % 2)
             for off, o in zip(_offsets(objs, dim), objs):
                 staged.narrow(dim, off, o.tensor.shape[dim]).copy_(o.tensor, non_blocking=True)
-            self._move_layer(layer, staged, torch.cat(chunk_slots), H2D)
+            self._move_layer(layer, staged, torch.cat(chunk_slots), H2D, validate)
         else:
             for obj, slots in zip(objs, chunk_slots):
-                self._move_layer(layer, obj.tensor, slots, H2D)
+                self._move_layer(layer, obj.tensor, slots, H2D, validate)
 
     def batched_to_gpu(self, starts, ends, **kwargs) -> Generator:
         self._caches(kwargs)
@@ -444,7 +494,7 @@ class _LayerwiseConnector(_Connector):
                 if given is None:
                     raise ValueError(f"no memory objects for layer {layer}: send them or pass memory_objs=")
                 objs = given[layer]
-            self._load_layer(layer, objs, starts, ends, chunk_slots)
+            self._load_layer(layer, objs, starts, ends, chunk_slots, self._validate(kwargs))
         yield
         if kwargs.get("sync", False) and self.device is not None:
             _synchronize(self.device)
@@ -458,7 +508,7 @@ class _LayerwiseConnector(_Connector):
             for obj, slots in zip(memory_objs[layer], chunk_slots):
                 dst = obj.tensor
                 staged = self._staging_view(dst, slot=layer % 2)
-                self._move_layer(layer, staged if staged is not None else dst, slots, D2H)
+                self._move_layer(layer, staged if staged is not None else dst, slots, D2H, self._validate(kwargs))
                 if staged is not None:
                     dst.copy_(staged, non_blocking=True)
                 obj.fmt = self._expected_format()
@@ -504,12 +554,13 @@ class SGLangLayerwiseGPUConnector(_LayerwiseConnector):
 
     engine = "sglang"
 
-    def _move_layer(self, layer, tensor, slots, direction):
+    def _move_layer(self, layer, tensor, slots, direction, validate=None):
         if self.use_mla:
-            single_layer_kv_transfer(tensor, self._layer(layer), slots, direction, self.gpu_kv_format)
+            single_layer_kv_transfer(tensor, self._layer(layer), slots, direction, self.gpu_kv_format,
+                                     validate=validate)
         else:
             k, v = self._layer(layer)
-            single_layer_kv_transfer_sgl(tensor, k, v, slots, direction, token_major=True)
+            single_layer_kv_transfer_sgl(tensor, k, v, slots, direction, token_major=True, validate=validate)
 
     def _chunk_slots(self, kwargs, starts, ends):
         return [self._slots(kwargs, s, e) for s, e in zip(starts, ends)]
@@ -529,7 +580,8 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
        construction) and ``kwargs`` carry ``old_positions`` (where the keys
        were computed) and ``positions`` (where they are used now), both
        full-sequence tensors, the K rows of covered positions are rotated from
-       old to new positions (:func:`rotary_embedding_k_fused`);
+       old to new positions (:func:`rotary_embedding_k_fused`), head by head:
+       the head size is the caches' (``head_size``, when given, must agree);
     3. the covered rows are written to the paged cache; gap positions are not
        written (their slots become -1): the engine recomputes them.
 
@@ -554,7 +606,14 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
     def _chunk_slots(self, kwargs, starts, ends):
         return [self._slots(kwargs, s, e) for s, e in zip(starts, ends)]
 
-    def _load_layer(self, layer, objs, starts, ends, chunk_slots):
+    def _rope_head_size(self) -> int:
+        """Elements per head, from the caches' geometry (RoPE rotates each head on its own)."""
+        e = self.geometry.E
+        if self.head_size is not None and int(self.head_size) != e:
+            raise ValueError(f"head_size = {self.head_size} but the caches have heads of {e} elements")
+        return e
+
+    def _load_layer(self, layer, objs, starts, ends, chunk_slots, validate=None):
         for obj in objs:
             _check_fmt(obj, MemoryFormat.KV_2TD)
         base, n = int(starts[0]), int(ends[-1]) - int(starts[0])
@@ -569,11 +628,11 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
             minus = torch.full((n,), -1, dtype=torch.int64, device=self.device)
             old = torch.where(covered, self._kw["old_positions"][base:base + n].to(self.device), minus)
             new = torch.where(covered, self._kw["positions"][base:base + n].to(self.device), minus)
-            rotary_embedding_k_fused(old, new, buf[0], self.head_size or self.hidden_dim_size,
-                                     self.cos_sin_cache, self.is_neox_style)
+            rotary_embedding_k_fused(old, new, buf[0], self._rope_head_size(), self.cos_sin_cache,
+                                     self.is_neox_style, validate=validate)
         slots = self._slots(self._kw, base, base + n).to(self.device)
         slots = torch.where(covered, slots, torch.full_like(slots, -1))
-        self._move_layer(layer, buf, slots, H2D)
+        self._move_layer(layer, buf, slots, H2D, validate)
         self.last_buffer = buf
 
     def _buffers(self, dtype, n):

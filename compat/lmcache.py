@@ -15,6 +15,14 @@ the memory object actually lives.
 Semantics are kvlayout's: a negative slot means "no token" (nothing read or
 written), a slot beyond the cache is an error (never an out-of-bounds access),
 an empty transfer is a no-op, copies are byte-exact.
+
+Out-of-range slots: on CPU they raise at once.  A CUDA kernel cannot raise:
+it skips the row and records it, and :func:`kvlayout.ops.check_errors`
+raises the record; the connectors (:mod:`kvlayout.compat.connectors`) call it
+where LMCache synchronizes.  Every function here takes ``validate=`` and
+forwards it to kvlayout: ``True`` checks every slot (and RoPE position) on
+the host before anything is written, at the price of a synchronization;
+``None`` leaves it to the ``KVLAYOUT_VALIDATE`` environment variable.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from kvlayout import ops
+from kvlayout.ops.transfer import validating
 
 from ._device import indices_on, launch_device
 
@@ -166,16 +175,16 @@ def _bind_chunk(key_value: torch.Tensor, mla: bool) -> ops.KVCache:
 
 
 def _move_rows(chunk: ops.KVCache, paged: ops.KVCache, slot_mapping, direction, skip: int = 0,
-               num_tokens: int | None = None) -> None:
+               num_tokens: int | None = None, validate: bool | None = None) -> None:
     """The one composition every op here reduces to: chunk position t <-> paged slot slot_mapping[t]."""
     direction = TransferDirection(int(direction))
     slots = indices_on(slot_mapping, launch_device(chunk, paged))
     if num_tokens is not None and slots.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slots.shape[0]} entries, the memory object {num_tokens} tokens")
     if direction == TransferDirection.H2D:
-        ops.transfer(chunk, paged, None, slots, skip_prefix=skip)
+        ops.transfer(chunk, paged, None, slots, skip_prefix=skip, validate=validate)
     else:
-        ops.transfer(paged, chunk, slots, None, skip_prefix=skip)
+        ops.transfer(paged, chunk, slots, None, skip_prefix=skip, validate=validate)
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,7 +194,8 @@ def _move_rows(chunk: ops.KVCache, paged: ops.KVCache, slot_mapping, direction, 
 def multi_layer_kv_transfer(key_value: torch.Tensor, kv_caches, slot_mapping: torch.Tensor,
                             paged_memory_device=None, page_buffer_size: int = 0,
                             direction=TransferDirection.D2H, gpu_kv_format=F.NL_X_TWO_NB_BS_NH_HS,
-                            block_size: int = 0, head_size: int = 0, skip_prefix_n_tokens: int = 0) -> None:
+                            block_size: int = 0, head_size: int = 0, skip_prefix_n_tokens: int = 0, *,
+                            validate: bool | None = None) -> None:
     """Move one chunk of T tokens, all layers, between a memory object and the paged cache.
 
     ``key_value``: ``[2, L, T, NH*HS]`` (KV_2LTD) or, for MLA formats (3, 5),
@@ -220,7 +230,8 @@ def multi_layer_kv_transfer(key_value: torch.Tensor, kv_caches, slot_mapping: to
         raise ValueError(f"head_size = {head_size} but the caches have heads of {g.E} elements")
     if chunk.geometry.L != g.L:
         raise ValueError(f"key_value has {chunk.geometry.L} layers, kv_caches {g.L}")
-    _move_rows(chunk, paged, slot_mapping, direction, int(skip_prefix_n_tokens), num_tokens=key_value.shape[2])
+    _move_rows(chunk, paged, slot_mapping, direction, int(skip_prefix_n_tokens), num_tokens=key_value.shape[2],
+               validate=validate)
 
 
 def _sglang_kv_lists(k_caches_and_v_caches):
@@ -239,7 +250,8 @@ def _sglang_kv_lists(k_caches_and_v_caches):
 def multi_layer_kv_transfer_unilateral(key_value: torch.Tensor, k_caches_and_v_caches, slot_mapping: torch.Tensor,
                                        device=None, page_buffer_size: int = 0,
                                        direction=TransferDirection.D2H,
-                                       gpu_kv_format=F.TWO_X_NL_X_NBBS_NH_HS) -> None:
+                                       gpu_kv_format=F.TWO_X_NL_X_NBBS_NH_HS, *,
+                                       validate: bool | None = None) -> None:
     """SGLang MHA form of :func:`multi_layer_kv_transfer` (K and V in separate per-layer tensors).
 
     ``k_caches_and_v_caches``: ``[K_0..K_L-1, V_0..V_L-1]`` (LMCache's 2L
@@ -250,11 +262,11 @@ def multi_layer_kv_transfer_unilateral(key_value: torch.Tensor, k_caches_and_v_c
     fmt = GPUKVFormat(int(gpu_kv_format))
     if fmt in MLA_FORMATS:
         multi_layer_kv_transfer(key_value, k_caches_and_v_caches, slot_mapping, device, page_buffer_size,
-                                direction, fmt)
+                                direction, fmt, validate=validate)
         return
     k, v = _sglang_kv_lists(k_caches_and_v_caches)
     multi_layer_kv_transfer(key_value, [k, v], slot_mapping, device, page_buffer_size, direction,
-                            F.TWO_X_NL_X_NBBS_NH_HS)
+                            F.TWO_X_NL_X_NBBS_NH_HS, validate=validate)
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,7 +286,8 @@ def _bind_layer_chunk(lmc: torch.Tensor, token_major: bool, mla: bool) -> ops.KV
 
 def single_layer_kv_transfer(lmc_key_value_cache: torch.Tensor, vllm_key_value_cache: torch.Tensor,
                              slot_mapping: torch.Tensor, direction=TransferDirection.D2H,
-                             gpu_kv_format=F.NL_X_TWO_NB_BS_NH_HS, token_major: bool = False) -> None:
+                             gpu_kv_format=F.NL_X_TWO_NB_BS_NH_HS, token_major: bool = False, *,
+                             validate: bool | None = None) -> None:
     """Move one layer between a layer chunk and one layer of the paged cache.
 
     ``lmc_key_value_cache``: ``[T, 2, D]`` when ``token_major`` (KV_T2D), else
@@ -289,12 +302,13 @@ def single_layer_kv_transfer(lmc_key_value_cache: torch.Tensor, vllm_key_value_c
                          f"{sorted(int(f) for f in SINGLE_LAYER_FORMATS)}, got {fmt.name}")
     chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, fmt in MLA_FORMATS)
     paged = ops.bind(layout_of(fmt), [vllm_key_value_cache])
-    _move_rows(chunk, paged, slot_mapping, direction)
+    _move_rows(chunk, paged, slot_mapping, direction, validate=validate)
 
 
 def single_layer_kv_transfer_sgl(lmc_key_value_cache: torch.Tensor, sgl_key_cache: torch.Tensor,
                                  sgl_value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                                 direction=TransferDirection.D2H, token_major: bool = False) -> None:
+                                 direction=TransferDirection.D2H, token_major: bool = False, *,
+                                 validate: bool | None = None) -> None:
     """Like :func:`single_layer_kv_transfer` for one SGLang layer (separate K and V tensors).
 
     ``sgl_key_cache``/``sgl_value_cache``: ``[PBS, NH, HS]``, or
@@ -306,7 +320,7 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: torch.Tensor, sgl_key_cach
 
     chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, False)
     paged = ops.bind("sglang_mha", ([as3(sgl_key_cache)], [as3(sgl_value_cache)]))
-    _move_rows(chunk, paged, slot_mapping, direction)
+    _move_rows(chunk, paged, slot_mapping, direction, validate=validate)
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,19 +328,29 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: torch.Tensor, sgl_key_cach
 # ---------------------------------------------------------------------------------------
 
 def rotary_embedding_k_fused(old_positions: torch.Tensor, new_positions: torch.Tensor, key: torch.Tensor,
-                             head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+                             head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool, *,
+                             validate: bool | None = None) -> None:
     """Re-rotate cached keys in place from ``old_positions`` to ``new_positions``.
 
     ``key``: ``[T, NH*HS]`` or ``[T, NH, HS]`` (a view with a contiguous last
     dim).  ``cos_sin_cache [max_pos, rot_dim]``: cos half then sin half.  NeoX
-    pairs ``(i, i + rot/2)``, GPT-J ``(2i, 2i + 1)``; math in fp32.
+    pairs ``(i, i + rot/2)``, GPT-J ``(2i, 2i + 1)``; math in fp32.  A
+    negative position leaves the token as it is.  ``validate=True`` checks on
+    the host that every position is below ``max_pos`` (``IndexError``).
     """
     keys = key if key.dim() == 3 else key.view(key.shape[0], -1, int(head_size))
     if keys.shape[-1] != head_size:
         raise ValueError(f"key heads have {keys.shape[-1]} elements, head_size = {head_size}")
     dev = keys.device
-    ops.rope_reposition(keys, indices_on(old_positions, dev), indices_on(new_positions, dev),
-                        cos_sin_cache.to(dev), is_neox=bool(is_neox))
+    old, new = indices_on(old_positions, dev), indices_on(new_positions, dev)
+    if validating(validate):
+        for name, pos in (("old_positions", old), ("new_positions", new)):
+            bad = torch.nonzero(pos.detach().cpu() >= cos_sin_cache.shape[0])
+            if bad.numel():
+                i = int(bad[0, 0])
+                raise IndexError(f"{name}[{i}] = {int(pos[i])} is out of range: cos_sin_cache holds "
+                                 f"{cos_sin_cache.shape[0]} positions")
+    ops.rope_reposition(keys, old, new, cos_sin_cache.to(dev), is_neox=bool(is_neox))
 
 
 # ---------------------------------------------------------------------------------------
@@ -489,11 +513,24 @@ def normalize_and_discover(kv_caches, engine, layout_hints: Mapping[str, Any] | 
 
     Callers must use the returned structure.  Packed caches handed out as
     rank-4 ``[NB, BS, NH, 2*HS]`` (NHD) or ``[NB, NH, BS, 2*HS]`` (HND) are
-    viewed as rank 5 with a trailing ``[2, HS]``.
+    viewed as rank 5 with a trailing ``[2, HS]`` and are packed formats (11,
+    HND: 10) whatever their sizes: the rank-5 shape rules of
+    :func:`discover_gpu_kv_format` would read 2 blocks as format 1, or a
+    block size (HND: head count) of 2 as format 2.
     """
     hints = dict(layout_hints or {})
     kv = canonicalize_kv_caches(ensure_contiguous_kv_caches(kv_caches, hints.get("kv_layout")), hints)
     if _engine_name(engine) == "vllm" and isinstance(kv, (list, tuple)) and kv \
             and isinstance(kv[0], torch.Tensor) and kv[0].dim() == 4:
+        for i, t in enumerate(kv):
+            if t.dim() != 4 or t.shape[3] % 2:
+                raise ValueError(f"packed kv_caches[{i}] must be [NB, *, *, 2*HS], got shape {tuple(t.shape)}")
+        _assert_contiguous(kv[0])
         kv = [t.view(*t.shape[:3], 2, t.shape[3] // 2) for t in kv]
+        if "kv_layout" not in hints:
+            logger.warning("no kv_layout hint for vLLM caches; assuming NHD")
+        hnd = str(hints.get("kv_layout", "NHD")).upper() == "HND"
+        fmt = F.NL_X_NB_NH_BS_TWO_HS if hnd else F.NL_X_NB_BS_NH_TWO_HS
+        logger.info("kv_caches: %s (%s) -> kvlayout layout %s", fmt.name, int(fmt), LAYOUT_OF_FORMAT[fmt])
+        return fmt, kv
     return discover_gpu_kv_format(kv, engine, hints), kv

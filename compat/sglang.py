@@ -18,15 +18,26 @@ kvlayout's ``max_ctas`` (how many CTAs a transfer may occupy beside the
 forward pass); ``num_warps_per_block`` is accepted and ignored (kvlayout picks
 its own block shape).
 
-The "direct" functions are page-granular like SGLang's: only the first index
-of each page is read and the page's ``page_size`` slots are assumed
-consecutive (the allocators guarantee it); kvlayout then moves those
-page-contiguous slots, which it coalesces into runs.
+Out-of-range indices: every function takes ``validate=`` and forwards it to
+kvlayout (``True``: every index is checked on the host before anything moves;
+``None``: the ``KVLAYOUT_VALIDATE`` environment variable decides).  Without
+it a CUDA kernel skips such rows and records them; the record is raised by
+:func:`kvlayout.ops.check_errors`, which this module calls wherever SGLang
+synchronizes with the host anyway (the direct paths, which read their
+indices on the host, and the device pools' CPU copies).  The direct paths
+check their indices on the host by default (``validate=None`` means ``True``
+there), because SGLang already reads them there.
+
+The page-granular functions (``*_direct_pf_lf`` / ``*_direct_lf_pf``) read
+only the first index of each page, like SGLang's, and move the page's
+``page_size`` consecutive slots (:func:`page_slots`); the host side must be
+page-aligned.  :func:`transfer_kv_direct` moves exactly the listed indices.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from typing import Sequence
 
@@ -80,21 +91,49 @@ def _rows(t: torch.Tensor, item_size: int | None = None, what: str = "tensor") -
     return v
 
 
-def _page_first(t: torch.Tensor, item_size: int, layout_dim: int, what: str) -> torch.Tensor:
+def _layers(item_size: int, layout_dim: int, what: str, dim_name: str) -> int:
+    if item_size <= 0 or layout_dim <= 0 or layout_dim % item_size:
+        raise ValueError(f"{what}: {dim_name} = {layout_dim} is not a positive multiple of item_size = {item_size}")
+    return layout_dim // item_size
+
+
+def _page_first(t: torch.Tensor, item_size: int, layout_dim: int, what: str,
+                dim_name: str = "layout_dim") -> torch.Tensor:
     """Host page_first half ``[N, L, ...]`` -> ``[N, L, 1, W]``."""
-    if layout_dim % item_size:
-        raise ValueError(f"{what}: layout_dim = {layout_dim} is not a multiple of item_size = {item_size}")
-    return t.view(t.shape[0], layout_dim // item_size, 1, _width(t, item_size, what))
+    layers = _layers(item_size, layout_dim, what, dim_name)
+    if t.dim() >= 3 and t.shape[1] != layers:
+        raise ValueError(f"{what}: {dim_name} = {layout_dim} means {layers} layers of item_size = {item_size}, "
+                         f"but {what} is [N, L, ...] = {tuple(t.shape)}")
+    return t.view(t.shape[0], layers, 1, _width(t, item_size, what))
 
 
 def _page_head(t: torch.Tensor, item_size: int, layout_dim: int, page_size: int, head_num: int,
-               what: str) -> torch.Tensor:
-    """Host page_head half ``[NP, H, P, L, hd]`` (any shape with those bytes) -> that 5-D view."""
+               what: str, dim_name: str = "layout_dim") -> torch.Tensor:
+    """Host page_head half ``[NP, H, P, L, hd]`` -> that 5-D view.
+
+    A 5-D tensor must have exactly that shape for the given ``head_num``,
+    ``page_size``, layer count and head width (a view with other factors of
+    the same bytes would scramble rows); any other rank is viewed as such.
+    """
     width = _width(t, item_size, what)
-    if width % head_num or layout_dim % item_size:
-        raise ValueError(f"{what}: item_size = {item_size} must split into {head_num} heads and divide "
-                         f"layout_dim = {layout_dim}")
-    return t.view(-1, head_num, page_size, layout_dim // item_size, width // head_num)
+    layers = _layers(item_size, layout_dim, what, dim_name)
+    if head_num <= 0 or width % head_num:
+        raise ValueError(f"{what}: head_num = {head_num} does not divide item_size = {item_size} bytes "
+                         f"({width} elements)")
+    if page_size <= 0:
+        raise ValueError(f"{what}: page_size = {page_size} must be positive")
+    want = (head_num, page_size, layers, width // head_num)
+    if t.dim() == 5:
+        for axis, arg, value in ((1, f"head_num = {head_num}", head_num), (2, f"page_size = {page_size}", page_size),
+                                 (3, f"{dim_name} = {layout_dim} ({layers} layers)", layers),
+                                 (4, f"item_size = {item_size} over {head_num} heads", width // head_num)):
+            if t.shape[axis] != value:
+                raise ValueError(f"{arg} contradicts {what}, [NP, H, P, L, hd] = {tuple(t.shape)}: "
+                                 f"axis {axis} is {t.shape[axis]}, not {value}")
+    elif t.numel() % (head_num * page_size * layers * (width // head_num)):
+        raise ValueError(f"{what} ({t.numel()} elements) is not whole pages of head_num = {head_num} x "
+                         f"page_size = {page_size} x {layers} layers x {width // head_num}")
+    return t.view(-1, *want)
 
 
 def _page_first_direct(t: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
@@ -111,26 +150,45 @@ def _pair(src_indices, dst_indices, device):
     return s, d
 
 
-def page_slots(indices, page_size: int) -> torch.Tensor:
-    """The page-contiguous slots SGLang's page-granular paths use.
+def page_slots(indices, page_size: int, *, name: str = "indices", aligned: bool = False) -> torch.Tensor:
+    """The slots SGLang's page-granular paths move for ``indices [n * page_size]`` -> ``[n * page_size]``.
 
     Only ``indices[p * page_size]`` is read for each page p; the page's slots
-    are that index and the ``page_size - 1`` slots after it.  ``len(indices)``
-    must be a multiple of ``page_size``.
+    are that index and the ``page_size - 1`` slots after it.  A negative index
+    means "no token": its own entry stays negative, and so does every entry of
+    a page whose first index is negative (nothing is read or written there).
+    ``aligned=True`` requires every non-negative first index to be a multiple
+    of ``page_size`` (host pages: SGLang addresses them by page number).
     """
-    idx = torch.as_tensor(indices)
+    idx = torch.as_tensor(indices).reshape(-1)
     if page_size <= 0 or idx.numel() % page_size:
-        raise ValueError(f"{idx.numel()} indices do not form whole pages of {page_size}")
-    first = idx.reshape(-1)[::page_size]
-    return (first[:, None] + torch.arange(page_size, dtype=first.dtype, device=first.device)).reshape(-1)
+        raise ValueError(f"{name}: {idx.numel()} indices do not form whole pages of page_size = {page_size}")
+    pages = idx.view(-1, page_size)
+    first = pages[:, :1]
+    if aligned:
+        bad = torch.nonzero((first[:, 0] >= 0) & (first[:, 0] % page_size != 0))
+        if bad.numel():
+            p = int(bad[0, 0])
+            raise ValueError(f"{name}[{p * page_size}] = {int(first[p, 0])} is not the first slot of a page "
+                             f"(page_size = {page_size})")
+    slots = first + torch.arange(page_size, dtype=idx.dtype, device=idx.device)
+    none = (first < 0) | (pages < 0)
+    return torch.where(none, torch.full_like(slots, -1), slots).reshape(-1)
 
 
-def _go(src: ops.KVCache, dst: ops.KVCache, src_indices, dst_indices, block_quota=0, **layers) -> None:
+def _go(src: ops.KVCache, dst: ops.KVCache, src_indices, dst_indices, block_quota=0, validate=None,
+        **layers) -> None:
     device = launch_device(*src.tensors, *dst.tensors)
     s, d = _pair(src_indices, dst_indices, device)
     if s.numel() == 0:
         return
-    ops.transfer(src, dst, s, d, max_ctas=int(block_quota or 0), **layers)
+    ops.transfer(src, dst, s, d, max_ctas=int(block_quota or 0), validate=validate, **layers)
+
+
+def _host_read(device: torch.device, validate):
+    """Where SGLang reads indices on the host: report earlier kernels' skipped rows, check these indices there."""
+    ops.check_errors(device)
+    return True if validate is None else validate
 
 
 def _check_layers(lists, num_layers: int) -> None:
@@ -144,37 +202,37 @@ def _check_layers(lists, num_layers: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size: int,
-                          block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+                          block_quota: int = 2, num_warps_per_block: int = 32, *, validate=None) -> None:
     """One layer, slot rows to slot rows: ``dst_k[d] = src_k[s]``, ``dst_v[d] = src_v[s]``."""
     src = ops.bind("sglang_mha", ([_rows(src_k, item_size, "src_k")], [_rows(src_v, item_size, "src_v")]))
     dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
-    _go(src, dst, src_indices, dst_indices, block_quota)
+    _go(src, dst, src_indices, dst_indices, block_quota, validate)
 
 
 def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id: int,
                                 item_size: int, src_layout_dim: int, block_quota: int = 2,
-                                num_warps_per_block: int = 32) -> None:
+                                num_warps_per_block: int = 32, *, validate=None) -> None:
     """Host page_first halves (``[N, L, H, D]``) -> one device layer: ``dst[d] = src[s, layer_id]``."""
-    src = ops.bind(_HALVES["page_first"], (_page_first(src_k, item_size, src_layout_dim, "src_k"),
-                                           _page_first(src_v, item_size, src_layout_dim, "src_v")))
+    src = ops.bind(_HALVES["page_first"], (_page_first(src_k, item_size, src_layout_dim, "src_k", "src_layout_dim"),
+                                           _page_first(src_v, item_size, src_layout_dim, "src_v", "src_layout_dim")))
     dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
-    _go(src, dst, src_indices, dst_indices, block_quota, src_layers=[layer_id], dst_layers=[0])
+    _go(src, dst, src_indices, dst_indices, block_quota, validate, src_layers=[layer_id], dst_layers=[0])
 
 
 def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id: int,
                                 item_size: int, src_layout_dim: int, page_size: int, head_num: int,
-                                block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+                                block_quota: int = 2, num_warps_per_block: int = 32, *, validate=None) -> None:
     """Host page_head halves (``[NP, H, P, L, hd]``) -> one device layer."""
     src = ops.bind(_HALVES["page_head"],
-                   (_page_head(src_k, item_size, src_layout_dim, page_size, head_num, "src_k"),
-                    _page_head(src_v, item_size, src_layout_dim, page_size, head_num, "src_v")))
+                   (_page_head(src_k, item_size, src_layout_dim, page_size, head_num, "src_k", "src_layout_dim"),
+                    _page_head(src_v, item_size, src_layout_dim, page_size, head_num, "src_v", "src_layout_dim")))
     dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
-    _go(src, dst, src_indices, dst_indices, block_quota, src_layers=[layer_id], dst_layers=[0])
+    _go(src, dst, src_indices, dst_indices, block_quota, validate, src_layers=[layer_id], dst_layers=[0])
 
 
 def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices,
                           item_size: int, num_layers: int, block_quota: int = 2,
-                          num_warps_per_block: int = 32) -> None:
+                          num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every layer, per-layer tensors to per-layer tensors (lists instead of pointer tables)."""
     _check_layers((("src_k_layers", src_k_layers), ("dst_k_layers", dst_k_layers), ("src_v_layers", src_v_layers),
                    ("dst_v_layers", dst_v_layers)), num_layers)
@@ -182,31 +240,33 @@ def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers
                                   [_rows(t, item_size, "src_v") for t in src_v_layers]))
     dst = ops.bind("sglang_mha", ([_rows(t, item_size, "dst_k") for t in dst_k_layers],
                                   [_rows(t, item_size, "dst_v") for t in dst_v_layers]))
-    _go(src, dst, src_indices, dst_indices, block_quota)
+    _go(src, dst, src_indices, dst_indices, block_quota, validate)
 
 
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices,
                                 item_size: int, dst_layout_dim: int, num_layers: int, block_quota: int = 2,
-                                num_warps_per_block: int = 32) -> None:
+                                num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every device layer -> host page_first halves: ``dst[d, l] = src_l[s]``."""
     _check_layers((("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)), num_layers)
     src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
                                   [_rows(t, item_size, "src_v") for t in src_v_layers]))
-    dst = ops.bind(_HALVES["page_first"], (_page_first(dst_k, item_size, dst_layout_dim, "dst_k"),
-                                           _page_first(dst_v, item_size, dst_layout_dim, "dst_v")))
-    _go(src, dst, src_indices, dst_indices, block_quota, dst_layers=list(range(num_layers)))
+    dst = ops.bind(_HALVES["page_first"], (_page_first(dst_k, item_size, dst_layout_dim, "dst_k", "dst_layout_dim"),
+                                           _page_first(dst_v, item_size, dst_layout_dim, "dst_v", "dst_layout_dim")))
+    _go(src, dst, src_indices, dst_indices, block_quota, validate, dst_layers=list(range(num_layers)))
 
 
 def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices,
                                 item_size: int, dst_layout_dim: int, num_layers: int, page_size: int,
-                                head_num: int, block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+                                head_num: int, block_quota: int = 2, num_warps_per_block: int = 32, *,
+                                validate=None) -> None:
     """Every device layer -> host page_head halves."""
     _check_layers((("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)), num_layers)
     src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
                                   [_rows(t, item_size, "src_v") for t in src_v_layers]))
-    dst = ops.bind(_HALVES["page_head"], (_page_head(dst_k, item_size, dst_layout_dim, page_size, head_num, "dst_k"),
-                                          _page_head(dst_v, item_size, dst_layout_dim, page_size, head_num, "dst_v")))
-    _go(src, dst, src_indices, dst_indices, block_quota, dst_layers=list(range(num_layers)))
+    dst = ops.bind(_HALVES["page_head"],
+                   (_page_head(dst_k, item_size, dst_layout_dim, page_size, head_num, "dst_k", "dst_layout_dim"),
+                    _page_head(dst_v, item_size, dst_layout_dim, page_size, head_num, "dst_v", "dst_layout_dim")))
+    _go(src, dst, src_indices, dst_indices, block_quota, validate, dst_layers=list(range(num_layers)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,50 +274,52 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 # ---------------------------------------------------------------------------------------
 
 def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size: int, block_quota: int = 2,
-                              num_warps_per_block: int = 32) -> None:
+                              num_warps_per_block: int = 32, *, validate=None) -> None:
     """One MLA layer: ``dst[d] = src[s]``."""
     _go(ops.bind("sglang_mla", [_rows(src, item_size, "src")]), ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]),
-        src_indices, dst_indices, block_quota)
+        src_indices, dst_indices, block_quota, validate)
 
 
 def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id: int, item_size: int,
-                                    src_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+                                    src_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = 32, *,
+                                    validate=None) -> None:
     """Host MLA page_first ``[N, L, 1, kd]`` -> one device layer."""
-    _go(ops.bind("hicache_mla_page_first", _page_first(src, item_size, src_layout_dim, "src")),
-        ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]), src_indices, dst_indices, block_quota,
+    _go(ops.bind("hicache_mla_page_first", _page_first(src, item_size, src_layout_dim, "src", "src_layout_dim")),
+        ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]), src_indices, dst_indices, block_quota, validate,
         src_layers=[layer_id], dst_layers=[0])
 
 
 def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size: int, num_layers: int,
-                              block_quota: int = 2, num_warps_per_block: int = 32) -> None:
+                              block_quota: int = 2, num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every MLA layer, per-layer tensors to per-layer tensors."""
     _check_layers((("src_layers", src_layers), ("dst_layers", dst_layers)), num_layers)
     _go(ops.bind("sglang_mla", [_rows(t, item_size, "src") for t in src_layers]),
         ops.bind("sglang_mla", [_rows(t, item_size, "dst") for t in dst_layers]), src_indices, dst_indices,
-        block_quota)
+        block_quota, validate)
 
 
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size: int,
                                     dst_layout_dim: int, num_layers: int, block_quota: int = 2,
-                                    num_warps_per_block: int = 32) -> None:
+                                    num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every MLA device layer -> host page_first ``[N, L, 1, kd]``."""
     _check_layers((("src_layers", src_layers),), num_layers)
     _go(ops.bind("sglang_mla", [_rows(t, item_size, "src") for t in src_layers]),
-        ops.bind("hicache_mla_page_first", _page_first(dst, item_size, dst_layout_dim, "dst")),
-        src_indices, dst_indices, block_quota, dst_layers=list(range(num_layers)))
+        ops.bind("hicache_mla_page_first", _page_first(dst, item_size, dst_layout_dim, "dst", "dst_layout_dim")),
+        src_indices, dst_indices, block_quota, validate, dst_layers=list(range(num_layers)))
 
 
 # ---------------------------------------------------------------------------------------
-# "direct" functions (page-granular)
+# "direct" functions
 # ---------------------------------------------------------------------------------------
 
 def transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], src_indices,
-                       dst_indices, page_size: int) -> None:
+                       dst_indices, page_size: int, *, validate=None) -> None:
     """``dst_layers[j][d] = src_layers[j][s]`` for every pair of tensors (K and V lists, or [k, v]).
 
-    Token-granular (SGLang copies maximal runs of consecutive indices; kvlayout
-    coalesces the same runs).  ``page_size`` is only checked: the index count
-    must be a multiple of it.
+    Exactly the listed indices, token by token (SGLang copies maximal runs of
+    consecutive indices; kvlayout coalesces the same runs).  ``page_size`` is
+    only checked: the index count must be a multiple of it.  The indices are
+    checked on the host unless ``validate=False`` (SGLang reads them there).
     """
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"{len(src_layers)} source tensors, {len(dst_layers)} destination tensors")
@@ -267,18 +329,23 @@ def transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[
                          f"and whole pages of {page_size}")
     src = [_rows(t) for t in src_layers]
     dst = [_rows(t) for t in dst_layers]
+    validate = _host_read(launch_device(*src, *dst), validate)
     uniform = len({(tuple(t.shape[1:]), t.stride()) for t in src}) == 1 and \
         len({(tuple(t.shape[1:]), t.stride()) for t in dst}) == 1 and len({t.shape[0] for t in src}) == 1 \
         and len({t.shape[0] for t in dst}) == 1
     groups = [(src, dst)] if uniform else [([s], [d]) for s, d in zip(src, dst)]
     for s, d in groups:
-        _go(ops.bind("sglang_mla", s), ops.bind("sglang_mla", d), src_indices, dst_indices)
+        _go(ops.bind("sglang_mla", s), ops.bind("sglang_mla", d), src_indices, dst_indices, validate=validate)
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int,
-                                       page_size: int) -> None:
-    """Host page_first_direct (``[pages, L, P, ...]``; ``[k, v]`` or ``[kv]``) -> one device layer, page by page."""
-    s, d = page_slots(src_indices, page_size), page_slots(dst_indices, page_size)
+                                       page_size: int, *, validate=None) -> None:
+    """Host page_first_direct (``[pages, L, P, ...]``; ``[k, v]`` or ``[kv]``) -> one device layer, page by page.
+
+    ``src_indices`` (host) must start each page at a page boundary.
+    """
+    s = page_slots(src_indices, page_size, name="src_indices", aligned=True)
+    d = page_slots(dst_indices, page_size, name="dst_indices")
     if len(src_ptrs) == 2:
         src = ops.bind(_HALVES["page_first_direct"], tuple(_page_first_direct(t, page_size, "src") for t in src_ptrs))
         k, v = dst_ptrs
@@ -286,12 +353,18 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     else:
         src = ops.bind("hicache_mla_page_first_direct", _page_first_direct(src_ptrs[0], page_size, "src"))
         dst = ops.bind("sglang_mla", [_rows(dst_ptrs[0])])
-    _go(src, dst, s, d, src_layers=[layer_id], dst_layers=[0])
+    validate = _host_read(launch_device(*src.tensors, *dst.tensors), validate)
+    _go(src, dst, s, d, validate=validate, src_layers=[layer_id], dst_layers=[0])
 
 
-def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size: int) -> None:
-    """Every device layer (``[K_0.., V_0..]`` or ``[KV_0..]``) -> host page_first_direct, page by page."""
-    s, d = page_slots(src_indices, page_size), page_slots(dst_indices, page_size)
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size: int, *,
+                                       validate=None) -> None:
+    """Every device layer (``[K_0.., V_0..]`` or ``[KV_0..]``) -> host page_first_direct, page by page.
+
+    ``dst_indices`` (host) must start each page at a page boundary.
+    """
+    s = page_slots(src_indices, page_size, name="src_indices")
+    d = page_slots(dst_indices, page_size, name="dst_indices", aligned=True)
     if len(dst_ptrs) == 2:
         half = len(src_ptrs) // 2
         src = ops.bind("sglang_mha", ([_rows(t) for t in src_ptrs[:half]], [_rows(t) for t in src_ptrs[half:]]))
@@ -299,11 +372,12 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     else:
         src = ops.bind("sglang_mla", [_rows(t) for t in src_ptrs])
         dst = ops.bind("hicache_mla_page_first_direct", _page_first_direct(dst_ptrs[0], page_size, "dst"))
-    _go(src, dst, s, d)
+    validate = _host_read(launch_device(*src.tensors, *dst.tensors), validate)
+    _go(src, dst, s, d, validate=validate)
 
 
 def move_kv_cache(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor] | None, tgt_loc,
-                  src_loc) -> None:
+                  src_loc, *, validate=None) -> None:
     """Within a device pool, every layer (and K and V): ``buf[tgt_loc[i]] = old_buf[src_loc[i]]``.
 
     Overlapping ``src_loc``/``tgt_loc`` (shifts, chains, swaps) are safe at any
@@ -315,7 +389,7 @@ def move_kv_cache(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.T
         ops.bind("sglang_mha", ([_rows(t) for t in k_buffers], [_rows(t) for t in v_buffers]))
     s, d = _pair(src_loc, tgt_loc, cache.device)
     if s.numel():
-        ops.move(cache, s, d)
+        ops.move(cache, s, d, validate=validate)
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,39 +405,41 @@ class _DevicePool:
 
     CPU_COPY_CHUNK = 8192
 
-    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+    def move_kv_cache(self, tgt_loc, src_loc, *, validate=None) -> None:
         """``buf[tgt_loc] = old_buf[src_loc]`` for every layer (overlap-safe)."""
         s, d = _pair(src_loc, tgt_loc, self.device)
         if s.numel():
-            ops.move(self.cache, s, d)
+            ops.move(self.cache, s, d, validate=validate)
 
     def _chunks(self, indices):
         idx = indices_on(indices, self.device)
         return [idx[i:i + self.CPU_COPY_CHUNK] for i in range(0, idx.numel(), self.CPU_COPY_CHUNK)]
 
-    def get_cpu_copy(self, indices) -> list:
+    def get_cpu_copy(self, indices, *, validate=None) -> list:
         """Host copy of the rows at ``indices``: ``[layer][chunk]`` = ``[k, v]`` (MLA: the row tensor)."""
         _sync(self.device)
         per_layer = [[] for _ in range(self.layer_num)]
         for chunk in self._chunks(indices):
-            rows = ops.gather(self.cache, chunk).to("cpu")           # [P, L, n, H, E]
+            rows = ops.gather(self.cache, chunk, validate=validate).to("cpu")           # [P, L, n, H, E]
             for l in range(self.layer_num):
                 per_layer[l].append(self._unpack(rows[:, l]))
         _sync(self.device)
         return per_layer
 
-    def load_cpu_copy(self, kv_cache_cpu, indices) -> None:
+    def load_cpu_copy(self, kv_cache_cpu, indices, *, validate=None) -> None:
         """Inverse of :meth:`get_cpu_copy`: write the host rows back at ``indices``."""
         _sync(self.device)
         for c, chunk in enumerate(self._chunks(indices)):
             rows = torch.stack([self._pack(kv_cache_cpu[l][c]) for l in range(self.layer_num)], dim=1)
-            ops.scatter(self.cache, rows.to(self.device), chunk)
+            ops.scatter(self.cache, rows.to(self.device), chunk, validate=validate)
         _sync(self.device)
 
 
 def _sync(device: torch.device) -> None:
+    """SGLang synchronizes here: wait for the device, then raise any out-of-range index a kernel skipped."""
     if device.type != "cpu":
         getattr(torch, device.type).synchronize(device)
+    ops.check_errors(device)
 
 
 class MHATokenToKVPool(_DevicePool):
@@ -387,10 +463,12 @@ class MHATokenToKVPool(_DevicePool):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id - self.start_layer].view(self.dtype)
 
-    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v: torch.Tensor, *,
+                      validate=None) -> None:
         """Write one layer's K/V rows ``[T, H, D]`` at ``loc`` (no scaling: same dtype as the pool)."""
         rows = torch.stack([cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)])[:, None]
-        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer])
+        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer],
+                    validate=validate)
 
     def _unpack(self, rows):                     # [2, n, H, E] -> [k, v]
         return [rows[0].contiguous(), rows[1].contiguous()]
@@ -421,9 +499,11 @@ class MLATokenToKVPool(_DevicePool):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.get_key_buffer(layer_id)[..., :self.kv_lora_rank]
 
-    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v=None) -> None:
+    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v=None, *, validate=None) -> None:
+        """Write one layer's rows ``[T, 1, kd]`` at ``loc``."""
         rows = cache_k.view(self.store_dtype)[None, None]
-        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer])
+        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer],
+                    validate=validate)
 
     def _unpack(self, rows):                     # [1, n, 1, E] -> tensor
         return rows[0].contiguous()
@@ -489,15 +569,25 @@ class HostKVPool:
     (``pin_memory=None``), plain otherwise.
 
     io backends, for every layout: ``kernel`` moves token rows at the given
-    indices; ``direct`` is page-granular (only the first index of each page is
-    read, see :func:`page_slots`) - the same result for page-aligned,
-    page-contiguous indices, which the allocators guarantee.
+    indices.  ``direct`` does what SGLang's direct path of the layout does:
+    ``page_first_direct`` is page-granular (only the first index of each page
+    is read, host pages must start at a page boundary, see :func:`page_slots`);
+    every other layout moves exactly the listed indices (SGLang's
+    ``transfer_kv_direct``).  ``direct`` checks the indices on the host unless
+    ``validate=False`` (SGLang reads them there); ``validate`` (constructor
+    default, or per call) is forwarded to kvlayout.
+
+    Allocator: ``alloc`` hands out whole, page-aligned pages; ``free`` takes
+    slots back (raising ``ValueError`` for a negative, out-of-range, repeated
+    or unallocated slot, before changing anything), and a page becomes
+    allocatable again once all of its slots are free.
     """
 
     def __init__(self, device_pool, host_to_device_ratio: float = 2.0, host_size: float = 0,
                  page_size: int | None = None, layout: str = "layer_first", pin_memory: bool | None = None,
-                 max_ctas: int = 0, host_memory_reserve: int | None = None):
+                 max_ctas: int = 0, host_memory_reserve: int | None = None, validate: bool | None = None):
         self.device_pool = device_pool
+        self.validate = validate
         self.is_mla = isinstance(device_pool, MLATokenToKVPool)
         table = HOST_LAYOUTS["mla" if self.is_mla else "mha"]
         if layout not in table:
@@ -574,51 +664,86 @@ class HostKVPool:
             self.slot_used = torch.zeros(self.size, dtype=torch.bool)
 
     def available_size(self) -> int:
+        """Slots ``alloc`` can hand out (slots of partly freed pages are not among them)."""
         return int(self.free_slots.numel())
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """The first ``need_size`` free slots (whole pages), or ``None`` when there is not enough room."""
+        """The first ``need_size`` free slots ``[need_size]`` (whole pages), or ``None`` when too few are free."""
+        need_size = operator.index(need_size)
+        if need_size < 0:
+            raise ValueError(f"need_size = {need_size} must be >= 0")
         if need_size % self.page_size:
             raise ValueError(f"need_size = {need_size} is not a multiple of page_size = {self.page_size}")
         with self.lock:
             if need_size > self.free_slots.numel():
                 return None
             select = self.free_slots[:need_size]
+            if self.slot_used[select].any():    # checked before anything is taken: a failed alloc loses no slot
+                raise RuntimeError("host pool allocator would hand out a slot twice")
             self.free_slots = self.free_slots[need_size:]
-            if self.slot_used[select].any():
-                raise RuntimeError("host pool allocator handed out a slot twice")
             self.slot_used[select] = True
             return select
 
-    def free(self, indices: torch.Tensor) -> int:
-        """Return slots to the pool (appended at the tail); returns how many."""
-        indices = torch.as_tensor(indices, dtype=torch.int64).cpu()
+    def free(self, indices) -> int:
+        """Return allocated slots ``[n]`` to the pool; returns n.
+
+        Every slot must be allocated and appear once (else ``ValueError``, and
+        nothing is freed).  A page whose slots are all free again goes to the
+        tail of the free list as a whole, so ``alloc`` stays page-aligned.
+        """
+        idx = torch.as_tensor(indices)
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(f"indices must be integers, got {idx.dtype}")
+        idx = idx.reshape(-1).to("cpu", torch.int64)
         with self.lock:
-            if not self.slot_used[indices].all():
-                raise RuntimeError("freeing host slots that are not allocated")
-            self.slot_used[indices] = False
-            self.free_slots = torch.cat([self.free_slots, indices])
-            return int(indices.numel())
+            for bad, why in ((idx < 0, f"is negative: host slots are 0..{self.size - 1}"),
+                             (idx >= self.size, f"is out of range: the host pool holds {self.size} slots")):
+                hit = torch.nonzero(bad)
+                if hit.numel():
+                    i = int(hit[0, 0])
+                    raise ValueError(f"indices[{i}] = {int(idx[i])} {why}")
+            uniq, counts = torch.unique(idx, return_counts=True)
+            if (counts > 1).any():
+                raise ValueError(f"indices repeats slot {int(uniq[counts > 1][0])}")
+            hit = torch.nonzero(~self.slot_used[idx])
+            if hit.numel():
+                i = int(hit[0, 0])
+                raise ValueError(f"indices[{i}] = {int(idx[i])} is not allocated (never handed out, or freed already)")
+            self.slot_used[idx] = False
+            # the touched pages in order of first appearance; only those now entirely free return
+            pages = torch.tensor(list(dict.fromkeys((idx // self.page_size).tolist())), dtype=torch.int64)
+            whole = pages[~self.slot_used.view(-1, self.page_size)[pages].any(dim=1)]
+            back = (whole[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+            self.free_slots = torch.cat([self.free_slots, back])
+            return int(idx.numel())
 
     # -- transfers ------------------------------------------------------------------------
     def _slots(self, host_indices, device_indices, io_backend: str):
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
-        if io_backend == "direct":
-            return page_slots(host_indices, self.page_size), page_slots(device_indices, self.page_size)
+        if io_backend == "direct" and self.layout == "page_first_direct":
+            return (page_slots(host_indices, self.page_size, name="host_indices", aligned=True),
+                    page_slots(device_indices, self.page_size, name="device_indices"))
         return host_indices, device_indices
 
+    def _validate(self, io_backend: str, validate, device: torch.device):
+        validate = self.validate if validate is None else validate
+        return _host_read(device, validate) if io_backend == "direct" else validate
+
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int,
-                                 io_backend: str = "kernel") -> None:
+                                 io_backend: str = "kernel", *, validate=None) -> None:
         """H2D of one layer: ``device[layer_id][device_indices] = host[layer_id][host_indices]``."""
         h, d = self._slots(host_indices, device_indices, io_backend)
-        _go(self.cache, device_pool.cache, h, d, self.max_ctas, src_layers=[layer_id], dst_layers=[layer_id])
+        validate = self._validate(io_backend, validate, device_pool.device)
+        _go(self.cache, device_pool.cache, h, d, self.max_ctas, validate, src_layers=[layer_id],
+            dst_layers=[layer_id])
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
-                                     io_backend: str = "kernel") -> None:
+                                     io_backend: str = "kernel", *, validate=None) -> None:
         """D2H of every layer: ``host[:, host_indices] = device[:, device_indices]``."""
         h, d = self._slots(host_indices, device_indices, io_backend)
-        _go(device_pool.cache, self.cache, d, h, self.max_ctas)
+        validate = self._validate(io_backend, validate, device_pool.device)
+        _go(device_pool.cache, self.cache, d, h, self.max_ctas, validate)
 
     # -- page helpers (L3 storage) ----------------------------------------------------------
     def _page(self, index) -> int:

@@ -162,3 +162,18 @@ def host_zeros(shape, dtype=torch.float32, device="cpu"):
     """Zeroed host memory; pinned when it faces an accelerator (kernels read it directly)."""
     t = torch.zeros(shape, dtype=dtype)
     return t.pin_memory() if str(device) != "cpu" else t
+
+
+def record_skipped_row(bound: int, device="cpu") -> None:
+    """Leave in kvlayout's status tensor what a device kernel records after skipping dst_slots[3] = 999.
+
+    CPU kernels raise at once, so this is how a CPU test reaches the code that
+    reports a device kernel's skipped rows.
+    """
+    from kvlayout.ops import _native
+    _native.status_tensor(torch.device(device)).copy_(torch.tensor([1, 3, 999, bound, 1]))
+
+
+def clear_device_status(device="cpu") -> None:
+    from kvlayout.ops import _native
+    _native.status_tensor(torch.device(device)).zero_()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat_oracles import (cos_sin_cache, devices, distinct_slots, host_zeros, logical, make_cache, rand, rope_oracle,
-                            rows, same, zeros_like)
+from compat_oracles import (clear_device_status, cos_sin_cache, devices, distinct_slots, host_zeros, logical,
+                            make_cache, rand, record_skipped_row, rope_oracle, rows, same, zeros_like)
 from kvlayout.compat import connectors as C
 from kvlayout.compat.lmcache import MemoryFormat as MF
 
@@ -249,3 +249,114 @@ def test_xpu_names_are_the_same_classes():
     assert C.VLLMPagedMemXPUConnectorV2 is C.VLLMPagedMemGPUConnectorV2
     assert C.VLLMPagedMemLayerwiseXPUConnector is C.VLLMPagedMemLayerwiseGPUConnector
     assert C.SGLangXPUConnector is C.SGLangGPUConnector
+
+
+# ---------------------------------------------------------------------------------------
+# Layout hints, SGLang load offset, CacheBlend head size, error reporting
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", [6, 7])
+def test_layout_hints_select_hnd(fmt):
+    """LMCache's keyword: layout_hints={"kv_layout": "HND"}.  With heads == block size only the hint tells HND."""
+    gen = torch.Generator().manual_seed(100 + fmt)
+    h = BS                                                   # [.., H, BS, D] and [.., BS, H, D] look alike
+    kv = make_cache(fmt, L, NB, BS, h, D, torch.float32, "cpu", gen)
+    slots = distinct_slots(8, N, gen, "cpu")
+    v2 = C.VLLMPagedMemGPUConnectorV2(h * D, L, layout_hints={"kv_layout": "HND"}, kvcaches=kv)
+    assert v2.gpu_kv_format == fmt
+    obj = C.MemoryObj(torch.zeros(v2.get_shape(8)))
+    v2.from_gpu(obj, 0, 8, slot_mapping=slots)
+    assert same(obj.tensor, _expected_chunk(fmt, kv, slots, 0, 8))
+    v3 = C.VLLMPagedMemGPUConnectorV3(layout_hints={"kv_layout": "HND"}, kvcaches=kv)
+    assert [f for _, f, _ in v3.groups] == [fmt]
+    lw = C.VLLMPagedMemLayerwiseGPUConnector(h * D, L, layout_hints={"kv_layout": "HND"}, kvcaches=kv)
+    objs = [[C.MemoryObj(torch.zeros(lw.get_shape(8)))] for _ in range(L)]
+    for _ in lw.batched_from_gpu(objs, [0], [8], slot_mapping=slots):
+        pass
+    lg = logical(fmt, kv)
+    assert all(same(objs[l][0].tensor.transpose(0, 1), lg[:, l, slots]) for l in range(L))
+    with pytest.raises(ValueError, match="kv_layout = 'NHD' contradicts layout_hints"):
+        C.VLLMPagedMemGPUConnectorV2(h * D, L, kv_layout="NHD", layout_hints={"kv_layout": "HND"})
+
+
+def test_sglang_to_gpu_offset():
+    """to_gpu reads slot_mapping[start - offset:end - offset]: the mapping starts at token `offset`."""
+    gen = torch.Generator().manual_seed(110)
+    kv = make_cache(4, L, NB, BS, H, D, torch.float32, "cpu", gen)
+    conn = C.SGLangGPUConnector(H * D, L, kvcaches=kv)
+    offset, start, end = 8, 8, 16
+    slots = distinct_slots(16, N, gen, "cpu")                # slots of tokens 8..23
+    obj = C.MemoryObj(rand(conn.get_shape(end - start), torch.float32, "cpu", gen), MF.KV_2LTD)
+    fresh = zeros_like(kv)
+    conn.to_gpu(obj, start, end, slot_mapping=slots, kvcaches=fresh, offset=offset)
+    got = logical(4, fresh)
+    for t in range(end - start):
+        assert same(got[:, :, slots[t]], obj.tensor[:, :, t])           # token start + t -> slots[start + t - offset]
+    assert got[:, :, slots[8:]].abs().sum() == 0
+    with pytest.raises(ValueError, match="offset = 20"):
+        conn.to_gpu(obj, start, end, slot_mapping=slots, kvcaches=fresh, offset=20)
+
+
+def test_cacheblend_head_size_from_the_caches():
+    """Without head_size every head is rotated (the head size is the caches')."""
+    gen = torch.Generator().manual_seed(120)
+    fmt = 1
+    kv = _cache(fmt, "cpu", gen)
+    table = cos_sin_cache(32, D)
+    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, kv_layout="NHD", cos_sin_cache=table, device="cpu")
+    slots = distinct_slots(6, N, gen, "cpu")
+    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(6)))] for _ in range(L)]
+    for _ in conn.batched_from_gpu(objs, [0], [6], slot_mapping=slots, kvcaches=kv):
+        pass
+    old, new = torch.arange(6), torch.arange(6) + 3
+    fresh = zeros_like(kv)
+    load = conn.batched_to_gpu([0], [6], slot_mapping=slots, kvcaches=fresh, old_positions=old, positions=new)
+    _drive_to_gpu(load, objs)
+    lg, got = logical(fmt, kv), logical(fmt, fresh)
+    for l in range(L):
+        want = rope_oracle(lg[0, l, slots].view(6, H, D), old, new, table, True).view(6, H * D)
+        torch.testing.assert_close(got[0, l, slots], want, rtol=1e-5, atol=1e-5)
+    bad = C.VLLMBufferLayerwiseGPUConnector(H * D, L, kv_layout="NHD", cos_sin_cache=table, head_size=H * D)
+    load = bad.batched_to_gpu([0], [6], slot_mapping=slots, kvcaches=fresh, old_positions=old, positions=new)
+    next(load)
+    with pytest.raises(ValueError, match=f"head_size = {H * D} but the caches have heads of {D} elements"):
+        load.send(objs[0])
+
+
+def test_skipped_slots_raise_where_lmcache_synchronizes(request):
+    request.addfinalizer(clear_device_status)
+    gen = torch.Generator().manual_seed(130)
+    kv = _cache(1, "cpu", gen)
+    slots = distinct_slots(8, N, gen, "cpu")
+    v2 = C.VLLMPagedMemGPUConnectorV2(H * D, L, kv_layout="NHD", kvcaches=kv)
+    obj = C.MemoryObj(torch.zeros(v2.get_shape(8)))
+    lw = C.VLLMPagedMemLayerwiseGPUConnector(H * D, L, kv_layout="NHD", kvcaches=kv)
+    lw_objs = [[C.MemoryObj(torch.zeros(lw.get_shape(8)))] for _ in range(L)]
+    for call in (lambda: v2.from_gpu(obj, 0, 8, slot_mapping=slots),                  # store into host memory
+                 lambda: v2.batched_to_gpu([obj], [0], [8], slot_mapping=slots),       # end of a batched load
+                 lambda: list(lw.batched_from_gpu(lw_objs, [0], [8], slot_mapping=slots)),
+                 lambda: _drive_to_gpu(lw.batched_to_gpu([0], [8], slot_mapping=slots, sync=True), lw_objs)):
+        record_skipped_row(48)
+        with pytest.raises(IndexError, match=r"dst_slots\[3\] = 999 is out of range"):
+            call()
+    v2.from_gpu(obj, 0, 8, slot_mapping=slots)                                       # reported once
+
+
+def test_validate_reaches_kvlayout_from_connectors(monkeypatch):
+    from kvlayout import ops
+    seen = []
+    real = ops.transfer
+    monkeypatch.setattr(ops, "transfer", lambda *a, **k: (seen.append(k.get("validate")), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(140)
+    kv = _cache(1, "cpu", gen)
+    slots = distinct_slots(8, N, gen, "cpu")
+    v2 = C.VLLMPagedMemGPUConnectorV2(H * D, L, kv_layout="NHD", kvcaches=kv, validate=True)
+    obj = C.MemoryObj(torch.zeros(v2.get_shape(8)))
+    v2.from_gpu(obj, 0, 8, slot_mapping=slots)
+    v2.to_gpu(obj, 0, 8, slot_mapping=slots, validate=False)
+    lw = C.VLLMPagedMemLayerwiseGPUConnector(H * D, L, kv_layout="NHD", kvcaches=kv)
+    lw_objs = [[C.MemoryObj(torch.zeros(lw.get_shape(8)))] for _ in range(L)]
+    list(lw.batched_from_gpu(lw_objs, [0], [8], slot_mapping=slots, validate=True))
+    assert seen == [True, False] + [True] * L
+    with pytest.raises(IndexError, match=r"out of range"):
+        v2.from_gpu(obj, 0, 8, slot_mapping=slots + N)

@@ -276,3 +276,55 @@ def test_canonicalize_trtllm():
     six = torch.zeros(4, 3, 2, 2, 16, 8)
     assert lm.canonicalize_kv_caches([six]) is six
     assert lm.discover_gpu_kv_format(out, "trtllm") == 8
+
+
+@pytest.mark.parametrize("shape, hint, fmt", [((2, BS, H, 2 * D), "NHD", 11),        # 2 blocks
+                                              ((NB, 2, H, 2 * D), "NHD", 11),        # block size 2
+                                              ((2, H, BS, 2 * D), "HND", 10),        # 2 blocks, HND
+                                              ((NB, 2, BS, 2 * D), "HND", 10)])      # 2 heads, HND
+def test_normalize_packed_rank4_with_twos(shape, hint, fmt):
+    """A rank-4 cache is packed K/V whatever its sizes; the data moved is that of the packed layout."""
+    gen = torch.Generator().manual_seed(40)
+    phys = [rand(shape, torch.float32, "cpu", gen) for _ in range(L)]
+    got_fmt, kv = lm.normalize_and_discover(phys, "vllm", {"kv_layout": hint})
+    assert got_fmt == fmt
+    assert all(t.shape == (*s.shape[:3], 2, D) and t.data_ptr() == s.data_ptr() for t, s in zip(kv, phys))
+    n = shape[0] * (shape[1] if hint == "NHD" else shape[2])
+    slots = torch.tensor([0, n - 1, 3])
+    memobj = torch.zeros(2, L, 3, (shape[2] if hint == "NHD" else shape[1]) * D)
+    lm.multi_layer_kv_transfer(memobj, kv, slots, "cpu", 0, Dir.D2H, got_fmt)
+    # oracle: token s of a packed NHD cache is [s // BS, s % BS, h, plane]; HND swaps block-slot and head
+    for l in range(L):
+        for t, s in enumerate(slots.tolist()):
+            for p in range(2):
+                if hint == "NHD":
+                    want = phys[l][s // shape[1], s % shape[1]].view(shape[2], 2, D)[:, p]
+                else:
+                    want = phys[l][s // shape[2], :, s % shape[2]].view(shape[1], 2, D)[:, p]
+                assert same(memobj[p, l, t], want.reshape(-1))
+
+
+def test_validate_reaches_kvlayout_and_rope_positions_are_checked(monkeypatch):
+    from kvlayout import ops
+    seen = []
+    real = ops.transfer
+    monkeypatch.setattr(ops, "transfer", lambda *a, **k: (seen.append(k.get("validate")), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(41)
+    kv = make_cache(1, L, NB, BS, H, D, torch.float32, "cpu", gen)
+    slots = torch.tensor([1, 7, 9])
+    memobj = torch.zeros(2, L, 3, H * D)
+    lm.multi_layer_kv_transfer(memobj, kv, slots, "cpu", 0, Dir.D2H, F.NL_X_TWO_NB_BS_NH_HS, validate=True)
+    lm.single_layer_kv_transfer(memobj[:, 0], kv[0], slots, Dir.D2H, F.NL_X_TWO_NB_BS_NH_HS, validate=False)
+    sgl = make_cache(4, L, NB, BS, H, D, torch.float32, "cpu", gen)
+    lm.multi_layer_kv_transfer_unilateral(memobj, sgl, slots, "cpu", 0, Dir.D2H, validate=True)
+    lm.single_layer_kv_transfer_sgl(memobj[:, 0], sgl[0][0], sgl[1][0], slots, Dir.D2H, validate=True)
+    assert seen == [True, False, True, True]
+    with pytest.raises(IndexError, match=rf"out of range: the cache holds {N} slots"):
+        lm.multi_layer_kv_transfer(memobj, kv, slots + N, "cpu", 0, Dir.D2H, F.NL_X_TWO_NB_BS_NH_HS, validate=True)
+    key = rand((3, H, D), torch.float32, "cpu", gen)
+    before = key.clone()
+    table = cos_sin_cache(16, D)
+    with pytest.raises(IndexError, match=r"new_positions\[1\] = 16 is out of range: cos_sin_cache holds 16"):
+        lm.rotary_embedding_k_fused(torch.tensor([0, 1, 2]), torch.tensor([0, 16, 2]), key, D, table, True,
+                                    validate=True)
+    assert same(key, before)

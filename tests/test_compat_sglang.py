@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from compat_oracles import devices, host_zeros, rand, same
+from compat_oracles import clear_device_status, devices, host_zeros, rand, record_skipped_row, same
 from kvlayout.compat import sglang as S
 
 L, H, D, P = 3, 2, 8, 4
@@ -163,8 +163,17 @@ def test_direct_functions(device, mla):
 
 
 def test_page_slots_reads_first_index_of_each_page():
-    idx = torch.tensor([8, 99, 99, 99, 0, -5, 7, 7])
+    idx = torch.tensor([8, 99, 99, 99, 0, 1, 7, 7])
     assert S.page_slots(idx, 4).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+
+
+def test_page_slots_negative_means_no_token():
+    # a page whose first index is -1 holds no token; a -1 inside a page is that token only
+    assert S.page_slots([-1] * 4, 4).tolist() == [-1, -1, -1, -1]
+    assert S.page_slots(torch.tensor([-1, 5, 6, 7, 8, -1, 10, 11]), 4).tolist() == [-1, -1, -1, -1, 8, -1, 10, 11]
+    with pytest.raises(ValueError, match=r"host_indices\[4\] = 6 is not the first slot of a page"):
+        S.page_slots([0, 1, 2, 3, 6, 7, 8, 9], 4, name="host_indices", aligned=True)
+    assert S.page_slots([-1, -1, -1, -1], 4, aligned=True).tolist() == [-1] * 4
 
 
 @pytest.mark.parametrize("device", devices)
@@ -358,10 +367,193 @@ def test_host_pool_sizing_and_allocator():
         host.alloc(P + 1)
     assert host.alloc(host.size) is None
     host.free(a)
-    with pytest.raises(RuntimeError, match="not allocated"):
+    with pytest.raises(ValueError, match=r"indices\[0\] = 0 is not allocated"):
         host.free(a)
     assert host.available_size() == host.size
     with pytest.raises(ValueError, match="unsupported layout"):
         S.HostKVPool(pool, layout="page_first_kv_split")
     with pytest.raises(ValueError, match="io_backend"):
         host.load_to_device_per_layer(pool, a, a, 0, "kernel_ascend")
+
+
+# ---------------------------------------------------------------------------------------
+# Negative indices, allocator, argument checks, direct granularity, error reporting
+# ---------------------------------------------------------------------------------------
+
+SENTINEL = -7.0
+
+
+def _sentinel_host(pool, layout):
+    host = S.HostKVPool(pool, 2.0, layout=layout)
+    host.kv_buffer.fill_(SENTINEL)
+    return host
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_direct_backup_with_negative_host_indices_writes_nothing(layout):
+    """A page of -1 host indices is no token: no host slot (0..P-1 included) is written for it."""
+    gen = torch.Generator().manual_seed(20)
+    pool = _device_pool("cpu", gen)
+    host = _sentinel_host(pool, layout)
+    host_idx = torch.cat([torch.full((P,), -1), torch.arange(2 * P, 3 * P)])      # page 2 is real
+    dev_idx = torch.cat([torch.arange(P, 2 * P), torch.arange(3 * P, 4 * P)])
+    host.backup_from_device_all_layer(pool, host_idx, dev_idx, "direct")
+    for l in range(L):
+        for slot in range(host.size):
+            want_k = pool.k_buffer[l][3 * P + slot - 2 * P] if 2 * P <= slot < 3 * P else None
+            got_k, got_v = _host_row(host, 0, l, slot), _host_row(host, 1, l, slot)
+            if want_k is None:
+                assert (got_k == SENTINEL).all() and (got_v == SENTINEL).all(), (l, slot)
+            else:
+                assert same(got_k, want_k) and same(got_v, pool.v_buffer[l][3 * P + slot - 2 * P])
+    # loading the -1 page back writes no device slot either
+    fresh = S.MHATokenToKVPool(POOL, P, torch.bfloat16, H, D, L)
+    for l in range(L):
+        host.load_to_device_per_layer(fresh, host_idx, dev_idx, l, "direct")
+    for l in range(L):
+        assert fresh.k_buffer[l][P:2 * P].abs().sum() == 0
+        assert same(fresh.k_buffer[l][3 * P:4 * P], pool.k_buffer[l][3 * P:4 * P])
+
+
+def test_direct_pf_functions_skip_negative_pages():
+    gen = torch.Generator().manual_seed(21)
+    NP = 4
+    dev = [[rand((POOL, H, D), torch.bfloat16, "cpu", gen) for _ in range(L)] for _ in range(2)]
+    host = [torch.full((NP, L, P, H, D), SENTINEL, dtype=torch.bfloat16) for _ in range(2)]
+    S.transfer_kv_all_layer_direct_lf_pf(dev[0] + dev[1], host, torch.arange(P, 2 * P), torch.full((P,), -1), P)
+    assert all((h == SENTINEL).all() for h in host)
+    out = [torch.zeros(POOL, H, D, dtype=torch.bfloat16) for _ in range(2)]
+    S.transfer_kv_per_layer_direct_pf_lf(host, out, torch.full((P,), -1), torch.arange(P), 0, P)
+    assert all(o.abs().sum() == 0 for o in out)
+    with pytest.raises(ValueError, match=r"dst_indices\[0\] = 5 is not the first slot of a page"):
+        S.transfer_kv_all_layer_direct_lf_pf(dev[0] + dev[1], host, torch.arange(P, 2 * P), torch.arange(5, 5 + P), P)
+
+
+def test_layer_first_direct_copies_exactly_the_listed_indices():
+    """SGLang's layer_first direct path is transfer_kv_direct: token by token, unaligned indices included."""
+    gen = torch.Generator().manual_seed(22)
+    pool = _device_pool("cpu", gen)
+    host = _sentinel_host(pool, "layer_first")
+    host_idx = torch.tensor([1, 3, 5, 7])                 # one "page" whose slots are not consecutive
+    dev_idx = torch.tensor([4, 5, 6, 7])
+    host.backup_from_device_all_layer(pool, host_idx, dev_idx, "direct")
+    for l in range(L):
+        for slot in range(3 * P):
+            got = host.kv_buffer[:, l, slot]
+            if slot in host_idx.tolist():
+                d = int(dev_idx[host_idx.tolist().index(slot)])
+                assert same(got[0], pool.k_buffer[l][d]) and same(got[1], pool.v_buffer[l][d])
+            else:
+                assert (got == SENTINEL).all(), (l, slot)      # slots 2, 4, 6 were never listed
+    fresh = S.MHATokenToKVPool(POOL, P, torch.bfloat16, H, D, L)
+    host.load_to_device_per_layer(fresh, host_idx, torch.tensor([9, 11, 13, 15]), 1, "direct")
+    for i, d in enumerate([9, 11, 13, 15]):
+        assert same(fresh.k_buffer[1][d], pool.k_buffer[1][dev_idx[i]])
+    assert fresh.k_buffer[1][[8, 10, 12, 14]].abs().sum() == 0
+
+
+def test_allocator_rejects_bad_frees_and_sizes():
+    pool = _device_pool("cpu", torch.Generator().manual_seed(23))
+    host = S.HostKVPool(pool, 2.0, layout="page_first")
+    everything = host.alloc(host.size)
+    assert host.available_size() == 0
+    with pytest.raises(ValueError, match=r"indices\[0\] = -1 is negative"):
+        host.free([-1])
+    with pytest.raises(ValueError, match=rf"indices\[1\] = {host.size} is out of range: the host pool holds "
+                                         rf"{host.size}"):
+        host.free([0, host.size])
+    with pytest.raises(ValueError, match="indices repeats slot 4"):
+        host.free([4, 4, 5, 6])
+    assert host.available_size() == 0                     # a rejected free frees nothing
+    with pytest.raises(ValueError, match="need_size = -4 must be >= 0"):
+        host.alloc(-4)
+    host.free(torch.arange(4, 8))
+    with pytest.raises(ValueError, match=r"indices\[0\] = 4 is not allocated"):
+        host.free([4])
+    again = host.alloc(P)
+    assert again.tolist() == [4, 5, 6, 7] and host.alloc(P) is None
+    assert host.alloc(0).numel() == 0
+    assert len(set(everything.tolist())) == host.size
+
+
+def test_allocator_hands_out_whole_aligned_pages_only():
+    pool = _device_pool("cpu", torch.Generator().manual_seed(24))
+    host = S.HostKVPool(pool, 2.0, layout="page_first")
+    host.alloc(host.size)
+    host.free([2, 3])                                     # half of page 0: not allocatable yet
+    host.free(torch.arange(2 * P, 3 * P))                 # all of page 2
+    assert host.available_size() == P
+    block = host.alloc(P)
+    assert block.tolist() == list(range(2 * P, 3 * P))
+    assert host.alloc(P) is None
+    host.free([0, 1])                                     # page 0 is whole again
+    assert host.alloc(P).tolist() == [0, 1, 2, 3]
+
+
+def test_alloc_that_finds_a_used_slot_takes_nothing():
+    pool = _device_pool("cpu", torch.Generator().manual_seed(25))
+    host = S.HostKVPool(pool, 2.0, layout="page_first")
+    host.slot_used[1] = True                              # a corrupted free list: slot 1 is in use
+    before = host.free_slots.clone()
+    with pytest.raises(RuntimeError, match="twice"):
+        host.alloc(P)
+    assert torch.equal(host.free_slots, before)
+
+
+def test_page_head_arguments_must_match_the_host_shape():
+    gen = torch.Generator().manual_seed(26)
+    NP = 4
+    dev_k = [rand((POOL, H, D), torch.bfloat16, "cpu", gen) for _ in range(L)]
+    dev_v = [rand((POOL, H, D), torch.bfloat16, "cpu", gen) for _ in range(L)]
+    ph = torch.zeros(2, NP, H, P, L, D, dtype=torch.bfloat16)          # [2, NP, H=2, P=4, L, D]
+    idx = torch.arange(P, 2 * P)
+    dim = ITEM * L
+    # same bytes, other factors: these views would scramble rows silently
+    with pytest.raises(ValueError, match="head_num = 4 contradicts dst_k"):
+        S.transfer_kv_all_layer_lf_ph(dev_k, ph[0], dev_v, ph[1], idx, idx, ITEM, dim, L, P // 2, 4)
+    with pytest.raises(ValueError, match="page_size = 8 contradicts dst_k"):
+        S.transfer_kv_all_layer_lf_ph(dev_k, ph[0], dev_v, ph[1], idx, idx, ITEM, dim, L, 2 * P, H)
+    with pytest.raises(ValueError, match="page_size = 2 contradicts src_k"):
+        S.transfer_kv_per_layer_ph_lf(ph[0], dev_k[0], ph[1], dev_v[0], idx, idx, 0, ITEM, dim, P // 2, H)
+    with pytest.raises(ValueError, match="src_layout_dim"):
+        S.transfer_kv_per_layer_ph_lf(ph[0], dev_k[0], ph[1], dev_v[0], idx, idx, 0, ITEM, dim * 2, P, H)
+    assert ph.abs().sum() == 0
+    pf = torch.zeros(2, 16, L, H, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dst_layout_dim = 32 means 1 layers"):
+        S.transfer_kv_all_layer_lf_pf(dev_k[:1], pf[0], dev_v[:1], pf[1], idx, idx, ITEM, ITEM, 1)
+
+
+def test_validate_reaches_kvlayout(monkeypatch):
+    from kvlayout import ops
+    seen = []
+    real = ops.transfer
+    monkeypatch.setattr(ops, "transfer", lambda *a, **k: (seen.append(k.get("validate")), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(27)
+    pool = _device_pool("cpu", gen)
+    host = S.HostKVPool(pool, 2.0, layout="page_first")
+    idx = torch.arange(P, 2 * P)
+    host.backup_from_device_all_layer(pool, idx, idx, "kernel", validate=True)
+    host.load_to_device_per_layer(pool, idx, idx, 0, "kernel", validate=False)
+    host.load_to_device_per_layer(pool, idx, idx, 0, "kernel")
+    host.load_to_device_per_layer(pool, idx, idx, 0, "direct")        # direct: read on the host, so checked
+    S.transfer_kv_per_layer(pool.k_buffer[0], pool.k_buffer[1], pool.v_buffer[0], pool.v_buffer[1], idx, idx + P,
+                            ITEM, validate=True)
+    assert seen == [True, False, None, True, True]
+    with pytest.raises(IndexError, match="out of range"):
+        S.transfer_kv_per_layer(pool.k_buffer[0], pool.k_buffer[1], pool.v_buffer[0], pool.v_buffer[1],
+                                idx, idx + POOL + P, ITEM, validate=True)
+
+
+def test_skipped_rows_raise_where_sglang_synchronizes(request):
+    request.addfinalizer(clear_device_status)
+    gen = torch.Generator().manual_seed(28)
+    pool = _device_pool("cpu", gen)
+    idx = torch.arange(P, 2 * P)
+    copy = pool.get_cpu_copy(idx)
+    for call in (lambda: pool.get_cpu_copy(idx),
+                 lambda: pool.load_cpu_copy(copy, idx),
+                 lambda: S.transfer_kv_direct(pool.k_buffer, pool.v_buffer, idx, idx + P, P)):
+        record_skipped_row(68)
+        with pytest.raises(IndexError, match=r"dst_slots\[3\] = 999 is out of range"):
+            call()
+    S.transfer_kv_direct(pool.k_buffer, pool.v_buffer, idx, idx + P, P)   # reported once, then clear
