@@ -6,10 +6,11 @@
 // recorded in `status` (see copy_rows_kernel.h). Source and destination may
 // be CUDA tensors of the launch device or pinned host memory (zero-copy).
 //
-// CTA budget (max_ctas): 0 selects the default, 4 CTAs of 256 threads per SM
-// when both sides are in device memory and 1 per SM when either side is host
-// memory (a few CTAs already saturate PCIe, and a transfer beside the forward
-// pass should leave SMs to it); n > 0 caps the grid at n CTAs.
+// CTA budget (max_ctas): 0 selects the default, one full wave of resident
+// 256-thread CTAs (occupancy of the compiled kernel) when both sides are in
+// device memory and 1 per SM when either side is host memory (a few CTAs
+// already saturate PCIe, and a transfer beside the forward pass should leave
+// SMs to it); n > 0 caps the grid at n CTAs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,7 +32,6 @@ constexpr int kMaxSegmentsPerLaunch = 128;
 using Params = CopyRowsParams<kMaxSegmentsPerLaunch>;
 static_assert(sizeof(Params) <= 4096, "copy_rows parameters exceed 4 KiB");
 
-constexpr int kDefaultCtasPerSmDevice = 4;
 constexpr int kDefaultCtasPerSmHost = 1;
 
 // Vector loads/stores with streaming (evict-first) cache hints.
@@ -77,8 +77,31 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
                                            cuda::StatusRecorder{p.status});
 }
 
+// CTAs of copy_rows_kernel<VEC> resident on one SM at once, from the compiled
+// kernel's registers and shared memory (same for every device of one build's
+// architecture).
 template <int VEC>
-void launch(const Params& p, int64_t max_blocks, cudaStream_t stream) {
+int64_t resident_ctas_per_sm() {
+  static const int64_t ctas = [] {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, copy_rows_kernel<VEC>,
+                                                                 kCopyThreadsPerBlock, 0));
+    return std::max(n, 1);
+  }();
+  return ctas;
+}
+
+// Grid size: max_ctas when given; else one CTA per SM for host memory, and for
+// device memory every CTA that is resident at once (one full wave: the work
+// is split evenly over the grid, so CTAs beyond one wave would run a second,
+// partial wave at a fraction of the occupancy).
+template <int VEC>
+void launch(const Params& p, int64_t max_ctas, bool touches_host, cudaStream_t stream) {
+  const int64_t budget =
+      max_ctas > 0 ? max_ctas
+                   : int64_t(cuda::num_sms()) *
+                         (touches_host ? kDefaultCtasPerSmHost : resident_ctas_per_sm<VEC>());
+  const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
   const int64_t threads_needed = p.num_tasks << p.log2_group;
   int64_t blocks = (threads_needed + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
@@ -143,11 +166,6 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
   int vec = 16;
   while (vec > 1 && (align % static_cast<uint64_t>(vec)) != 0) vec /= 2;
 
-  const int64_t budget =
-      max_ctas > 0 ? max_ctas
-                   : int64_t(cuda::num_sms()) *
-                         (touches_host ? kDefaultCtasPerSmHost : kDefaultCtasPerSmDevice);
-  const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
 
   Params p{};
@@ -174,11 +192,11 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
     p.num_tasks = p.tokens * n;
     p.record_errors = first == 0 ? 1 : 0;
     switch (vec) {
-      case 16: launch<16>(p, max_blocks, stream); break;
-      case 8: launch<8>(p, max_blocks, stream); break;
-      case 4: launch<4>(p, max_blocks, stream); break;
-      case 2: launch<2>(p, max_blocks, stream); break;
-      default: launch<1>(p, max_blocks, stream); break;
+      case 16: launch<16>(p, max_ctas, touches_host, stream); break;
+      case 8: launch<8>(p, max_ctas, touches_host, stream); break;
+      case 4: launch<4>(p, max_ctas, touches_host, stream); break;
+      case 2: launch<2>(p, max_ctas, touches_host, stream); break;
+      default: launch<1>(p, max_ctas, touches_host, stream); break;
     }
   }
 }
