@@ -315,8 +315,9 @@ def torch_fn(case: Case, data: dict):
     def one(layers):
         buffer_layers = [0] * len(layers) if case.layerwise else layers
         cache_views = _row_views(cache, layers)
+        page, in_page = cache_slots // g.BS, cache_slots % g.BS     # once per call, shared by every view
         if to_buffer:
-            rows = torch.stack([v[cache_slots // g.BS, cache_slots % g.BS].reshape(case.T, W) for v in cache_views])
+            rows = torch.stack([v[page, in_page].reshape(case.T, W) for v in cache_views])
             if buffer_slots is None:
                 blocks = _chunk_rows(buffer, buffer_layers)
                 flat = rows.view(len(blocks), -1, W) if len(blocks) > 1 else rows.view(blocks[0].shape)
@@ -326,8 +327,9 @@ def torch_fn(case: Case, data: dict):
                 host_rows = stage(rows.shape, buffer.device)
                 host_rows.copy_(rows)
                 idx = buffer_slots.to(buffer.device)
+                buffer_page, buffer_in_page = idx // gb.BS, idx % gb.BS
                 for r, v in zip(host_rows, _row_views(buffer, buffer_layers)):
-                    v[idx // gb.BS, idx % gb.BS] = r.view(case.T, *v.shape[2:])
+                    v[buffer_page, buffer_in_page] = r.view(case.T, *v.shape[2:])
         else:
             if buffer_slots is None:
                 blocks = _chunk_rows(buffer, buffer_layers)
@@ -337,12 +339,13 @@ def torch_fn(case: Case, data: dict):
                     r.view(block.shape).copy_(block, non_blocking=True)
             else:
                 idx = buffer_slots.to(buffer.device)
+                buffer_page, buffer_in_page = idx // gb.BS, idx % gb.BS
                 host_rows = stage((len(cache_views), case.T, W), buffer.device)
                 for r, v in zip(host_rows, _row_views(buffer, buffer_layers)):
-                    r.copy_(v[idx // gb.BS, idx % gb.BS].reshape(case.T, W))
+                    r.copy_(v[buffer_page, buffer_in_page].reshape(case.T, W))
                 rows = stage(host_rows.shape, cache.device)
                 rows.copy_(host_rows, non_blocking=True)
             for r, v in zip(rows, cache_views):
-                v[cache_slots // g.BS, cache_slots % g.BS] = r.view(case.T, *v.shape[2:])
+                v[page, in_page] = r.view(case.T, *v.shape[2:])
 
     return lambda: [one(layers) for layers in layer_sets]

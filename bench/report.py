@@ -60,6 +60,34 @@ def terminal_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_HEADER = ["shape", "T", "direction", "kvlayout GB/s (% ceiling)", "kernel only GB/s (% ceiling)",
+                   "torch GB/s", "best peer: GB/s (% of its limit)", "vs peer (end to end / kernel)"]
+
+
+def headline_rows(doc: dict) -> list[list[str]]:
+    """The headline group (all layers, default CTAs): kvlayout, torch and the peers side by side."""
+    rows = []
+    for r in doc["results"]:
+        if r["group"] != "headline" or "gbps" not in r:
+            continue
+        kernel = r.get("kernel_gbps")
+        kernel_cell = "–" if kernel is None else f"{kernel:.1f} ({100 * kernel / r['limit_gbps']:.0f}%)"
+        peer = "–" if "peer" not in r else f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%)"
+        vs = "–" if "peer" not in r else f"{r['vs_peer']} / {r.get('vs_peer_kernel', '–')}"
+        rows.append([r["shape"], str(r["T"]), r["direction"], f"{r['gbps']:.1f} ({r['pct_of_limit']:.0f}%)",
+                     kernel_cell, _fmt(r.get("torch_gbps")), peer, vs])
+    return rows
+
+
+def headline_markdown(doc: dict) -> str:
+    """A Markdown table of :func:`headline_rows` (the README's Performance table)."""
+    rows = headline_rows(doc)
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(HEADLINE_HEADER) + " |", "|" + "---|" * len(HEADLINE_HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
 def markdown(doc: dict) -> str:
     env = doc["environment"]
     out = ["# kvlayout bench", "",
@@ -71,6 +99,9 @@ def markdown(doc: dict) -> str:
         out.append(f"| {k} | {v:.1f} | {_fmt(doc.get('limits_end', {}).get(k))} |")
     for k, (a, b) in doc.get("limits_drift", {}).items():
         out += ["", f"**Warning:** limit {k} moved from {a:.1f} to {b:.1f} GB/s during the run (more than 5 %)."]
+    head = headline_markdown(doc)
+    if head:
+        out += ["", "## Headline", "", head.rstrip("\n")]
     out += ["", "## Results", "", EXPLAIN, "",
             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(r) + " |" for r in table_rows(doc)]
