@@ -1084,3 +1084,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("bad_input", bad_input_ops, "every class of invalid argument raises the documented exception",
            per_group=bad_kinds),
 )}
+
+from .hostile import hostile_kinds, hostile_ops  # noqa: E402  (hostile.py renders with this module's HEADER)
+
+FAMILIES["hostile"] = Family("hostile", hostile_ops, "hostile inputs: slot tensors aliasing destinations, slots "
+                             "rewritten by another thread, two storages over one buffer, expanded destinations, "
+                             "repeated destination layers, host allocator abuse, adapter shape lies; nothing "
+                             "outside the tensors may change", per_group=hostile_kinds)

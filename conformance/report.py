@@ -45,6 +45,7 @@ def build(*, command, settings, statuses, results, environment, seconds, sanitiz
         for k in ("cases", "passed", "failed", "seconds"):
             agg[k] += r[k]
     return {
+        "hostile_inputs": _hostile_summary(rows, sanitizer),
         "name": name,
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -62,6 +63,29 @@ def build(*, command, settings, statuses, results, environment, seconds, sanitiz
         "failures": failures,
         "sanitizer": sanitizer,
     }
+
+
+HOSTILE_FAMILIES = ("bad_input", "fuzz_index", "hostile")
+
+
+def _hostile_summary(rows: list[dict], sanitizer: dict | None) -> dict:
+    """What the invalid and hostile inputs did: tried, crashes, wrong outcomes, out-of-bounds accesses."""
+    mine = [r for r in rows if r["family"] in HOSTILE_FAMILIES]
+    crashes = sum(r["failed"] for r in mine if r["layouts"] == "(process died)")
+    return {"tried": sum(r["cases"] for r in mine), "crashes": crashes,
+            "wrong_outcomes": sum(r["failed"] for r in mine) - crashes,
+            "out_of_bounds": None if not sanitizer or sanitizer.get("errors") is None else sanitizer["errors"],
+            "families": [f for f in HOSTILE_FAMILIES if any(r["family"] == f for r in mine)]}
+
+
+def hostile_line(data: dict) -> str:
+    h = data.get("hostile_inputs")
+    if not h or not h["tried"]:
+        return ""
+    oob = "not measured (no sanitizer run)" if h["out_of_bounds"] is None else str(h["out_of_bounds"])
+    return (f"Invalid and hostile inputs ({', '.join(h['families'])}): {h['tried']} tried, {h['crashes']} crashes, "
+            f"{h['wrong_outcomes']} wrong outcomes (a missing or unclear rejection, or a write where none was due), "
+            f"out-of-bounds accesses under compute-sanitizer: {oob}")
 
 
 def _table(header: list[str], rows: list[list], align_right: set[int] = frozenset()) -> list[str]:
@@ -90,6 +114,8 @@ def terminal(data: dict) -> str:
     lines = [f"kvlayout conformance: {data['summary']['status']} - {data['summary']['cases']} cases, "
              f"{data['summary']['passed']} passed, {data['summary']['failed']} failed in {data['seconds']:.0f}s"]
     lines += ["devices: " + "; ".join(_device_lines(data))]
+    if hostile_line(data):
+        lines.append(hostile_line(data))
     rows = [[r["family"], r["layouts"], r["device"], r["cases"], r["passed"], r["failed"], f"{r['seconds']:.1f}s"]
             for r in data["results"]]
     if rows:
@@ -109,8 +135,10 @@ def markdown(data: dict) -> str:
     s = data["summary"]
     lines = [f"# kvlayout conformance report: {data['name']}", "",
              f"**{s['status']}**: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed "
-             f"({data['seconds']:.0f} s, {data['date']}).", "",
-             "```bash", data["command"], "```", "",
+             f"({data['seconds']:.0f} s, {data['date']}).", ""]
+    if hostile_line(data):
+        lines += [hostile_line(data) + ".", ""]
+    lines += ["```bash", data["command"], "```", "",
              f"Examples per operation family and device: {data['settings']['examples']}; seed "
              f"{data['settings']['seed']}; families: {', '.join(data['settings']['families'])}.", "",
              "## Devices", ""]

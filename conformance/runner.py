@@ -35,7 +35,7 @@ EXAMPLE_PRESETS = {"small": 10, "default": 100, "large": 1000}
 DEFAULT_EXAMPLES = EXAMPLE_PRESETS["default"]
 """Cases per operation family and device (the README's main command uses it: a few minutes on 2 cores)."""
 
-SANITIZE_FAMILIES = "bad_input,fuzz_index,transfer"
+SANITIZE_FAMILIES = "bad_input,fuzz_index,hostile,transfer"
 MAX_SHRUNK_GROUPS = 6
 """Failing groups shrunk per family and device; later ones report their first failing case as drawn."""
 
@@ -348,7 +348,10 @@ def _died(task: tuple, error: BaseException, crash_file: str) -> dict:
 
 
 def _run_tasks(tasks: list[tuple], jobs: int, progress: Progress) -> list[dict]:
-    if jobs <= 1 or len(tasks) <= 1:
+    """Run (family, device, ...) tasks: in this process with ``jobs <= 1``; else each task in a process of its
+    own, ``jobs`` at a time, so that a case that kills its process is reported (with the case) and neither ends
+    the run nor takes other tasks' results with it."""
+    if jobs <= 1:
         return [run_task(*t, progress=progress) for t in tasks]
     import concurrent.futures
     import multiprocessing
@@ -365,20 +368,22 @@ def _run_tasks(tasks: list[tuple], jobs: int, progress: Progress) -> list[dict]:
                 continue
             progress(n, label)
 
+    crash_dir = tempfile.mkdtemp(prefix="kvlayout-conformance-")
+
+    def isolated(task: tuple) -> dict:
+        crash_file = os.path.join(crash_dir, f"{task[0]}-{task[1]}.py")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_init_worker,
+                                                    initargs=(queue,)) as pool:
+            try:
+                return pool.submit(_worker_task, *task, crash_file).result()
+            except Exception as e:  # noqa: BLE001 - a dead worker is a finding, not the end of the run
+                return _died(task, e, crash_file)
+
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()
-    crash_dir = tempfile.mkdtemp(prefix="kvlayout-conformance-")
-    crash_files = [os.path.join(crash_dir, f"{t[0]}-{t[1]}.py") for t in tasks]
-    results = []
     try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                                                    initargs=(queue,)) as pool:
-            futures = [pool.submit(_worker_task, *t, c) for t, c in zip(tasks, crash_files)]
-            for task, future, crash_file in zip(tasks, futures, crash_files):
-                try:
-                    results.append(future.result())
-                except Exception as e:  # noqa: BLE001 - a dead worker is a finding, not the end of the run
-                    results.append(_died(task, e, crash_file))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as threads:
+            results = list(threads.map(isolated, tasks))
     finally:
         time.sleep(0.3)
         stop.set()
