@@ -99,8 +99,12 @@ def _page_first_pair(device, g, seed):
 
 
 @pytest.mark.parametrize("stream", ["default", "user"])
-def test_copy_engine_keeps_stream_order(cuda_device, stream):
-    """Work queued before the copy on the caller's stream is seen by it; work after it sees its result."""
+@pytest.mark.parametrize("batch", ["1", "0"])
+def test_copy_engine_keeps_stream_order(cuda_device, stream, batch, monkeypatch):
+    """Work queued before the copy on the caller's stream is seen by it; work after it sees its result.
+
+    ``batch``: KVLAYOUT_COPY_BATCH, the batched copy API (1) or one cudaMemcpyAsync per copy (0)."""
+    monkeypatch.setenv("KVLAYOUT_COPY_BATCH", batch)
     g = Geometry(P=2, L=2, NB=16, BS=8, H=2, E=64)
     src_np, dst_np, src, dst, rng = _page_first_pair(cuda_device, g, 3)
     s = torch.from_numpy(page_slots(rng, g.NB, g.BS, 6))

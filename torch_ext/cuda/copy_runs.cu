@@ -12,7 +12,9 @@
 //   waits for the current stream before and is waited on after (events), so
 //   the caller still sees stream order.
 // * one cudaMemcpyAsync per copy where the runtime lacks the batch API or
-//   refuses a batch (the refusal is cleared and the batch is re-issued).
+//   refuses a batch (the refusal is cleared and the batch is re-issued), or
+//   when the environment variable KVLAYOUT_COPY_BATCH is 0 (to test and
+//   compare that path).
 //
 // It is meant for page-granular transfers (long runs), runs beside the
 // forward pass without taking SMs, and cannot be captured in a CUDA graph (a
@@ -26,6 +28,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "../host_checks.h"
@@ -91,10 +95,19 @@ bool issue_batch(CopyList& c, size_t begin, size_t end, cudaStream_t stream) {
 }
 #endif
 
+bool batch_api_enabled() {
+  const char* v = std::getenv("KVLAYOUT_COPY_BATCH");
+  return v == nullptr || std::string(v) != "0";
+}
+
 // Issues every copy in stream order with respect to the current stream.
 void issue(CopyList& c, c10::Device dev) {
   if (c.sizes.empty()) return;
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(dev.index());
+  if (!batch_api_enabled()) {
+    issue_one_by_one(c, 0, c.sizes.size(), current.stream());
+    return;
+  }
 #if CUDART_VERSION >= 12080
   // The batch API needs a stream other than the legacy NULL stream.
   const bool legacy = current.stream() == nullptr || current.stream() == cudaStreamLegacy;
