@@ -9,7 +9,9 @@ comparing logical arrays compares whole caches.
 
 from __future__ import annotations
 
+import enum
 import math
+import types
 
 import torch
 
@@ -177,3 +179,48 @@ def record_skipped_row(bound: int, device="cpu") -> None:
 def clear_device_status(device="cpu") -> None:
     from kvlayout.ops import _native
     _native.status_tensor(torch.device(device)).zero_()
+
+
+# ---------------------------------------------------------------------------------------
+# Objects shaped like the engines' (not kvlayout's classes)
+# ---------------------------------------------------------------------------------------
+
+class LMCacheFormat(enum.Enum):
+    """Like LMCache's MemoryFormat: a plain Enum (not an IntEnum) with the same integer values."""
+    UNDEFINED = 0
+    KV_2LTD = 1
+    KV_T2D = 2
+    KV_2TD = 3
+    BINARY = 4
+    BINARY_BUFFER = 5
+    KV_MLA_FMT = 6
+
+
+class LMCacheLikeObj:
+    """An LMCache-shaped memory object: tensor / raw_tensor / get_tensor(i) and metadata.fmt, cached_positions."""
+
+    def __init__(self, tensor, fmt=LMCacheFormat.UNDEFINED, group_tensors=None):
+        self._tensors = list(group_tensors) if group_tensors is not None else [tensor]
+        self.metadata = types.SimpleNamespace(fmt=fmt, cached_positions=None)
+
+    @property
+    def tensor(self):
+        return self._tensors[0]
+
+    @property
+    def raw_tensor(self):
+        return self._tensors[0]
+
+    def get_tensor(self, index):
+        return self._tensors[index]
+
+
+class Metadata:
+    """LMCache engine metadata: kv_shape (layers, 2 or 1, chunk, heads, head size), kv_dtype, use_mla, layer groups."""
+
+    def __init__(self, layers=3, chunk=8, heads=2, head_size=8, dtype=torch.float32, use_mla=False, groups=None):
+        self.kv_shape = (layers, 1 if use_mla else 2, chunk, heads, head_size)
+        self.kv_dtype, self.use_mla, self.chunk_size = dtype, use_mla, chunk
+        groups = groups if groups is not None else [list(range(layers))]
+        self.kv_layer_groups_manager = types.SimpleNamespace(kv_layer_groups=[
+            types.SimpleNamespace(layer_indices=list(g), num_layers=len(g)) for g in groups])
