@@ -224,3 +224,27 @@ class Metadata:
         groups = groups if groups is not None else [list(range(layers))]
         self.kv_layer_groups_manager = types.SimpleNamespace(kv_layer_groups=[
             types.SimpleNamespace(layer_indices=list(g), num_layers=len(g)) for g in groups])
+
+
+class SGLangLikeMHAPool:
+    """An SGLang-shaped MHA device pool: per-layer k_buffer / v_buffer lists [size + page_size, H, D]."""
+
+    def __init__(self, size, page_size, dtype, head_num, head_dim, layer_num, gen, device="cpu", start_layer=0):
+        self.size, self.page_size, self.dtype, self.store_dtype = size, page_size, dtype, dtype
+        self.head_num, self.head_dim, self.layer_num, self.device = head_num, head_dim, layer_num, device
+        self.start_layer, self.end_layer = start_layer, start_layer + layer_num - 1
+        shape = (size + page_size, head_num, head_dim)
+        self.k_buffer = [rand(shape, dtype, device, gen) for _ in range(layer_num)]
+        self.v_buffer = [rand(shape, dtype, device, gen) for _ in range(layer_num)]
+
+
+class SGLangLikeMLAPool:
+    """An SGLang-shaped MLA device pool: a per-layer kv_buffer list [size + page_size, 1, rank + rope]."""
+
+    def __init__(self, size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, gen, device="cpu"):
+        self.size, self.page_size, self.dtype, self.store_dtype = size, page_size, dtype, dtype
+        self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num, self.device = (kv_lora_rank, qk_rope_head_dim,
+                                                                                 layer_num, device)
+        self.start_layer, self.end_layer = 0, layer_num - 1
+        shape = (size + page_size, 1, kv_lora_rank + qk_rope_head_dim)
+        self.kv_buffer = [rand(shape, dtype, device, gen) for _ in range(layer_num)]
