@@ -237,3 +237,23 @@ def test_host_pool_registers_its_exact_buffer(monkeypatch, caplog, error):
     assert ("cudaHostRegister" in caplog.text) is (error != 0)
     calls.clear()
     assert S.HostKVPool(dev, 2.0, 0, P, "page_first", False).pinned is False and calls == []
+
+
+# ---------------------------------------------------------------------------------------
+# Decisions kvlayout keeps (docs/compat.md, "Where kvlayout differs from the source")
+# ---------------------------------------------------------------------------------------
+
+def test_dtype_mismatch_is_an_error_not_a_byte_copy():
+    """bf16 rows into an fp16 pool: the same bytes per row, which SGLang's kernels would copy as they are."""
+    src = [torch.zeros(8, H, D, dtype=torch.bfloat16)]
+    dst = [torch.zeros(8, H, D, dtype=torch.float16)]
+    with pytest.raises(TypeError, match="dtypes differ: source torch.bfloat16, destination torch.float16"):
+        S.transfer_kv_all_layer(src, dst, src, dst, torch.arange(2), torch.arange(2), H * D * 2, 1)
+
+
+def test_small_host_pool_only_warns(caplog):
+    gen = torch.Generator().manual_seed(10)
+    dev = SGLangLikeMHAPool(64, P, torch.float16, H, D, L, gen)
+    with caplog.at_level(logging.WARNING, logger="kvlayout.compat.sglang"):
+        host = S.HostKVPool(dev, 0.5, 0, P, "layer_first")
+    assert host.size == (32 // P + 1) * P and "not larger than the device pool" in caplog.text
