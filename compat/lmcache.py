@@ -8,6 +8,14 @@ tensor).  Each function picks the catalog layout of the format, binds the
 tensors with :func:`kvlayout.ops.bind` and calls :func:`kvlayout.ops.transfer`
 (or :func:`kvlayout.ops.rope_reposition`).  No addresses are computed here.
 
+Enums: kvlayout's :class:`GPUKVFormat`, :class:`MemoryFormat` and
+:class:`TransferDirection` carry LMCache's integer values; wherever one is
+taken, LMCache's own members (Python or pybind enums) and plain ints are
+accepted too (:func:`as_gpu_kv_format`, :func:`as_memory_format`).
+LMCache's geometry helpers (``get_num_blocks``, ``get_block_size``,
+``get_head_size``, ``get_num_heads``, ``get_hidden_dim_size``, ``is_mla``,
+...) are here under their names, read from the bound kvlayout geometry.
+
 Direction names follow LMCache: ``H2D`` = memory object -> paged engine cache
 (retrieve), ``D2H`` = paged engine cache -> memory object (store), wherever
 the memory object actually lives.

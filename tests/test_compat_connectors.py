@@ -237,8 +237,8 @@ def test_cacheblend_constructor_and_fused_rotary_emb():
     kv = _cache(1, "cpu", gen)
     conn.fused_rotary_emb = fused
     slots = distinct_slots(4, N, gen, "cpu")
-    objs = [[C.MemoryObj(rand((2, 4, H * D), torch.float32, "cpu", gen), MF.KV_2TD, cached_positions=torch.arange(4) + 3)]
-            for _ in range(L)]
+    objs = [[C.MemoryObj(rand((2, 4, H * D), torch.float32, "cpu", gen), MF.KV_2TD,
+                          cached_positions=torch.arange(4) + 3)] for _ in range(L)]
     fresh = zeros_like(kv)
     _drive_to_gpu(conn.batched_to_gpu([0], [4], slot_mapping=slots, kvcaches=fresh), objs)
     assert calls == [([3, 4, 5, 6], [0, 1, 2, 3])] * L
