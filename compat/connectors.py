@@ -581,6 +581,8 @@ class SGLangGPUConnector(_ChunkConnector):
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, **kwargs):
         self._setup(hidden_dim_size, num_layers, use_gpu, **kwargs)
 
+    from_metadata = classmethod(VLLMPagedMemGPUConnectorV2.from_metadata.__func__)
+
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([1 if self.use_mla else 2, self.num_layers, num_tokens, self.hidden_dim_size])
 

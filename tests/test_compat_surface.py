@@ -122,6 +122,9 @@ def test_from_metadata_reads_kv_shape():
         c = cls.from_metadata(md, use_gpu=False, device=torch.device("cpu"))
         assert (c.hidden_dim_size, c.num_layers, c.chunk_size, c.dtype) == (24, 4, 16, torch.bfloat16)
     assert C.VLLMPagedMemGPUConnectorV2.from_metadata(md).get_shape(5) == (2, 4, 5, 24)
+    for cls in (C.SGLangGPUConnector, C.SGLangLayerwiseGPUConnector):
+        c = cls.from_metadata(md, device=torch.device("cpu"))
+        assert type(c) is cls and (c.hidden_dim_size, c.num_layers, c.dtype) == (24, 4, torch.bfloat16)
     mla = C.VLLMPagedMemLayerwiseGPUConnector.from_metadata(Metadata(heads=1, head_size=24, use_mla=True))
     assert mla.use_mla and mla.get_shape(5) == (5, 24)
     with pytest.raises(ValueError, match="kv_shape must be"):
