@@ -6,10 +6,17 @@
   bytes (``Tensor.view``, no copy), binds them to a layout and makes one
   :func:`kvlayout.ops.transfer` call.
 * :func:`move_kv_cache` (overlap-safe at any size: kvlayout gathers first).
-* Device pools :class:`MHATokenToKVPool` / :class:`MLATokenToKVPool` (one
-  ``[size + page_size, H, D]`` tensor per layer, K and V lists) and the
-  HiCache host pool :class:`HostKVPool` (every host layout, io backends
-  ``kernel`` and ``direct``, page-aligned allocator, page helpers).
+* Device pools :class:`MHATokenToKVPool` / :class:`MLATokenToKVPool` with
+  SGLang 0.4.8's constructors and API (one ``[size + page_size, H, D]``
+  tensor per layer, K and V lists; ``set_kv_buffer``, buffer getters that wait
+  on a registered layer-transfer counter, address tables) and the HiCache
+  host pool :class:`HostKVPool`, also named ``MHATokenToKVPoolHost`` /
+  ``MLATokenToKVPoolHost`` (SGLang's constructor and getters, kvlayout's or
+  SGLang's own device pools, every host layout, io backends ``kernel`` and
+  ``direct``, page-aligned allocator, page helpers).
+* The direct paths move rows with kvlayout's copy engine
+  (``engine="copy"``: no SMs), as SGLang uses them to keep the SMs for the
+  forward pass.
 
 Semantics are kvlayout's where SGLang leaves them open: a negative index means
 "no token" (nothing read or written), ``N = 0`` is a no-op, an index beyond
