@@ -21,7 +21,8 @@ def indices_on(idx, device: torch.device) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor):
         idx = torch.as_tensor(idx, dtype=torch.int64)
     if idx.device != device and not (idx.device.type == "cpu" and idx.is_pinned()):
-        idx = idx.to(device, non_blocking=True)
+        # to the host: a blocking copy, since the host reads the indices next (a non-blocking one may not have landed)
+        idx = idx.to(device, non_blocking=device.type != "cpu")
     return idx
 
 
