@@ -293,13 +293,16 @@ class _Connector:
         return current_stream(self.device)
 
     # -- staging ------------------------------------------------------------------------
-    def _staging_view(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor | None:
-        """A device buffer shaped like ``like``, or ``None`` when no staging is wanted or needed."""
+    def _staging_view(self, like: torch.Tensor, slot=0) -> torch.Tensor | None:
+        """A device buffer shaped like ``like``, or ``None`` when no staging is wanted or needed.
+
+        Stores use ``("store", i)`` slots, loads plain ints: they run on different streams and must not
+        share a buffer."""
         if not self.use_gpu or self.device is None or like.device == self.device:
             return None
         return self._device_buffer(like.shape, like.dtype, slot)
 
-    def _device_buffer(self, shape, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
+    def _device_buffer(self, shape, dtype: torch.dtype, slot=0) -> torch.Tensor:
         """A contiguous ``shape``/``dtype`` view of staging buffer ``slot`` (grown when too small)."""
         nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
         buf = self._staging.get(slot)
@@ -369,7 +372,7 @@ class _ChunkConnector(_Connector):
         dsts = []
         with on_stream(stream):
             for i, (kv, fmt, dst) in enumerate(self._pairs(memory_obj)):
-                staged = self._staging_view(dst, slot=i)
+                staged = self._staging_view(dst, slot=("store", i))
                 self._transfer(staged if staged is not None else dst, kv, fmt, slots, D2H,
                                validate=self._validate(kwargs))
                 if staged is not None:
@@ -545,7 +548,7 @@ class VLLMPagedMemGPUConnectorV3(_ChunkConnector):
         dsts = []
         with on_stream(self.store_stream):
             for i, ((kv, fmt, dst), slots) in enumerate(zip(self._pairs(memory_obj), group_slots)):
-                staged = self._staging_view(dst, slot=i)
+                staged = self._staging_view(dst, slot=("store", i))
                 self._transfer(staged if staged is not None else dst, kv, fmt, slots, D2H,
                                validate=self._validate(kwargs))
                 if staged is not None:
@@ -705,7 +708,7 @@ class _LayerwiseConnector(_Connector):
     def _store_layer(self, layer: int, objs, chunk_slots, validate=None) -> None:
         for obj, slots in zip(objs, chunk_slots):
             dst = _tensor(obj)
-            staged = self._staging_view(dst, slot=layer % 2)
+            staged = self._staging_view(dst, slot=("store", layer % 2))
             self._move_layer(layer, staged if staged is not None else dst, slots, D2H, validate)
             if staged is not None:
                 dst.copy_(staged, non_blocking=True)
@@ -943,7 +946,7 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
         dtype = self.dtype or self.kvcaches[0].dtype
         cur = self._current()
         for layer in range(self.num_layers):
-            tmp = self._device_buffer(self.get_shape(int(slots_all.shape[0])), dtype, slot=0)
+            tmp = self._device_buffer(self.get_shape(int(slots_all.shape[0])), dtype, slot=("store", 0))
             with on_stream(self.store_stream):
                 wait_stream(self.store_stream, cur)
                 self._move_layer(layer, tmp, slots_all, D2H, validate)
