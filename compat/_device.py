@@ -1,9 +1,10 @@
-"""Where an adapter's call runs, and index tensors that device can read."""
+"""Where an adapter's call runs, index tensors that device can read, and the device's streams."""
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
+import torch
 
 
 def launch_device(*items) -> torch.device:
@@ -20,8 +21,47 @@ def indices_on(idx, device: torch.device) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor):
         idx = torch.as_tensor(idx, dtype=torch.int64)
     if idx.device != device and not (idx.device.type == "cpu" and idx.is_pinned()):
-        idx = idx.to(device, non_blocking=True)
+        # to the host: a blocking copy, since the host reads the indices next (a non-blocking one may not have landed)
+        idx = idx.to(device, non_blocking=device.type != "cpu")
     return idx
 
 
-__all__ = ["launch_device", "indices_on"]
+def _module(device: torch.device):
+    """``torch.cuda`` / ``torch.xpu`` when ``device`` is such a device and the runtime is present, else None."""
+    if device is None or device.type not in ("cuda", "xpu"):
+        return None
+    mod = getattr(torch, device.type, None)
+    return mod if mod is not None and mod.is_available() else None
+
+
+def new_stream(device):
+    """A new stream of ``device`` (``None`` on the host, where work is synchronous)."""
+    mod = _module(torch.device(device) if device is not None else None)
+    return mod.Stream(device) if mod is not None else None
+
+
+def on_stream(stream):
+    """Context manager that makes ``stream`` current (no-op for ``None``)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return getattr(torch, stream.device.type).stream(stream)
+
+
+def current_stream(device):
+    mod = _module(torch.device(device) if device is not None else None)
+    return mod.current_stream(device) if mod is not None else None
+
+
+def wait_stream(waiter, producer) -> None:
+    """``waiter`` waits (on the device, not the host) for the work enqueued on ``producer`` so far."""
+    if waiter is not None and producer is not None:
+        waiter.wait_stream(producer)
+
+
+def synchronize_stream(stream) -> None:
+    if stream is not None:
+        stream.synchronize()
+
+
+__all__ = ["launch_device", "indices_on", "new_stream", "on_stream", "current_stream", "wait_stream",
+           "synchronize_stream"]

@@ -8,6 +8,14 @@ tensor).  Each function picks the catalog layout of the format, binds the
 tensors with :func:`kvlayout.ops.bind` and calls :func:`kvlayout.ops.transfer`
 (or :func:`kvlayout.ops.rope_reposition`).  No addresses are computed here.
 
+Enums: kvlayout's :class:`GPUKVFormat`, :class:`MemoryFormat` and
+:class:`TransferDirection` carry LMCache's integer values; wherever one is
+taken, LMCache's own members (Python or pybind enums) and plain ints are
+accepted too (:func:`as_gpu_kv_format`, :func:`as_memory_format`).
+LMCache's geometry helpers (``get_num_blocks``, ``get_block_size``,
+``get_head_size``, ``get_num_heads``, ``get_hidden_dim_size``, ``is_mla``,
+...) are here under their names, read from the bound kvlayout geometry.
+
 Direction names follow LMCache: ``H2D`` = memory object -> paged engine cache
 (retrieve), ``D2H`` = paged engine cache -> memory object (store), wherever
 the memory object actually lives.
@@ -46,7 +54,10 @@ __all__ = [
     "discover_gpu_kv_format", "canonicalize_kv_caches", "permute_to_contiguous",
     "permute_kv_caches_to_contiguous", "ensure_contiguous_kv_caches", "normalize_and_discover",
     "multi_layer_kv_transfer", "multi_layer_kv_transfer_unilateral", "single_layer_kv_transfer",
-    "single_layer_kv_transfer_sgl", "rotary_embedding_k_fused",
+    "single_layer_kv_transfer_sgl", "rotary_embedding_k_fused", "as_gpu_kv_format", "as_memory_format",
+    "get_num_layers", "get_num_blocks", "get_block_size", "get_page_buffer_size", "get_num_heads", "get_head_size",
+    "get_hidden_dim_size", "get_tokens_per_layer", "get_elements_per_layer", "get_dtype", "get_kv_size",
+    "get_kv_cache_data_ptrs", "is_mla", "is_hnd", "is_cross_layer_format",
 ]
 
 
@@ -128,13 +139,47 @@ SINGLE_LAYER_FORMATS = frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS
                                   F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS})
 
 
-def layout_of(gpu_kv_format) -> str:
-    """The catalog layout name of a format (``ValueError`` for an unknown value)."""
+def _enum_int(value, what: str) -> int:
+    """The integer behind an enum member of any origin (kvlayout's, LMCache's pybind or Python enums) or an int."""
+    raw = value.value if isinstance(value, enum.Enum) or (hasattr(value, "value") and hasattr(value, "name")) \
+        else value
     try:
-        return LAYOUT_OF_FORMAT[GPUKVFormat(int(gpu_kv_format))]
+        return int(raw)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be an enum member or its integer value, got {value!r}") from None
+
+
+def as_gpu_kv_format(gpu_kv_format) -> GPUKVFormat:
+    """kvlayout's :class:`GPUKVFormat` for a member of LMCache's ``GPUKVFormat``/``EngineKVFormat`` (or an int)."""
+    v = _enum_int(gpu_kv_format, "gpu_kv_format")
+    try:
+        return GPUKVFormat(v)
     except ValueError:
         raise ValueError(f"unsupported GPUKVFormat {gpu_kv_format!r}; supported: "
                          f"{sorted(int(f) for f in LAYOUT_OF_FORMAT)}") from None
+
+
+def as_memory_format(fmt) -> MemoryFormat:
+    """kvlayout's :class:`MemoryFormat` for a member of LMCache's ``MemoryFormat`` (or an int)."""
+    v = _enum_int(fmt, "fmt")
+    try:
+        return MemoryFormat(v)
+    except ValueError:
+        raise ValueError(f"unsupported MemoryFormat {fmt!r}; supported: {[int(f) for f in MemoryFormat]}") from None
+
+
+def as_direction(direction) -> TransferDirection:
+    """kvlayout's :class:`TransferDirection` for a member of LMCache's (or 0 / 1)."""
+    v = _enum_int(direction, "direction")
+    try:
+        return TransferDirection(v)
+    except ValueError:
+        raise ValueError(f"direction must be H2D (0) or D2H (1), got {direction!r}") from None
+
+
+def layout_of(gpu_kv_format) -> str:
+    """The catalog layout name of a format (``ValueError`` for an unknown value)."""
+    return LAYOUT_OF_FORMAT[as_gpu_kv_format(gpu_kv_format)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,7 +193,7 @@ def bind_kv_caches(kv_caches, gpu_kv_format) -> ops.KVCache:
     unwrapped); format 4 takes ``[[K...], [V...]]``; the others a list of
     per-layer tensors.
     """
-    fmt = GPUKVFormat(int(gpu_kv_format))
+    fmt = as_gpu_kv_format(gpu_kv_format)
     layout = layout_of(fmt)
     if fmt in CROSS_LAYER_FORMATS:
         if isinstance(kv_caches, (list, tuple)):
@@ -177,7 +222,7 @@ def _bind_chunk(key_value: torch.Tensor, mla: bool) -> ops.KVCache:
 def _move_rows(chunk: ops.KVCache, paged: ops.KVCache, slot_mapping, direction, skip: int = 0,
                num_tokens: int | None = None, validate: bool | None = None) -> None:
     """The one composition every op here reduces to: chunk position t <-> paged slot slot_mapping[t]."""
-    direction = TransferDirection(int(direction))
+    direction = as_direction(direction)
     slots = indices_on(slot_mapping, launch_device(chunk, paged))
     if num_tokens is not None and slots.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slots.shape[0]} entries, the memory object {num_tokens} tokens")
@@ -218,7 +263,7 @@ def multi_layer_kv_transfer(key_value: torch.Tensor, kv_caches, slot_mapping: to
     (packed K/V) take a split ``[2, L, T, NH*HS]`` memory object: K and V are
     de-interleaved into the two planes.
     """
-    fmt = GPUKVFormat(int(gpu_kv_format))
+    fmt = as_gpu_kv_format(gpu_kv_format)
     paged = bind_kv_caches(kv_caches, fmt)
     chunk = _bind_chunk(key_value, fmt in MLA_FORMATS)
     g = paged.geometry
@@ -259,7 +304,7 @@ def multi_layer_kv_transfer_unilateral(key_value: torch.Tensor, k_caches_and_v_c
     formats (3, 5) delegate to :func:`multi_layer_kv_transfer` with the
     per-layer list.  No skip prefix, as in LMCache.
     """
-    fmt = GPUKVFormat(int(gpu_kv_format))
+    fmt = as_gpu_kv_format(gpu_kv_format)
     if fmt in MLA_FORMATS:
         multi_layer_kv_transfer(key_value, k_caches_and_v_caches, slot_mapping, device, page_buffer_size,
                                 direction, fmt, validate=validate)
@@ -296,7 +341,7 @@ def single_layer_kv_transfer(lmc_key_value_cache: torch.Tensor, vllm_key_value_c
     tensor of a per-layer format (1, 2, 3, 5, 6, 7, 10, 11).  T is
     ``slot_mapping``'s length.
     """
-    fmt = GPUKVFormat(int(gpu_kv_format))
+    fmt = as_gpu_kv_format(gpu_kv_format)
     if fmt not in SINGLE_LAYER_FORMATS:
         raise ValueError(f"single_layer_kv_transfer supports per-layer formats "
                          f"{sorted(int(f) for f in SINGLE_LAYER_FORMATS)}, got {fmt.name}")
@@ -534,3 +579,98 @@ def normalize_and_discover(kv_caches, engine, layout_hints: Mapping[str, Any] | 
         logger.info("kv_caches: %s (%s) -> kvlayout layout %s", fmt.name, int(fmt), LAYOUT_OF_FORMAT[fmt])
         return fmt, kv
     return discover_gpu_kv_format(kv, engine, hints), kv
+
+
+# ---------------------------------------------------------------------------------------
+# Geometry getters (LMCache's names), read from the bound kvlayout geometry
+# ---------------------------------------------------------------------------------------
+
+SGLANG_FORMATS = frozenset({F.TWO_X_NL_X_NBBS_NH_HS, F.NL_X_NBBS_ONE_HS})
+
+
+def _geometry(kv_caches, gpu_kv_format):
+    return bind_kv_caches(kv_caches, gpu_kv_format).geometry
+
+
+def _paged_only(gpu_kv_format, what: str) -> GPUKVFormat:
+    fmt = as_gpu_kv_format(gpu_kv_format)
+    if fmt in SGLANG_FORMATS:
+        raise ValueError(f"{what} is not defined for {fmt.name}: SGLang pools have one flat slot axis")
+    return fmt
+
+
+def get_num_layers(kv_caches, gpu_kv_format) -> int:
+    """Layers of the engine's caches."""
+    return _geometry(kv_caches, gpu_kv_format).L
+
+
+def get_num_blocks(kv_caches, gpu_kv_format) -> int:
+    """Blocks (pages) per layer; ``ValueError`` for the SGLang formats 4 and 5."""
+    return _geometry(kv_caches, _paged_only(gpu_kv_format, "get_num_blocks")).NB
+
+
+def get_block_size(kv_caches, gpu_kv_format) -> int:
+    """Slots per block; ``ValueError`` for the SGLang formats 4 and 5."""
+    return _geometry(kv_caches, _paged_only(gpu_kv_format, "get_block_size")).BS
+
+
+def get_page_buffer_size(kv_caches, gpu_kv_format) -> int:
+    """Token slots of one layer's K (or V) plane: ``NB * BS``, or the SGLang pools' ``size + page_size``."""
+    return _geometry(kv_caches, gpu_kv_format).N
+
+
+get_tokens_per_layer = get_page_buffer_size
+
+
+def get_num_heads(kv_caches, gpu_kv_format) -> int:
+    """KV heads (1 for the MLA formats)."""
+    return _geometry(kv_caches, gpu_kv_format).H
+
+
+def get_head_size(kv_caches, gpu_kv_format) -> int:
+    """Elements per head (the latent width for MLA)."""
+    return _geometry(kv_caches, gpu_kv_format).E
+
+
+def get_hidden_dim_size(kv_caches, gpu_kv_format) -> int:
+    """Elements per token row of one plane: ``num_heads * head_size``."""
+    g = _geometry(kv_caches, gpu_kv_format)
+    return g.H * g.E
+
+
+def get_elements_per_layer(kv_caches, gpu_kv_format) -> int:
+    """Elements of one layer, K and V together (one plane for MLA): sizes a layer-wise staging buffer."""
+    g = _geometry(kv_caches, gpu_kv_format)
+    return g.P * g.N * g.H * g.E
+
+
+def get_dtype(kv_caches, gpu_kv_format) -> torch.dtype:
+    """The caches' dtype."""
+    return bind_kv_caches(kv_caches, gpu_kv_format).dtype
+
+
+def get_kv_size(gpu_kv_format) -> int:
+    """Planes of a token row as the kernels see them: 1 for MLA and packed K/V (10, 11), else 2."""
+    fmt = as_gpu_kv_format(gpu_kv_format)
+    return 1 if fmt in MLA_FORMATS or fmt in (F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS) else 2
+
+
+def is_mla(gpu_kv_format) -> bool:
+    return as_gpu_kv_format(gpu_kv_format) in MLA_FORMATS
+
+
+def is_hnd(gpu_kv_format) -> bool:
+    return as_gpu_kv_format(gpu_kv_format) in HND_FORMATS
+
+
+def is_cross_layer_format(gpu_kv_format) -> bool:
+    return as_gpu_kv_format(gpu_kv_format) in CROSS_LAYER_FORMATS
+
+
+def get_kv_cache_data_ptrs(kv_caches, gpu_kv_format) -> list[int]:
+    """LMCache's pointer list (for registration with transports; kvlayout's ops take the tensors).
+
+    Cross-layer formats: one pointer; format 4: ``[K_0..K_L-1, V_0..V_L-1]``;
+    the others one per layer.
+    """
+    return [t.data_ptr() for t in bind_kv_caches(kv_caches, gpu_kv_format).tensors]

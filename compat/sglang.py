@@ -6,10 +6,17 @@
   bytes (``Tensor.view``, no copy), binds them to a layout and makes one
   :func:`kvlayout.ops.transfer` call.
 * :func:`move_kv_cache` (overlap-safe at any size: kvlayout gathers first).
-* Device pools :class:`MHATokenToKVPool` / :class:`MLATokenToKVPool` (one
-  ``[size + page_size, H, D]`` tensor per layer, K and V lists) and the
-  HiCache host pool :class:`HostKVPool` (every host layout, io backends
-  ``kernel`` and ``direct``, page-aligned allocator, page helpers).
+* Device pools :class:`MHATokenToKVPool` / :class:`MLATokenToKVPool` with
+  SGLang 0.4.8's constructors and API (one ``[size + page_size, H, D]``
+  tensor per layer, K and V lists; ``set_kv_buffer``, buffer getters that wait
+  on a registered layer-transfer counter, address tables) and the HiCache
+  host pool :class:`HostKVPool`, also named ``MHATokenToKVPoolHost`` /
+  ``MLATokenToKVPoolHost`` (SGLang's constructor and getters, kvlayout's or
+  SGLang's own device pools, every host layout, io backends ``kernel`` and
+  ``direct``, page-aligned allocator, page helpers).
+* The direct paths move rows with kvlayout's copy engine
+  (``engine="copy"``: no SMs), as SGLang uses them to keep the SMs for the
+  forward pass.
 
 Semantics are kvlayout's where SGLang leaves them open: a negative index means
 "no token" (nothing read or written), ``N = 0`` is a no-op, an index beyond
@@ -56,7 +63,7 @@ __all__ = [
     "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf",
     "transfer_kv_direct", "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf",
     "move_kv_cache", "page_slots", "MHATokenToKVPool", "MLATokenToKVPool", "HostKVPool",
-    "MHATokenToKVPoolHost", "MLATokenToKVPoolHost", "HOST_LAYOUTS",
+    "MHATokenToKVPoolHost", "MLATokenToKVPoolHost", "HOST_LAYOUTS", "HostPoolError",
 ]
 
 # SGLang's kernels take the K and V halves of a host buffer as two separate
@@ -177,12 +184,14 @@ def page_slots(indices, page_size: int, *, name: str = "indices", aligned: bool 
 
 
 def _go(src: ops.KVCache, dst: ops.KVCache, src_indices, dst_indices, block_quota=0, validate=None,
-        **layers) -> None:
-    device = launch_device(*src.tensors, *dst.tensors)
+        engine: str = "kernel", **layers) -> None:
+    """One kvlayout transfer.  ``engine="copy"`` (the direct paths): the copy engine moves the rows, no SMs
+    are used, and the indices are read on the host, where SGLang's direct paths read them too."""
+    device = torch.device("cpu") if engine == "copy" else launch_device(*src.tensors, *dst.tensors)
     s, d = _pair(src_indices, dst_indices, device)
     if s.numel() == 0:
         return
-    ops.transfer(src, dst, s, d, max_ctas=int(block_quota or 0), validate=validate, **layers)
+    ops.transfer(src, dst, s, d, max_ctas=int(block_quota or 0), validate=validate, engine=engine, **layers)
 
 
 def _host_read(device: torch.device, validate):
@@ -335,7 +344,8 @@ def transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[
         and len({t.shape[0] for t in dst}) == 1
     groups = [(src, dst)] if uniform else [([s], [d]) for s, d in zip(src, dst)]
     for s, d in groups:
-        _go(ops.bind("sglang_mla", s), ops.bind("sglang_mla", d), src_indices, dst_indices, validate=validate)
+        _go(ops.bind("sglang_mla", s), ops.bind("sglang_mla", d), src_indices, dst_indices, validate=validate,
+            engine="copy")
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int,
@@ -354,7 +364,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
         src = ops.bind("hicache_mla_page_first_direct", _page_first_direct(src_ptrs[0], page_size, "src"))
         dst = ops.bind("sglang_mla", [_rows(dst_ptrs[0])])
     validate = _host_read(launch_device(*src.tensors, *dst.tensors), validate)
-    _go(src, dst, s, d, validate=validate, src_layers=[layer_id], dst_layers=[0])
+    _go(src, dst, s, d, validate=validate, engine="copy", src_layers=[layer_id], dst_layers=[0])
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size: int, *,
@@ -373,7 +383,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
         src = ops.bind("sglang_mla", [_rows(t) for t in src_ptrs])
         dst = ops.bind("hicache_mla_page_first_direct", _page_first_direct(dst_ptrs[0], page_size, "dst"))
     validate = _host_read(launch_device(*src.tensors, *dst.tensors), validate)
-    _go(src, dst, s, d, validate=validate)
+    _go(src, dst, s, d, validate=validate, engine="copy")
 
 
 def move_kv_cache(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor] | None, tgt_loc,
@@ -400,10 +410,73 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype in FP8_DTYPES else dtype
 
 
+def _layer_id(layer) -> int:
+    """SGLang passes its attention layer object (``layer.layer_id``); an int is taken as the id itself."""
+    layer_id = getattr(layer, "layer_id", layer)
+    try:
+        return operator.index(layer_id)
+    except TypeError:
+        raise TypeError(f"layer must be an attention layer with .layer_id or an int, got {type(layer).__name__}") \
+            from None
+
+
+def _ptr_table(tensors, device) -> torch.Tensor:
+    """SGLang's per-buffer base addresses: a uint64 tensor on the pool's device (for kernels of its own)."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
+
+
 class _DevicePool:
-    """Common part of the device pools: a bound cache, move, CPU copies."""
+    """Common part of the device pools: layer range, transfer counter, bound cache, move, CPU copies.
+
+    SGLang 0.4.8's constructor keywords: ``enable_memory_saver`` is accepted
+    (kvlayout allocates plain tensors), ``start_layer`` (default 0) and
+    ``end_layer`` (default ``start_layer + layer_num - 1``) give the global
+    ids of the pool's layers: ``get_key_buffer(layer_id)`` and
+    ``set_kv_buffer(layer, ...)`` take global ids.
+    """
 
     CPU_COPY_CHUNK = 8192
+    cpu_offloading_chunk_size = CPU_COPY_CHUNK
+
+    def _init_common(self, size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer):
+        self.size, self.page_size, self.dtype = int(size), int(page_size), dtype
+        if self.size < 0 or self.page_size <= 0:
+            raise ValueError(f"size = {size} must be >= 0 and page_size = {page_size} > 0")
+        self.store_dtype = _store_dtype(dtype)
+        self.layer_num = int(layer_num)
+        self.device = torch.device(device)
+        self.enable_memory_saver = bool(enable_memory_saver)
+        self.start_layer = int(start_layer or 0)
+        self.end_layer = int(end_layer) if end_layer is not None else self.start_layer + self.layer_num - 1
+        self.layer_transfer_counter = None
+        self.mem_usage = 0
+
+    def _bind_page_size(self) -> int | None:
+        """The page size the page helpers need, when the padded rows (``size + page_size``) are whole pages."""
+        return self.page_size if (self.size + self.page_size) % self.page_size == 0 else None
+
+    def _local(self, layer_id: int) -> int:
+        local = layer_id - self.start_layer
+        if not 0 <= local < self.layer_num:
+            raise IndexError(f"layer_id = {layer_id} is outside this pool's layers {self.start_layer}.."
+                             f"{self.start_layer + self.layer_num - 1}")
+        return local
+
+    def register_layer_transfer_counter(self, layer_transfer_counter) -> None:
+        """HiCache's per-layer load counter: buffer getters call ``wait_until(layer_id - start_layer)`` first."""
+        self.layer_transfer_counter = layer_transfer_counter
+
+    def _wait_for_layer(self, layer_id: int) -> None:
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
+
+    def _cast(self, t: torch.Tensor, scale=None) -> torch.Tensor:
+        """Rows in the pool's dtype, then viewed as the stored dtype (fp8 pools store uint8)."""
+        if t.dtype != self.dtype:
+            if scale is not None:
+                t = t / scale            # out of place: the caller's tensor stays as it was
+            t = t.to(self.dtype)
+        return t.view(self.store_dtype) if self.store_dtype != self.dtype else t
 
     def move_kv_cache(self, tgt_loc, src_loc, *, validate=None) -> None:
         """``buf[tgt_loc] = old_buf[src_loc]`` for every layer (overlap-safe)."""
@@ -434,6 +507,23 @@ class _DevicePool:
             ops.scatter(self.cache, rows.to(self.device), chunk, validate=validate)
         _sync(self.device)
 
+    def _scatter_layer(self, layer_id: int, rows: torch.Tensor, loc, validate) -> None:
+        """``rows [P, 1, T, H, E]`` -> layer ``layer_id`` at slots ``loc``."""
+        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[self._local(layer_id)],
+                    validate=validate)
+
+    def _buffers(self) -> list:
+        return list(self.cache.tensors)
+
+    def get_contiguous_buf_infos(self):
+        """``(ptrs, lens, item_lens)``: per buffer its address, bytes, and bytes per page (PD registration)."""
+        bufs = self._buffers()
+        return ([t.data_ptr() for t in bufs], [t.nbytes for t in bufs],
+                [t[0].nbytes * self.page_size for t in bufs])
+
+    def maybe_get_custom_mem_pool(self):
+        return None
+
 
 def _sync(device: torch.device) -> None:
     """SGLang synchronizes here: wait for the device, then raise any out-of-range index a kernel skipped."""
@@ -443,32 +533,58 @@ def _sync(device: torch.device) -> None:
 
 
 class MHATokenToKVPool(_DevicePool):
-    """SGLang's MHA device pool: per layer K and V tensors ``[size + page_size, H, D]`` (page 0 is padding)."""
+    """SGLang's MHA device pool: per layer K and V tensors ``[size + page_size, H, D]`` (page 0 is padding).
+
+    ``MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num,
+    device, enable_memory_saver, start_layer=None, end_layer=None)`` as in
+    SGLang 0.4.8.  ``k_buffer``/``v_buffer`` are the per-layer lists,
+    ``k_data_ptrs``/``v_data_ptrs``/``data_ptrs`` and ``data_strides`` SGLang's
+    uint64 address tables and row bytes.
+    """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
-                 device="cpu", start_layer: int = 0):
-        self.size, self.page_size, self.dtype = int(size), int(page_size), dtype
-        self.store_dtype = _store_dtype(dtype)
-        self.head_num, self.head_dim, self.layer_num = int(head_num), int(head_dim), int(layer_num)
-        self.device = torch.device(device)
-        self.start_layer = start_layer
+                 device="cpu", enable_memory_saver: bool = False, start_layer: int | None = None,
+                 end_layer: int | None = None, **_ignored):
+        self._init_common(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        self.head_num, self.head_dim = int(head_num), int(head_dim)
         shape = (self.size + self.page_size, self.head_num, self.head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
         self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
-        self.cache = ops.bind("sglang_mha", (self.k_buffer, self.v_buffer), page_size=self.page_size)
+        self.cache = ops.bind("sglang_mha", (self.k_buffer, self.v_buffer), page_size=self._bind_page_size())
+        self.k_data_ptrs = _ptr_table(self.k_buffer, self.device)
+        self.v_data_ptrs = _ptr_table(self.v_buffer, self.device)
+        self.data_ptrs = torch.cat([self.k_data_ptrs, self.v_data_ptrs])
+        self.data_strides = torch.tensor([t[0].nbytes for t in self.k_buffer + self.v_buffer], device=self.device)
+        k_size, v_size = self.get_kv_size_bytes()
+        self.mem_usage = (k_size + v_size) / (1 << 30)
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """Bytes of all K buffers and of all V buffers."""
+        return sum(t.nbytes for t in self.k_buffer), sum(t.nbytes for t in self.v_buffer)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id - self.start_layer].view(self.dtype)
+        """Layer ``layer_id``'s K ``[size + page_size, H, D]`` in the pool's dtype (after its load, when a
+        transfer counter is registered)."""
+        self._wait_for_layer(layer_id)
+        return self.k_buffer[self._local(layer_id)].view(self.dtype)
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id - self.start_layer].view(self.dtype)
+        self._wait_for_layer(layer_id)
+        return self.v_buffer[self._local(layer_id)].view(self.dtype)
 
-    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v: torch.Tensor, *,
-                      validate=None) -> None:
-        """Write one layer's K/V rows ``[T, H, D]`` at ``loc`` (no scaling: same dtype as the pool)."""
-        rows = torch.stack([cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)])[:, None]
-        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer],
-                    validate=validate)
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None, v_scale=None,
+                      *, validate=None, **_ignored) -> None:
+        """Write one layer's K/V rows ``[T, H, D]`` at slots ``loc [T]``.
+
+        ``layer``: the attention layer (``layer.layer_id``) or its id.  Rows of
+        another dtype are divided by ``k_scale``/``v_scale`` (when given) and
+        cast to the pool's dtype (fp8 pools store the bytes as uint8).
+        """
+        rows = torch.stack([self._cast(cache_k, k_scale), self._cast(cache_v, v_scale)])[:, None]
+        self._scatter_layer(_layer_id(layer), rows, loc, validate)
 
     def _unpack(self, rows):                     # [2, n, H, E] -> [k, v]
         return [rows[0].contiguous(), rows[1].contiguous()]
@@ -478,32 +594,54 @@ class MHATokenToKVPool(_DevicePool):
 
 
 class MLATokenToKVPool(_DevicePool):
-    """SGLang's MLA device pool: per layer one ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` tensor."""
+    """SGLang's MLA device pool: per layer one ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` tensor.
+
+    ``MLATokenToKVPool(size, page_size, dtype, kv_lora_rank,
+    qk_rope_head_dim, layer_num, device, enable_memory_saver,
+    start_layer=None, end_layer=None)`` as in SGLang 0.4.8.
+    """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int,
-                 layer_num: int, device="cpu", start_layer: int = 0):
-        self.size, self.page_size, self.dtype = int(size), int(page_size), dtype
-        self.store_dtype = _store_dtype(dtype)
+                 layer_num: int, device="cpu", enable_memory_saver: bool = False, start_layer: int | None = None,
+                 end_layer: int | None = None, **_ignored):
+        self._init_common(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
         self.kv_lora_rank, self.qk_rope_head_dim = int(kv_lora_rank), int(qk_rope_head_dim)
         self.kv_cache_dim = self.kv_lora_rank + self.qk_rope_head_dim
-        self.layer_num = int(layer_num)
-        self.device = torch.device(device)
-        self.start_layer = start_layer
         shape = (self.size + self.page_size, 1, self.kv_cache_dim)
         self.kv_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
-        self.cache = ops.bind("sglang_mla", self.kv_buffer, page_size=self.page_size)
+        self.cache = ops.bind("sglang_mla", self.kv_buffer, page_size=self._bind_page_size())
+        self.data_ptrs = _ptr_table(self.kv_buffer, self.device)
+        self.mem_usage = self.get_kv_size_bytes() / (1 << 30)
+
+    def get_kv_size_bytes(self) -> int:
+        return sum(t.nbytes for t in self.kv_buffer)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id - self.start_layer].view(self.dtype)
+        self._wait_for_layer(layer_id)
+        return self.kv_buffer[self._local(layer_id)].view(self.dtype)
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """The latent part ``[..., :kv_lora_rank]`` of the layer's rows."""
         return self.get_key_buffer(layer_id)[..., :self.kv_lora_rank]
 
-    def set_kv_buffer(self, layer_id: int, loc, cache_k: torch.Tensor, cache_v=None, *, validate=None) -> None:
-        """Write one layer's rows ``[T, 1, kd]`` at ``loc``."""
-        rows = cache_k.view(self.store_dtype)[None, None]
-        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[layer_id - self.start_layer],
-                    validate=validate)
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc, cache_k: torch.Tensor, cache_v=None, k_scale=None, v_scale=None, *,
+                      validate=None, **_ignored) -> None:
+        """Write one layer's rows ``[T, 1, kd]`` at ``loc`` (cast to the pool's dtype; ``cache_v`` unused)."""
+        self._scatter_layer(_layer_id(layer), self._cast(cache_k, k_scale)[None, None], loc, validate)
+
+    def set_mla_kv_buffer(self, layer, loc, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor, *,
+                          validate=None) -> None:
+        """Write rows whose first ``kv_lora_rank`` elements are ``cache_k_nope [T, 1, rank]`` and the rest
+        ``cache_k_rope [T, 1, rope]``."""
+        if cache_k_nope.shape[-1] != self.kv_lora_rank or cache_k_rope.shape[-1] != self.qk_rope_head_dim:
+            raise ValueError(f"cache_k_nope / cache_k_rope end in {cache_k_nope.shape[-1]} / "
+                             f"{cache_k_rope.shape[-1]} elements; the pool's rows are kv_lora_rank = "
+                             f"{self.kv_lora_rank} + qk_rope_head_dim = {self.qk_rope_head_dim}")
+        rows = torch.cat([cache_k_nope.to(self.dtype), cache_k_rope.to(self.dtype)], dim=-1)
+        self._scatter_layer(_layer_id(layer), self._cast(rows)[None, None], loc, validate)
 
     def _unpack(self, rows):                     # [1, n, 1, E] -> tensor
         return rows[0].contiguous()
@@ -543,15 +681,61 @@ def _available_host_memory() -> int | None:
         return None
 
 
+class HostPoolError(ValueError, AssertionError):
+    """A host-pool request SGLang rejects with an assertion (kvlayout raises it as a ValueError too)."""
+
+
+def _is_mla_pool(device_pool) -> bool:
+    """SGLang's MLA pools carry ``kv_lora_rank``; MHA pools ``head_num``/``head_dim``."""
+    return hasattr(device_pool, "kv_lora_rank")
+
+
+def _bind_device_pool(device_pool) -> ops.KVCache:
+    """The device pool as a kvlayout cache: kvlayout's pools are bound already; SGLang's pools (``k_buffer``/
+    ``v_buffer`` lists, MLA ``kv_buffer`` list) are bound here."""
+    cache = getattr(device_pool, "cache", None)
+    if isinstance(cache, ops.KVCache):
+        return cache
+    if _is_mla_pool(device_pool):
+        return ops.bind("sglang_mla", list(device_pool.kv_buffer))
+    return ops.bind("sglang_mha", (list(device_pool.k_buffer), list(device_pool.v_buffer)))
+
+
+def _register_host_memory(buffer: torch.Tensor) -> bool:
+    """Page-lock ``buffer``'s own bytes with ``cudaHostRegister`` (no allocator rounding); False when impossible."""
+    if not torch.cuda.is_available():
+        logger.info("host pool: no CUDA runtime here, the buffer stays pageable")
+        return False
+    nbytes = buffer.numel() * buffer.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        logger.warning("host pool: cudaHostRegister of %.2f GB failed (CUDA error %d); the buffer stays pageable, "
+                       "so device kernels cannot read it directly", nbytes / 1e9, code)
+        return False
+    return True
+
+
 class HostKVPool:
     """SGLang's HiCache host pool (MHA or MLA, following the device pool) on kvlayout.
 
-    Sizing as SGLang: ``size_per_token`` = ``2*L*H*D*es`` (MHA) or
+    ``HostKVPool(device_pool, host_to_device_ratio, host_size, page_size,
+    layout, pin_memory=True, device="cpu")`` - the constructor of SGLang's
+    ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` (both names are this
+    class; MLA is chosen when the device pool has ``kv_lora_rank``).  The
+    device pool may be kvlayout's or SGLang's own (``k_buffer``/``v_buffer``
+    lists, MLA ``kv_buffer`` list, with ``size``, ``page_size``,
+    ``store_dtype``, ``layer_num``, ``head_num``/``head_dim`` or
+    ``kv_lora_rank``/``qk_rope_head_dim``, ``device``, ``start_layer``).
+
+    Sizing as SGLang: ``get_size_per_token()`` = ``2*L*H*D*es`` (MHA) or
     ``L*kd*es`` (MLA); ``size`` = ``host_size`` GB / size_per_token when
     ``host_size > 0``, else ``device_pool.size * host_to_device_ratio``; then
     one extra page: ``page_num = size // page_size + 1``, ``size = page_num *
-    page_size``.  A pool larger than the available host memory minus 10 GiB
-    raises; one no larger than the device pool only warns.
+    page_size``.  A pool larger than the available host memory minus
+    ``host_memory_reserve`` (10 GiB) raises; one no larger than the device
+    pool only warns.  ``token_stride_size`` = bytes of one token of one layer
+    (and plane), ``layout_dim`` = ``token_stride_size * layer_num``.
 
     Buffers (one tensor; MHA K = ``kv_buffer[0]``, V = ``kv_buffer[1]``):
 
@@ -565,17 +749,20 @@ class HostKVPool:
     page_first_kv_split       -                            ``[pages, L, P, 1, rank]`` + ``[..., rope]``
     ========================  ===========================  ================================
 
-    Memory is pinned when the device pool lives on an accelerator
-    (``pin_memory=None``), plain otherwise.
+    ``pin_memory=True``: the buffer is allocated at its exact size and
+    page-locked with ``cudaHostRegister`` (as SGLang; a pinned allocation
+    from torch's caching host allocator would round it up to a power of two);
+    ``pinned`` says whether that worked, and a failure is logged as a warning.
 
     io backends, for every layout: ``kernel`` moves token rows at the given
-    indices.  ``direct`` does what SGLang's direct path of the layout does:
+    indices with kvlayout's kernel.  ``direct`` uses the copy engine (no SMs,
+    as SGLang uses it) and does what SGLang's direct path of the layout does:
     ``page_first_direct`` is page-granular (only the first index of each page
-    is read, host pages must start at a page boundary, see :func:`page_slots`);
-    every other layout moves exactly the listed indices (SGLang's
-    ``transfer_kv_direct``).  ``direct`` checks the indices on the host unless
-    ``validate=False`` (SGLang reads them there); ``validate`` (constructor
-    default, or per call) is forwarded to kvlayout.
+    is read, host pages must start at a page boundary, see
+    :func:`page_slots`); every other layout moves exactly the listed indices
+    (SGLang's ``transfer_kv_direct``).  ``direct`` checks the indices on the
+    host unless ``validate=False`` (SGLang reads them there); ``validate``
+    (constructor default, or per call) is forwarded to kvlayout.
 
     Allocator: ``alloc`` hands out whole, page-aligned pages; ``free`` takes
     slots back (raising ``ValueError`` for a negative, out-of-range, repeated
@@ -584,31 +771,32 @@ class HostKVPool:
     """
 
     def __init__(self, device_pool, host_to_device_ratio: float = 2.0, host_size: float = 0,
-                 page_size: int | None = None, layout: str = "layer_first", pin_memory: bool | None = None,
-                 max_ctas: int = 0, host_memory_reserve: int | None = None, validate: bool | None = None):
+                 page_size: int | None = None, layout: str = "layer_first", pin_memory: bool = True,
+                 device: str = "cpu", *, max_ctas: int = 0, host_memory_reserve: int | None = None,
+                 validate: bool | None = None):
         self.device_pool = device_pool
         self.validate = validate
-        self.is_mla = isinstance(device_pool, MLATokenToKVPool)
+        self.is_mla = _is_mla_pool(device_pool)
         table = HOST_LAYOUTS["mla" if self.is_mla else "mha"]
         if layout not in table:
             raise ValueError(f"unsupported layout {layout!r} for a {'MLA' if self.is_mla else 'MHA'} pool; "
                              f"supported: {sorted(table)}")
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device = {device!r}: the host pool lives in host memory ('cpu')")
         self.layout = layout
+        self.device = str(device)
         self.page_size = int(page_size or device_pool.page_size)
         self.dtype = device_pool.store_dtype
-        self.layer_num = device_pool.layer_num
         self.max_ctas = max_ctas
-        es = torch.empty((), dtype=self.dtype).element_size()
-        if self.is_mla:
-            self.kv_cache_dim = device_pool.kv_cache_dim
-            self.size_per_token = self.layer_num * self.kv_cache_dim * es
-        else:
-            self.head_num, self.head_dim = device_pool.head_num, device_pool.head_dim
-            self.size_per_token = 2 * self.layer_num * self.head_num * self.head_dim * es
+        self.size_per_token = self.get_size_per_token()
         size = int(host_size * 1e9 // self.size_per_token) if host_size > 0 else \
             int(device_pool.size * host_to_device_ratio)
         self.page_num = size // self.page_size + 1
         self.size = self.page_num * self.page_size
+        self.start_layer = int(getattr(device_pool, "start_layer", 0) or 0)
+        self.end_layer = getattr(device_pool, "end_layer", None)
+        if self.end_layer is None:
+            self.end_layer = self.start_layer + self.layer_num - 1
         if self.size <= device_pool.size:
             logger.warning("host pool (%d tokens) is not larger than the device pool (%d tokens)",
                            self.size, device_pool.size)
@@ -619,19 +807,53 @@ class HostKVPool:
         if available is not None and need > available - reserve:
             raise ValueError(f"not enough host memory for the host pool: need {need / 1e9:.2f} GB, "
                              f"{available / 1e9:.2f} GB available, {reserve / 1e9:.2f} GB reserved")
-        self.pin_memory = device_pool.device.type in ("cuda", "xpu") if pin_memory is None else bool(pin_memory)
+        self.pin_memory = bool(pin_memory)
+        self.token_stride_size = (self.kv_cache_dim if self.is_mla else self.head_num * self.head_dim) * \
+            torch.empty((), dtype=self.dtype).element_size()
+        self.layout_dim = self.token_stride_size * self.layer_num
         self._alloc_buffers()
+        self.pinned = all(_register_host_memory(t) for t in self._physical_list()) if self.pin_memory else False
         self.cache = ops.bind(table[layout], self._physical(), page_size=self.page_size)
+        self._data_tables()
         self.lock = threading.RLock()
         self.clear()
 
+    # -- sizes (SGLang's getters) ---------------------------------------------------------
+    def get_size_per_token(self) -> int:
+        """Host bytes per token: every layer, K and V (MLA: the latent row)."""
+        pool = self.device_pool
+        self.layer_num = int(pool.layer_num)
+        es = torch.empty((), dtype=self.dtype).element_size()
+        if self.is_mla:
+            self.kv_lora_rank, self.qk_rope_head_dim = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
+            self.kv_cache_dim = self.kv_lora_rank + self.qk_rope_head_dim
+            return self.kv_cache_dim * es * self.layer_num
+        self.head_num, self.head_dim = int(pool.head_num), int(pool.head_dim)
+        return self.head_dim * self.head_num * self.layer_num * es * 2
+
+    def get_ksize_per_token(self) -> int:
+        """Bytes per token of the K half (MHA: half of :meth:`get_size_per_token`; MLA: all of it)."""
+        return self.get_size_per_token() if self.is_mla else self.get_size_per_token() // 2
+
     # -- buffers --------------------------------------------------------------------------
     def _empty(self, shape) -> torch.Tensor:
-        try:
-            return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin_memory)
-        except RuntimeError:
-            logger.warning("pinned host memory is not available here; using plain host memory")
-            return torch.zeros(shape, dtype=self.dtype)
+        """A zeroed host tensor of exactly its size (pinned afterwards by ``cudaHostRegister``)."""
+        return torch.zeros(shape, dtype=self.dtype)
+
+    def _data_tables(self) -> None:
+        """SGLang's per-layer references and uint64 address tables (built on the device pool's device)."""
+        dev = getattr(self.device_pool, "device", "cpu")
+        if self.is_mla:
+            self.data_refs = [self.kv_buffer[i] for i in range(min(self.layer_num, self.kv_buffer.shape[0]))]
+            self.data_ptrs = _ptr_table(self.data_refs, dev)
+            return
+        # as SGLang: index 0 of each half (a layer for layer_first, the table's only meaningful layout)
+        n = min(self.layer_num, self.k_buffer.shape[0])
+        self.k_data_refs = [self.k_buffer[i] for i in range(n)]
+        self.v_data_refs = [self.v_buffer[i] for i in range(n)]
+        self.k_data_ptrs = _ptr_table(self.k_data_refs, dev)
+        self.v_data_ptrs = _ptr_table(self.v_data_refs, dev)
+        self.data_ptrs = torch.cat([self.k_data_ptrs, self.v_data_ptrs])
 
     def _alloc_buffers(self) -> None:
         L, N, P, NP = self.layer_num, self.size, self.page_size, self.page_num
@@ -657,6 +879,10 @@ class HostKVPool:
             return (self.k_buffer, self.v_buffer)
         return self.kv_buffer
 
+    def _physical_list(self) -> list:
+        phys = self._physical()
+        return list(phys) if isinstance(phys, tuple) else [phys]
+
     # -- allocator ------------------------------------------------------------------------
     def clear(self) -> None:
         with self.lock:
@@ -672,8 +898,8 @@ class HostKVPool:
         need_size = operator.index(need_size)
         if need_size < 0:
             raise ValueError(f"need_size = {need_size} must be >= 0")
-        if need_size % self.page_size:
-            raise ValueError(f"need_size = {need_size} is not a multiple of page_size = {self.page_size}")
+        if need_size % self.page_size:   # SGLang asserts this: the error is an AssertionError too
+            raise HostPoolError(f"need_size = {need_size} is not a multiple of page_size = {self.page_size}")
         with self.lock:
             if need_size > self.free_slots.numel():
                 return None
@@ -726,6 +952,11 @@ class HostKVPool:
                     page_slots(device_indices, self.page_size, name="device_indices"))
         return host_indices, device_indices
 
+    @staticmethod
+    def _engine(io_backend: str) -> str:
+        """``direct`` moves rows with the copy engine (no SMs), as SGLang uses it; ``kernel`` with kvlayout's kernel."""
+        return "copy" if io_backend == "direct" else "kernel"
+
     def _validate(self, io_backend: str, validate, device: torch.device):
         validate = self.validate if validate is None else validate
         return _host_read(device, validate) if io_backend == "direct" else validate
@@ -734,16 +965,16 @@ class HostKVPool:
                                  io_backend: str = "kernel", *, validate=None) -> None:
         """H2D of one layer: ``device[layer_id][device_indices] = host[layer_id][host_indices]``."""
         h, d = self._slots(host_indices, device_indices, io_backend)
-        validate = self._validate(io_backend, validate, device_pool.device)
-        _go(self.cache, device_pool.cache, h, d, self.max_ctas, validate, src_layers=[layer_id],
-            dst_layers=[layer_id])
+        validate = self._validate(io_backend, validate, torch.device(device_pool.device))
+        _go(self.cache, _bind_device_pool(device_pool), h, d, self.max_ctas, validate, self._engine(io_backend),
+            src_layers=[layer_id], dst_layers=[layer_id])
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
                                      io_backend: str = "kernel", *, validate=None) -> None:
         """D2H of every layer: ``host[:, host_indices] = device[:, device_indices]``."""
         h, d = self._slots(host_indices, device_indices, io_backend)
-        validate = self._validate(io_backend, validate, device_pool.device)
-        _go(device_pool.cache, self.cache, d, h, self.max_ctas, validate)
+        validate = self._validate(io_backend, validate, torch.device(device_pool.device))
+        _go(_bind_device_pool(device_pool), self.cache, d, h, self.max_ctas, validate, self._engine(io_backend))
 
     # -- page helpers (L3 storage) ----------------------------------------------------------
     def _page(self, index) -> int:
@@ -763,13 +994,32 @@ class HostKVPool:
                 "page_first_direct": (2, 1, L, P, H, D), "page_head": (2, 1, H, P, L, D)}[self.layout]
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        """The page starting at slot ``index`` in the layout's byte order (a new tensor)."""
-        data = ops.get_page(self.cache, self._page(index))
-        return data if flat else data.view(self._page_shape())
+        """The page starting at slot ``index``.
+
+        ``flat=True``: its bytes in the layout's order, as a new 1-D tensor.
+        ``flat=False``: a view of the pool (writing it writes the pool), shaped
+        like SGLang's: MHA ``layer_first`` ``[2, L, P, H, D]``, ``page_first``
+        ``[2, P, L, H, D]``, ``page_first_direct``/``page_head`` the page's
+        ``[2, 1, ...]`` slice; MLA the same without the leading 2.
+        """
+        page = self._page(index)
+        if flat:
+            return ops.get_page(self.cache, page)
+        if self.is_mla and self.layout == "page_first_kv_split":
+            raise ValueError("get_data_page(flat=False) is not defined for page_first_kv_split (two buffers)")
+        start = page * self.page_size
+        # the page's slot range on the layout's slot axis (pages for the page-major layouts)
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, start:start + self.page_size] if self.is_mla else \
+                self.kv_buffer[:, :, start:start + self.page_size]
+        if self.layout == "page_first":
+            return self.kv_buffer[start:start + self.page_size] if self.is_mla else \
+                self.kv_buffer[:, start:start + self.page_size]
+        return self.kv_buffer[page:page + 1] if self.is_mla else self.kv_buffer[:, page:page + 1]
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         """A zero flat page (pinned when the pool is)."""
-        return ops.dummy_flat_page(self.cache, device="cpu").pin_memory() if self.pin_memory \
+        return ops.dummy_flat_page(self.cache, device="cpu").pin_memory() if self.pinned \
             else ops.dummy_flat_page(self.cache, device="cpu")
 
     def set_from_flat_data_page(self, index, data_page: torch.Tensor) -> None:

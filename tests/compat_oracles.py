@@ -9,7 +9,9 @@ comparing logical arrays compares whole caches.
 
 from __future__ import annotations
 
+import enum
 import math
+import types
 
 import torch
 
@@ -177,3 +179,72 @@ def record_skipped_row(bound: int, device="cpu") -> None:
 def clear_device_status(device="cpu") -> None:
     from kvlayout.ops import _native
     _native.status_tensor(torch.device(device)).zero_()
+
+
+# ---------------------------------------------------------------------------------------
+# Objects shaped like the engines' (not kvlayout's classes)
+# ---------------------------------------------------------------------------------------
+
+class LMCacheFormat(enum.Enum):
+    """Like LMCache's MemoryFormat: a plain Enum (not an IntEnum) with the same integer values."""
+    UNDEFINED = 0
+    KV_2LTD = 1
+    KV_T2D = 2
+    KV_2TD = 3
+    BINARY = 4
+    BINARY_BUFFER = 5
+    KV_MLA_FMT = 6
+
+
+class LMCacheLikeObj:
+    """An LMCache-shaped memory object: tensor / raw_tensor / get_tensor(i) and metadata.fmt, cached_positions."""
+
+    def __init__(self, tensor, fmt=LMCacheFormat.UNDEFINED, group_tensors=None):
+        self._tensors = list(group_tensors) if group_tensors is not None else [tensor]
+        self.metadata = types.SimpleNamespace(fmt=fmt, cached_positions=None)
+
+    @property
+    def tensor(self):
+        return self._tensors[0]
+
+    @property
+    def raw_tensor(self):
+        return self._tensors[0]
+
+    def get_tensor(self, index):
+        return self._tensors[index]
+
+
+class Metadata:
+    """LMCache engine metadata: kv_shape (layers, 2 or 1, chunk, heads, head size), kv_dtype, use_mla, layer groups."""
+
+    def __init__(self, layers=3, chunk=8, heads=2, head_size=8, dtype=torch.float32, use_mla=False, groups=None):
+        self.kv_shape = (layers, 1 if use_mla else 2, chunk, heads, head_size)
+        self.kv_dtype, self.use_mla, self.chunk_size = dtype, use_mla, chunk
+        groups = groups if groups is not None else [list(range(layers))]
+        self.kv_layer_groups_manager = types.SimpleNamespace(kv_layer_groups=[
+            types.SimpleNamespace(layer_indices=list(g), num_layers=len(g)) for g in groups])
+
+
+class SGLangLikeMHAPool:
+    """An SGLang-shaped MHA device pool: per-layer k_buffer / v_buffer lists [size + page_size, H, D]."""
+
+    def __init__(self, size, page_size, dtype, head_num, head_dim, layer_num, gen, device="cpu", start_layer=0):
+        self.size, self.page_size, self.dtype, self.store_dtype = size, page_size, dtype, dtype
+        self.head_num, self.head_dim, self.layer_num, self.device = head_num, head_dim, layer_num, device
+        self.start_layer, self.end_layer = start_layer, start_layer + layer_num - 1
+        shape = (size + page_size, head_num, head_dim)
+        self.k_buffer = [rand(shape, dtype, device, gen) for _ in range(layer_num)]
+        self.v_buffer = [rand(shape, dtype, device, gen) for _ in range(layer_num)]
+
+
+class SGLangLikeMLAPool:
+    """An SGLang-shaped MLA device pool: a per-layer kv_buffer list [size + page_size, 1, rank + rope]."""
+
+    def __init__(self, size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, gen, device="cpu"):
+        self.size, self.page_size, self.dtype, self.store_dtype = size, page_size, dtype, dtype
+        self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num, self.device = (kv_lora_rank, qk_rope_head_dim,
+                                                                                 layer_num, device)
+        self.start_layer, self.end_layer = 0, layer_num - 1
+        shape = (size + page_size, 1, kv_lora_rank + qk_rope_head_dim)
+        self.kv_buffer = [rand(shape, dtype, device, gen) for _ in range(layer_num)]

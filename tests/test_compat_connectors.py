@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat_oracles import (clear_device_status, cos_sin_cache, devices, distinct_slots, host_zeros, logical,
+from compat_oracles import (LMCacheFormat, LMCacheLikeObj, Metadata, clear_device_status, cos_sin_cache, devices,
+                            distinct_slots, host_zeros, logical,
                             make_cache, rand, record_skipped_row, rope_oracle, rows, same, zeros_like)
 from kvlayout.compat import connectors as C
 from kvlayout.compat.lmcache import MemoryFormat as MF
@@ -89,7 +90,8 @@ def test_v3_layer_groups_mixed_dtypes(device, fmt, use_gpu):
     spec = [(64, torch.uint8), (66, torch.bfloat16), (66, torch.uint8)]
     groups = [_cache(fmt, device, gen, dtype=dt, h=2, d=hs, layers=2) for hs, dt in spec]
     kv = [t for g in groups for t in g]
-    conn = C.VLLMPagedMemGPUConnectorV3(use_gpu=use_gpu, kv_layout="NHD", kvcaches=kv)
+    conn = C.VLLMPagedMemGPUConnectorV3(Metadata(groups=[[0, 1], [2, 3], [4, 5]]), torch.device(device),
+                                        use_gpu=use_gpu, kv_layout="NHD", kvcaches=kv)
     assert len(conn.groups) == 3 and conn.get_dtypes() == [dt for _, dt in spec]
     slots = distinct_slots(T_ALL, N, gen, device)
     objs = [conn.allocate(e - s, pin_memory=device != "cpu") for s, e in CHUNKS]
@@ -130,7 +132,7 @@ def test_layerwise_paged(device, fmt, use_gpu):
     slots = distinct_slots(T_ALL, N, gen, device)
     starts, ends = [s for s, _ in CHUNKS], [e for _, e in CHUNKS]
     objs = [[C.MemoryObj(host_zeros(conn.get_shape(e - s), device=device)) for s, e in CHUNKS] for _ in range(L)]
-    store = conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, kvcaches=kv)
+    store = conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, kvcaches=kv, sync=True)
     assert sum(1 for _ in store) == L + 1
     lg = logical(fmt, kv).cpu()
     for l in range(L):
@@ -143,11 +145,10 @@ def test_layerwise_paged(device, fmt, use_gpu):
     load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh, sync=True, vllm_cached_tokens=3)
     assert _drive_to_gpu(load, objs) == L + 2
     got, s_cpu = logical(fmt, fresh).cpu(), slots.cpu()
-    assert same(got[:, :, s_cpu[3:]], lg[:, :, s_cpu[3:]])
-    assert got[:, :, s_cpu[:3]].abs().sum() == 0
+    assert same(got[:, :, s_cpu], lg[:, :, s_cpu])          # every position, the cached prefix too (as LMCache)
     # objects given up front instead of sent
     fresh2 = zeros_like(kv)
-    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh2, memory_objs=objs)
+    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh2, memory_objs=objs, sync=False)
     assert _drive_to_gpu(load, [None] * L) == L + 2
     assert same(logical(fmt, fresh2).cpu()[:, :, s_cpu], lg[:, :, s_cpu])
 
@@ -156,7 +157,9 @@ def test_layerwise_rejects_wrong_format():
     gen = torch.Generator().manual_seed(1)
     kv = _cache(1, "cpu", gen)
     conn = C.VLLMPagedMemLayerwiseGPUConnector(H * D, L, kv_layout="NHD", kvcaches=kv)
-    load = conn.batched_to_gpu([0], [4], slot_mapping=torch.arange(4))
+    with pytest.raises(ValueError, match="sync is required"):
+        next(conn.batched_to_gpu([0], [4], slot_mapping=torch.arange(4)))
+    load = conn.batched_to_gpu([0], [4], slot_mapping=torch.arange(4), sync=True)
     next(load)
     with pytest.raises(ValueError, match="KV_T2D"):
         load.send([C.MemoryObj(torch.zeros(2, 4, H * D), MF.KV_2TD)])
@@ -165,38 +168,83 @@ def test_layerwise_rejects_wrong_format():
 @pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_buffer_layerwise_cacheblend(device, is_neox):
+    """The three-stage pipeline: load, rotate + zero gaps (editable through get_kv), flush every position."""
     gen = torch.Generator().manual_seed(70)
     fmt, rot = 1, D
     kv = _cache(fmt, device, gen)
     table = cos_sin_cache(64, rot)
-    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, kv_layout="NHD", cos_sin_cache=table.to(device),
-                                             is_neox_style=is_neox, head_size=D)
+    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD",
+                                             cos_sin_cache=table.to(device), is_neox_style=is_neox, head_size=D)
     chunks = [(0, 6), (9, 14)]                             # gap: positions 6, 7, 8
     starts, ends = [s for s, _ in chunks], [e for _, e in chunks]
     slots = distinct_slots(14, N, gen, device)
-    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s), device=device)) for s, e in chunks] for _ in range(L)]
+    objs = [[LMCacheLikeObj(torch.zeros(conn.get_shape(e - s), device=device)) for s, e in chunks]
+            for _ in range(L)]
     assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, kvcaches=kv)) == L + 1
     lg = logical(fmt, kv).cpu()
     for l in range(L):
         for obj, (s, e) in zip(objs[l], chunks):
-            assert obj.fmt == MF.KV_2TD and same(obj.tensor, lg[:, l, slots[s:e].cpu()])
-    old = torch.arange(14)
-    new = torch.arange(14) + 5
-    fresh = zeros_like(kv)
-    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh, old_positions=old, positions=new)
-    assert _drive_to_gpu(load, objs) == L + 2
-    buf = conn.last_buffer.cpu()
-    assert buf.shape == (2, 14, H * D) and buf[:, 6:9].abs().sum() == 0          # gaps zeroed
-    got = logical(fmt, fresh).cpu()
-    s_cpu = slots.cpu()
-    covered = [i for s, e in chunks for i in range(s, e)]
-    gaps = [6, 7, 8]
-    assert got[:, :, s_cpu[gaps]].abs().sum() == 0                               # gap slots not written
+            assert same(obj.tensor, lg[:, l, slots[s:e].cpu()])
+            assert obj.metadata.cached_positions.tolist() == list(range(s, e))      # positions recorded on store
+            assert obj.metadata.fmt is LMCacheFormat.KV_2TD                        # the object's own enum
+    # the second chunk's keys were computed at positions 20..24; they are used at 9..13 now
     for l in range(L):
-        keys = lg[0, l, s_cpu[covered]].view(-1, H, D)
-        want_k = rope_oracle(keys, old[covered], new[covered], table, is_neox).view(len(covered), -1)
-        torch.testing.assert_close(got[0, l, s_cpu[covered]], want_k, rtol=1e-5, atol=1e-5)
-        assert same(got[1, l, s_cpu[covered]], lg[1, l, s_cpu[covered]])          # V never rotated
+        objs[l][1].metadata.cached_positions = torch.arange(20, 25)
+    old = torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 0, 20, 21, 22, 23, 24])
+    new = torch.arange(14)
+    fresh = zeros_like(kv)
+    for t in fresh:
+        t.fill_(7.0)                                                                # gap slots must be overwritten
+    load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh)
+    next(load)
+    yields, edited = 1, {}
+    for l in range(L):
+        load.send(objs[l])
+        yields += 1
+        k, v = conn.get_kv(l)                                                       # layer l, before its flush
+        assert k.shape == (14, H * D) and k[6:9].abs().sum() == 0 and v[6:9].abs().sum() == 0
+        v[0] = 100.0 + l                                                            # a blender's edit
+        edited[l] = v[0].clone()
+        with pytest.raises(ValueError, match=f"layer {l + 1} is not in a device buffer"):
+            conn.get_kv(l + 1)
+    yields += sum(1 for _ in load)
+    assert yields == L + 2 and conn.buffer_mapping == {}
+    got, s_cpu = logical(fmt, fresh).cpu(), slots.cpu()
+    assert got[:, :, s_cpu[6:9]].abs().sum() == 0                                  # gaps zeroed and written
+    for l in range(L):
+        want_k = rope_oracle(lg[0, l, s_cpu].view(14, H, D), old, new, table, is_neox).view(14, -1)
+        want_k[6:9] = 0
+        torch.testing.assert_close(got[0, l, s_cpu], want_k, rtol=1e-5, atol=1e-5)
+        want_v = lg[1, l, s_cpu].clone()
+        want_v[6:9] = 0
+        want_v[0] = edited[l].cpu()
+        assert same(got[1, l, s_cpu], want_v)                                       # V never rotated, edit kept
+
+
+def test_cacheblend_constructor_and_fused_rotary_emb():
+    """use_gpu must be True (as LMCache); a fused_rotary_emb callable is called as (old, new, keys) -> keys."""
+    with pytest.raises(ValueError, match="use_gpu must be True"):
+        C.VLLMBufferLayerwiseGPUConnector(H * D, L)
+    conn = C.VLLMBufferLayerwiseGPUConnector.from_metadata(Metadata(), use_gpu=True, device=torch.device("cpu"))
+    assert (conn.hidden_dim_size, conn.num_layers, conn.dtype) == (H * D, L, torch.float32)
+    calls = []
+
+    def fused(old, new, keys):
+        calls.append((old.tolist(), new.tolist()))
+        return keys * 2
+
+    gen = torch.Generator().manual_seed(71)
+    kv = _cache(1, "cpu", gen)
+    conn.fused_rotary_emb = fused
+    slots = distinct_slots(4, N, gen, "cpu")
+    objs = [[C.MemoryObj(rand((2, 4, H * D), torch.float32, "cpu", gen), MF.KV_2TD,
+                          cached_positions=torch.arange(4) + 3)] for _ in range(L)]
+    fresh = zeros_like(kv)
+    _drive_to_gpu(conn.batched_to_gpu([0], [4], slot_mapping=slots, kvcaches=fresh), objs)
+    assert calls == [([3, 4, 5, 6], [0, 1, 2, 3])] * L
+    got = logical(1, fresh)
+    for l in range(L):
+        assert same(got[0, l, slots], objs[l][0].tensor[0] * 2) and same(got[1, l, slots], objs[l][0].tensor[1])
 
 
 @pytest.mark.parametrize("device", devices)
@@ -233,22 +281,23 @@ def test_sglang_layerwise(device, use_mla):
     starts, ends = [s for s, _ in CHUNKS], [e for _, e in CHUNKS]
     objs = [[C.MemoryObj(host_zeros(conn.get_shape(e - s), torch.float16, device)) for s, e in CHUNKS]
             for _ in range(L)]
-    assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)) == L + 1
+    assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=False)) == L + 1
     lg = logical(fmt, kv).cpu()
     for l in range(L):
         for obj, (s, e) in zip(objs[l], CHUNKS):
             got = obj.tensor[None] if use_mla else obj.tensor.transpose(0, 1)
             assert same(got, lg[:, l, slots[s:e].cpu()])
     fresh = zeros_like(kv)
-    assert _drive_to_gpu(conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh), objs) == L + 2
+    assert _drive_to_gpu(conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh, sync=False),
+                         objs) == L + 1                         # SGLang's layer-wise load yields L + 1 times
     s_cpu = slots.cpu()
     assert same(logical(fmt, fresh).cpu()[:, :, s_cpu], lg[:, :, s_cpu])
 
 
-def test_xpu_names_are_the_same_classes():
-    assert C.VLLMPagedMemXPUConnectorV2 is C.VLLMPagedMemGPUConnectorV2
-    assert C.VLLMPagedMemLayerwiseXPUConnector is C.VLLMPagedMemLayerwiseGPUConnector
+def test_xpu_names():
     assert C.SGLangXPUConnector is C.SGLangGPUConnector
+    assert issubclass(C.VLLMPagedMemXPUConnectorV2, C.VLLMPagedMemGPUConnectorV2)
+    assert issubclass(C.VLLMPagedMemLayerwiseXPUConnector, C.VLLMPagedMemLayerwiseGPUConnector)
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,11 +316,12 @@ def test_layout_hints_select_hnd(fmt):
     obj = C.MemoryObj(torch.zeros(v2.get_shape(8)))
     v2.from_gpu(obj, 0, 8, slot_mapping=slots)
     assert same(obj.tensor, _expected_chunk(fmt, kv, slots, 0, 8))
-    v3 = C.VLLMPagedMemGPUConnectorV3(layout_hints={"kv_layout": "HND"}, kvcaches=kv)
+    v3 = C.VLLMPagedMemGPUConnectorV3(Metadata(groups=[list(range(L))]), layout_hints={"kv_layout": "HND"},
+                                      kvcaches=kv)
     assert [f for _, f, _ in v3.groups] == [fmt]
     lw = C.VLLMPagedMemLayerwiseGPUConnector(h * D, L, layout_hints={"kv_layout": "HND"}, kvcaches=kv)
     objs = [[C.MemoryObj(torch.zeros(lw.get_shape(8)))] for _ in range(L)]
-    for _ in lw.batched_from_gpu(objs, [0], [8], slot_mapping=slots):
+    for _ in lw.batched_from_gpu(objs, [0], [8], slot_mapping=slots, sync=True):
         pass
     lg = logical(fmt, kv)
     assert all(same(objs[l][0].tensor.transpose(0, 1), lg[:, l, slots]) for l in range(L))
@@ -303,21 +353,24 @@ def test_cacheblend_head_size_from_the_caches():
     fmt = 1
     kv = _cache(fmt, "cpu", gen)
     table = cos_sin_cache(32, D)
-    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, kv_layout="NHD", cos_sin_cache=table, device="cpu")
+    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", cos_sin_cache=table,
+                                             device="cpu")
     slots = distinct_slots(6, N, gen, "cpu")
     objs = [[C.MemoryObj(torch.zeros(conn.get_shape(6)))] for _ in range(L)]
     for _ in conn.batched_from_gpu(objs, [0], [6], slot_mapping=slots, kvcaches=kv):
         pass
-    old, new = torch.arange(6), torch.arange(6) + 3
+    old, new = torch.arange(6) + 3, torch.arange(6)
+    for l in range(L):
+        objs[l][0].cached_positions = old
     fresh = zeros_like(kv)
-    load = conn.batched_to_gpu([0], [6], slot_mapping=slots, kvcaches=fresh, old_positions=old, positions=new)
-    _drive_to_gpu(load, objs)
+    _drive_to_gpu(conn.batched_to_gpu([0], [6], slot_mapping=slots, kvcaches=fresh), objs)
     lg, got = logical(fmt, kv), logical(fmt, fresh)
     for l in range(L):
         want = rope_oracle(lg[0, l, slots].view(6, H, D), old, new, table, True).view(6, H * D)
         torch.testing.assert_close(got[0, l, slots], want, rtol=1e-5, atol=1e-5)
-    bad = C.VLLMBufferLayerwiseGPUConnector(H * D, L, kv_layout="NHD", cos_sin_cache=table, head_size=H * D)
-    load = bad.batched_to_gpu([0], [6], slot_mapping=slots, kvcaches=fresh, old_positions=old, positions=new)
+    bad = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", cos_sin_cache=table,
+                                            head_size=H * D)
+    load = bad.batched_to_gpu([0], [6], slot_mapping=slots, kvcaches=fresh)
     next(load)
     with pytest.raises(ValueError, match=f"head_size = {H * D} but the caches have heads of {D} elements"):
         load.send(objs[0])
@@ -329,13 +382,15 @@ def test_skipped_slots_raise_where_lmcache_synchronizes(request):
     kv = _cache(1, "cpu", gen)
     slots = distinct_slots(8, N, gen, "cpu")
     v2 = C.VLLMPagedMemGPUConnectorV2(H * D, L, kv_layout="NHD", kvcaches=kv)
-    obj = C.MemoryObj(torch.zeros(v2.get_shape(8)))
+    obj = C.MemoryObj(torch.zeros(v2.get_shape(8)), MF.KV_2LTD)
     lw = C.VLLMPagedMemLayerwiseGPUConnector(H * D, L, kv_layout="NHD", kvcaches=kv)
     lw_objs = [[C.MemoryObj(torch.zeros(lw.get_shape(8)))] for _ in range(L)]
+    cb = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", kvcaches=kv)
+    cb_objs = [[C.MemoryObj(torch.zeros(cb.get_shape(8)), MF.KV_2TD)] for _ in range(L)]
     for call in (lambda: v2.from_gpu(obj, 0, 8, slot_mapping=slots),                  # store into host memory
                  lambda: v2.batched_to_gpu([obj], [0], [8], slot_mapping=slots),       # end of a batched load
-                 lambda: list(lw.batched_from_gpu(lw_objs, [0], [8], slot_mapping=slots)),
-                 lambda: _drive_to_gpu(lw.batched_to_gpu([0], [8], slot_mapping=slots, sync=True), lw_objs)):
+                 lambda: list(lw.batched_from_gpu(lw_objs, [0], [8], slot_mapping=slots, sync=True)),
+                 lambda: _drive_to_gpu(cb.batched_to_gpu([0], [8], slot_mapping=slots), cb_objs)):
         record_skipped_row(48)
         with pytest.raises(IndexError, match=r"dst_slots\[3\] = 999 is out of range"):
             call()
@@ -356,7 +411,7 @@ def test_validate_reaches_kvlayout_from_connectors(monkeypatch):
     v2.to_gpu(obj, 0, 8, slot_mapping=slots, validate=False)
     lw = C.VLLMPagedMemLayerwiseGPUConnector(H * D, L, kv_layout="NHD", kvcaches=kv)
     lw_objs = [[C.MemoryObj(torch.zeros(lw.get_shape(8)))] for _ in range(L)]
-    list(lw.batched_from_gpu(lw_objs, [0], [8], slot_mapping=slots, validate=True))
+    list(lw.batched_from_gpu(lw_objs, [0], [8], slot_mapping=slots, validate=True, sync=True))
     assert seen == [True, False] + [True] * L
     with pytest.raises(IndexError, match=r"out of range"):
         v2.from_gpu(obj, 0, 8, slot_mapping=slots + N)
