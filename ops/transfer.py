@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from . import _native
-from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, bind, same_storage_overlap
+from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind, same_storage_overlap
 
 SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -52,6 +52,10 @@ class Launch:
         """The same launch on other caches of the same layouts, geometry and strides."""
         return dataclasses.replace(self, src_tensors=[src.tensor_for(k) for k in self.src_keys],
                                    dst_tensors=[dst.tensor_for(k) for k in self.dst_keys])
+
+    def unbound(self) -> "Launch":
+        """The launch without its tensors (``src_keys``/``dst_keys`` say which they are)."""
+        return dataclasses.replace(self, src_tensors=[], dst_tensors=[])
 
 
 def _side_geometry(cache: KVCache, view: PartView, stride_piece: int) -> tuple[int, ...]:
@@ -170,7 +174,8 @@ def cached_plan(src: KVCache, dst: KVCache, *choice) -> list[Launch]:
     if launches is None:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
-        launches = _PLANS[key] = planner(src, dst, *choice)
+        # stored unbound: a remembered plan must not keep the tensors of the call that made it alive
+        launches = _PLANS[key] = [launch.unbound() for launch in planner(src, dst, *choice)]
     return [launch.bound_to(src, dst) for launch in launches]
 
 
@@ -178,7 +183,14 @@ def _slots_tensor(name: str, slots, device: torch.device) -> torch.Tensor | None
     if slots is None:
         return None
     if not isinstance(slots, torch.Tensor):
-        slots = torch.as_tensor(slots, dtype=torch.int64, device=device)
+        dtype = getattr(slots, "dtype", None)   # a NumPy array: integer dtypes only
+        if dtype is not None and getattr(dtype, "kind", "i") not in "iu":
+            raise TypeError(f"{name} must hold integers, got an array of {dtype}")
+        if getattr(slots, "ndim", 1) == 0 or not hasattr(slots, "__iter__"):
+            raise TypeError(f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, "
+                            f"got {type(slots).__name__}")
+        values = [as_int(f"{name}[{i}]", v) for i, v in enumerate(slots)]   # no float/bool truncation
+        slots = torch.tensor(values, dtype=torch.int64, device=device)
     if slots.dtype not in SLOT_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
     if slots.device.type != "cpu" and slots.device != device:
@@ -196,7 +208,8 @@ def _check_slots_on_host(name: str, slots: torch.Tensor | None, bound: int, uniq
     bad = torch.nonzero(values >= bound)
     if bad.numel():
         i = int(bad[0, 0])
-        raise IndexError(f"{name}[{i}] = {int(values[i])} is out of range: the cache holds {bound} slots")
+        side = "source" if name.startswith("src") else "destination"
+        raise IndexError(f"{name}[{i}] = {int(values[i])} is out of range: the {side} holds {bound} slots")
     if unique:
         valid = values[values >= 0]
         uniq, counts = torch.unique(valid, return_counts=True)
@@ -206,6 +219,9 @@ def _check_slots_on_host(name: str, slots: torch.Tensor | None, bound: int, uniq
 
 def _launch_device(src: KVCache, dst: KVCache) -> torch.device:
     devices = {src.device, dst.device}
+    if len(devices) > 1 and any(d.type == "meta" for d in devices):
+        raise ValueError(f"source on {src.device} and destination on {dst.device}: meta tensors hold no data, "
+                         "so a transfer between a meta and a real tensor would do nothing")
     accel = [d for d in devices if d.type != "cpu"]
     if len(accel) > 1:
         raise ValueError(f"source on {src.device} and destination on {dst.device}: "
@@ -235,9 +251,26 @@ def _check_disjoint(src: KVCache, dst: KVCache, launches: list[Launch]) -> None:
                                      "use move() within one cache")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def validating(validate: bool | None) -> bool:
-    """``validate`` if given, else the ``KVLAYOUT_VALIDATE`` environment variable."""
-    return validate if validate is not None else os.environ.get("KVLAYOUT_VALIDATE", "0") not in ("", "0")
+    """``validate`` if given, else the ``KVLAYOUT_VALIDATE`` environment variable.
+
+    The variable reads 1/true/yes/on as on and 0/false/no/off (or empty) as
+    off, in any case; anything else is an error rather than a guess.
+    """
+    if validate is not None:
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be True, False or None, got {validate!r}")
+        return validate
+    raw = os.environ.get("KVLAYOUT_VALIDATE", "0")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"KVLAYOUT_VALIDATE = {raw!r} is not understood: use 1/true/yes/on or 0/false/no/off")
 
 
 def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
@@ -255,15 +288,19 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     g_src, g_dst = src.geometry, dst.geometry
     _check_pair(src, dst)
     s_layers = as_index_list(g_src.L, src_layers, "src_layers")
-    d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers")
+    d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers", unique=True)
     if len(s_layers) != len(d_layers):
         raise ValueError(f"src_layers has {len(s_layers)} layers, dst_layers {len(d_layers)}")
     s_planes = as_index_list(g_src.P, src_planes, "src_planes")
-    d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes")
+    d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes", unique=True)
     if len(s_planes) != len(d_planes):
         raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
     if engine not in ("kernel", "copy"):
         raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
+    skip_prefix = as_int("skip_prefix", skip_prefix, lo=0)
+    num_tokens = None if num_tokens is None else as_int("num_tokens", num_tokens, lo=0)
+    max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
+    validate = validating(validate)
     device = _launch_device(src, dst)
     slot_device = device if engine == "kernel" else torch.device("cpu")
     s_slots = _slots_tensor("src_slots", src_slots, slot_device)
@@ -283,10 +320,12 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots")
     if not 0 <= skip_prefix <= T:
         raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
-    if not torch.compiler.is_compiling():
-        if validating(validate):
+    if not torch.compiler.is_compiling() and device.type != "cpu":
+        # CPU ops check every slot (range, repeats) inside the op; devices check ranges in the
+        # kernel without a host sync, and here on request (or where the host reads the slots anyway)
+        if validate:
             _check_slots_on_host("src_slots", s_slots, g_src.N, unique=False)
-        if validating(validate) or device.type == "cpu" or engine == "copy":   # no device sync involved
+        if validate or engine == "copy":
             _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
     if T == 0 or not s_layers or not s_planes:
         return
@@ -318,10 +357,20 @@ def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layer
     g = cache.geometry
     P = len(as_index_list(g.P, planes, "planes"))
     L = len(as_index_list(g.L, layers, "layers"))
-    T = int(slots.shape[0]) if slots is not None and hasattr(slots, "shape") else (
-        len(slots) if slots is not None else (num_tokens if num_tokens is not None else g.N))
+    if num_tokens is not None:
+        num_tokens = as_int("num_tokens", num_tokens, lo=0)
+    if slots is not None and not isinstance(slots, torch.Tensor):
+        slots = _slots_tensor("slots", slots, cache.device)
+    T = int(slots.shape[0]) if slots is not None and slots.dim() == 1 else (
+        num_tokens if num_tokens is not None else g.N)
     if out is None:
         out = torch.zeros((P, L, T, g.H, g.E), dtype=cache.dtype, device=cache.device)
+    elif not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor [P', L', T, H, E], got {type(out).__name__}")
+    elif out.dim() != 5 or (out.shape[0], out.shape[1], out.shape[3], out.shape[4]) != (P, L, g.H, g.E) \
+            or out.shape[2] < T:
+        raise ValueError(f"out has shape {tuple(out.shape)}; it must be [P', L', T, H, E] = "
+                         f"[{P}, {L}, >= {T}, {g.H}, {g.E}] for {T} tokens")
     transfer(cache, bind("rows", out), slots, None, src_layers=layers, src_planes=planes, skip_prefix=skip_prefix,
              num_tokens=T, max_ctas=max_ctas, validate=validate)
     return out
@@ -341,14 +390,17 @@ def move(cache: KVCache, src_slots, dst_slots, *, max_ctas: int = 0, validate: b
     scattered.  Pairs with a negative slot are skipped.
     """
     device = cache.device
+    for name, value in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if value is None:
+            raise TypeError(f"move needs {name}: a 1-D int32/int64 tensor of slots of the cache, got None")
     s = _slots_tensor("src_slots", src_slots, device)
     d = _slots_tensor("dst_slots", dst_slots, device)
     if s.shape != d.shape:
         raise ValueError(f"src_slots {tuple(s.shape)} and dst_slots {tuple(d.shape)} differ in length")
     # a pair is skipped when either slot is negative: mark the source too so the gather skips it
     s = torch.where(d < 0, torch.full_like(s, -1), s)
-    if not torch.compiler.is_compiling() and (validating(validate) or device.type == "cpu"):
-        _check_slots_on_host("dst_slots", d, cache.geometry.N, unique=True)
+    if not torch.compiler.is_compiling() and device.type != "cpu" and validating(validate):
+        _check_slots_on_host("dst_slots", d, cache.geometry.N, unique=True)   # (CPU: inside the op)
     rows = gather(cache, s, max_ctas=max_ctas, validate=validate)
     # a source the gather did not read (negative, or out of range and recorded by the
     # kernel) must not be written: its row in `rows` holds no data
@@ -361,11 +413,11 @@ def skip_prefix(slots: torch.Tensor | None, n: int, num_tokens: int | None = Non
 
     ``slots=None`` stands for the chunk positions ``0..num_tokens-1``.
     """
-    if n < 0:
-        raise ValueError(f"skip_prefix = {n} must be >= 0")
+    n = as_int("skip_prefix", n, lo=0)
     if slots is None:
         if num_tokens is None:
             raise ValueError("skip_prefix needs num_tokens when slots is None")
+        num_tokens = as_int("num_tokens", num_tokens, lo=0)
         slots = torch.arange(num_tokens, dtype=torch.int64)
     out = slots.clone()
     out[:n] = -1

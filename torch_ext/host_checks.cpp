@@ -368,8 +368,9 @@ void read_slots_once(CopyPlan& p, HostSlots& copy, bool unique_dst) {
       raise_slot_out_of_range("dst_slots", dst_identity, t, d, p.dst_geom.num_slots);
     if (check_unique) {
       const int64_t first = seen.insert(d, t);
-      TORCH_CHECK_VALUE(first < 0, "kvlayout: dst_slots[", t, "] = ", d, " repeats dst_slots[",
-                        first, "]: a destination slot may be written by one token only");
+      TORCH_CHECK_VALUE(first < 0, "kvlayout: dst_slots repeats slot ", d, " (dst_slots[", first,
+                        "] and dst_slots[", t, "]): a destination slot may be written by one "
+                        "token only");
     }
   }
   if (!src_identity) p.src_slots = SlotArray{copy.src.data(), 1, 8, 0};
