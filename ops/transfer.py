@@ -240,11 +240,17 @@ def _check_pair(src: KVCache, dst: KVCache) -> None:
 
 
 def _check_disjoint(src: KVCache, dst: KVCache, launches: list[Launch]) -> None:
-    """No tensor a launch reads overlaps one it writes (within one cache, move() is the way)."""
+    """No tensor a launch reads overlaps one it writes (within one cache, move() is the way).
+
+    While compiling, tensors have no addresses and the op sees functionalized copies: the same
+    tensor on both sides is what can be told apart there (the op checks addresses when it runs
+    in place).
+    """
+    compiling = torch.compiler.is_compiling()
     for launch in launches:
         for a in launch.src_tensors:
             for b in launch.dst_tensors:
-                if same_storage_overlap(a, b):
+                if a is b if compiling else same_storage_overlap(a, b):
                     i = next(k for k, t in enumerate(src.tensors) if t is a)
                     j = next(k for k, t in enumerate(dst.tensors) if t is b)
                     raise ValueError(f"source tensor {i} and destination tensor {j} overlap in memory; "
@@ -330,8 +336,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     if T == 0 or not s_layers or not s_planes:
         return
     launches = cached_plan(src, dst, s_layers, d_layers, s_planes, d_planes)
-    if not torch.compiler.is_compiling():
-        _check_disjoint(src, dst, launches)
+    _check_disjoint(src, dst, launches)
     if engine == "copy":
         for launch in launches:
             _native.copy_runs(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
