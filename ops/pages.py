@@ -34,9 +34,20 @@ def _page_views(cache: KVCache, page: int) -> list[torch.Tensor]:
                 t = t.select(names.index("nb"), page)
             elif page != 0:
                 raise IndexError(f"page = {page}: {cache.layout.name} has no page axis")
-            order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-            views.append(t.permute(order))
+            views.append(t.permute(_memory_order(t)))
     return views
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """Dims by decreasing stride, ties in dim order (a stable insertion sort: explicit comparisons
+    trace with symbolic strides, where sorted() with a key does not)."""
+    order = list(range(t.dim()))
+    for i in range(1, len(order)):
+        j = i
+        while j > 0 and t.stride(order[j - 1]) < t.stride(order[j]):
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    return order
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

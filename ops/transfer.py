@@ -108,7 +108,7 @@ def _head_cuts(src: PartView, dst: PartView, width: int) -> set[int]:
 
 def _column_offset(view: PartView, column: int) -> int:
     """Element offset of a column of the part's row ``(h e)`` from its head 0."""
-    head, e = divmod(column, view.head_width)
+    head, e = column // view.head_width, column % view.head_width   # (divmod does not trace with symbolic sizes)
     return head * view.strides["h"] + e
 
 

@@ -95,7 +95,7 @@ class KVCache:
         self.parts: tuple[PartView, ...] = tuple(self._part_view(p, v) for p, v in zip(self.layout.parts, parts))
         # what a transfer plan depends on: layout, sizes, element size and strides (not the data pointers)
         self.signature = (self.layout.name, self.geometry, self.itemsize,
-                          tuple(tuple(sorted(pv.strides.items())) for pv in self.parts))
+                          tuple(tuple(pv.strides[a] for a in AXES) for pv in self.parts))
 
     # -- construction -------------------------------------------------------------------
     def _split_parts(self, tensors) -> tuple:
