@@ -70,7 +70,7 @@ def _no_meta_mixed_with_data(op: str, named: dict) -> None:
 @torch.library.register_fake("kvlayout::copy_rows")
 def _copy_rows_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                     dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes,
-                    max_ctas, status):
+                    max_ctas, status, validate=False):
     _no_meta_mixed_with_data("copy_rows", dict(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots,
                                                status=status))
     return None
@@ -187,6 +187,7 @@ def copy_rows(
     piece_bytes: int,
     max_ctas: int = 0,
     status: Optional[torch.Tensor] = None,
+    validate: bool = False,
 ) -> None:
     """Move rows between two strided byte layouts (torch.ops.kvlayout.copy_rows).
 
@@ -200,13 +201,16 @@ def copy_rows(
     When all tensors are host tensors the CPU kernel runs; otherwise the
     device of the first device tensor (dst, src, slots) runs it, and host
     tensors must be pinned. `status` defaults to that device's status tensor.
+    `validate`: a device backend copies the slots to the host (a sync) and
+    raises on an out-of-range or repeated destination slot before launching
+    (the CPU always does).
     """
     if status is None:
         status = status_tensor(_launch_device([*dst, *src, src_slots, dst_slots]))
     torch.ops.kvlayout.copy_rows(
         list(src), list(dst), src_slots, dst_slots, int(num_tokens), int(skip_prefix),
         list(src_segments), list(dst_segments), list(src_geometry), list(dst_geometry),
-        int(num_pieces), int(piece_bytes), int(max_ctas), status,
+        int(num_pieces), int(piece_bytes), int(max_ctas), status, bool(validate),
     )
 
 

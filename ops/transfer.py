@@ -11,12 +11,14 @@ Where a device boundary is crossed is decided by where the tensors live: a
 CUDA tensor facing a pinned host tensor is read/written directly by the kernel
 (zero-copy); an unpinned host tensor facing a CUDA tensor is an error.
 
-Checking: on CPU every slot is checked before anything is written.  On CUDA
-the fast path never synchronizes with the host: the kernel skips rows whose
-slot is out of range and records the first one in a per-device status tensor,
-which :func:`check_errors` reads (and raises on).  ``validate=True`` (or the
-environment variable ``KVLAYOUT_VALIDATE=1``) checks every slot on the host
-before launching, at the price of a synchronization.
+Checking: on CPU the native op reads every slot once, checks it (range, and
+no destination slot twice) and copies with the values it checked, before
+anything is written.  On CUDA the fast path never synchronizes with the host:
+the kernel skips rows whose slot is out of range and records the first one in
+a per-device status tensor, which :func:`check_errors` reads (and raises on).
+``validate=True`` (or the environment variable ``KVLAYOUT_VALIDATE=1``) makes
+the op check every slot on the host before launching, at the price of a
+synchronization.  The checks live in the op, so compiled code keeps them.
 """
 
 from __future__ import annotations
@@ -326,13 +328,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots")
     if not 0 <= skip_prefix <= T:
         raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
-    if not torch.compiler.is_compiling() and device.type != "cpu":
-        # CPU ops check every slot (range, repeats) inside the op; devices check ranges in the
-        # kernel without a host sync, and here on request (or where the host reads the slots anyway)
-        if validate:
-            _check_slots_on_host("src_slots", s_slots, g_src.N, unique=False)
-        if validate or engine == "copy":
-            _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
+    if not torch.compiler.is_compiling() and device.type != "cpu" and engine == "copy":
+        # the kernel op checks every slot itself (CPU always, devices with validate=True, inside the
+        # op so compiled code keeps it); the copy engine reads the slots on the host but does not
+        # look for repeats
+        _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
     if T == 0 or not s_layers or not s_planes:
         return
     launches = cached_plan(src, dst, s_layers, d_layers, s_planes, d_planes)
@@ -347,7 +347,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     for launch in launches:
         _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
                           launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,
-                          launch.num_pieces, launch.piece_bytes, max_ctas, status)
+                          launch.num_pieces, launch.piece_bytes, max_ctas, status, validate)
 
 
 def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layers=None, planes=None,
@@ -372,10 +372,10 @@ def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layer
         out = torch.zeros((P, L, T, g.H, g.E), dtype=cache.dtype, device=cache.device)
     elif not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a tensor [P', L', T, H, E], got {type(out).__name__}")
-    elif out.dim() != 5 or (out.shape[0], out.shape[1], out.shape[3], out.shape[4]) != (P, L, g.H, g.E) \
-            or out.shape[2] < T:
-        raise ValueError(f"out has shape {tuple(out.shape)}; it must be [P', L', T, H, E] = "
-                         f"[{P}, {L}, >= {T}, {g.H}, {g.E}] for {T} tokens")
+    elif out.dim() != 5 or (out.shape[0], out.shape[1]) != (P, L) or out.shape[2] < T:
+        # (rows of another H x E split with the same width are fine: the transfer checks the row width)
+        raise ValueError(f"out has shape {tuple(out.shape)}; it must be [P', L', T, H, E] with "
+                         f"P' = {P}, L' = {L} and T >= {T} for {T} tokens")
     transfer(cache, bind("rows", out), slots, None, src_layers=layers, src_planes=planes, skip_prefix=skip_prefix,
              num_tokens=T, max_ctas=max_ctas, validate=validate)
     return out
@@ -404,8 +404,6 @@ def move(cache: KVCache, src_slots, dst_slots, *, max_ctas: int = 0, validate: b
         raise ValueError(f"src_slots {tuple(s.shape)} and dst_slots {tuple(d.shape)} differ in length")
     # a pair is skipped when either slot is negative: mark the source too so the gather skips it
     s = torch.where(d < 0, torch.full_like(s, -1), s)
-    if not torch.compiler.is_compiling() and device.type != "cpu" and validating(validate):
-        _check_slots_on_host("dst_slots", d, cache.geometry.N, unique=True)   # (CPU: inside the op)
     rows = gather(cache, s, max_ctas=max_ctas, validate=validate)
     # a source the gather did not read (negative, or out of range and recorded by the
     # kernel) must not be written: its row in `rows` holds no data

@@ -334,7 +334,7 @@ def test_move_without_slots_and_bad_page_size():
 def test_gather_out_too_short_is_named():
     cache = make_cache("vllm_flash_attn_nhd", "cpu")
     out = torch.full((2, 2, 2, 2, 8), 3, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"out has shape \(2, 2, 2, 2, 8\); it must be .* >= 3"):
+    with pytest.raises(ValueError, match=r"out has shape \(2, 2, 2, 2, 8\); it must be .* T >= 3"):
         ops.gather(cache, slots([0, 1, 2]), out=out)
     with pytest.raises(ValueError, match=r"out has shape"):
         ops.gather(cache, slots([0, 1]), out=torch.zeros(2, 2, 2, 16, dtype=torch.float16))
@@ -368,28 +368,31 @@ def test_page_helpers_on_16_byte_elements_are_named():
 # compiled calls refuse what eager calls refuse
 # ---------------------------------------------------------------------------------------
 
-def test_compiled_calls_reject_what_eager_rejects():
-    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+def test_compiled_calls_reject_what_eager_rejects(device):
+    """CPU ops always check slots inside the op; devices do with validate=True (inside the op too)."""
+    cache = make_cache("vllm_flash_attn_nhd", device)
     snap = TC.snapshot(cache.tensors)
+    validate = device != "cpu" or None
 
     def scatter(rows, s):
-        ops.scatter(cache, rows, s)
+        ops.scatter(cache, rows, s, validate=validate)
 
     def copy_within(s, d):
         ops.transfer(cache, cache, s, d)
 
-    rows = torch.ones(2, 2, 3, 2, 8, dtype=torch.float16)
+    rows = torch.ones(2, 2, 3, 2, 8, dtype=torch.float16, device=device)
     torch._dynamo.reset()
     compiled = torch.compile(scatter, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match=r"dst_slots repeats slot 5"):
-        compiled(rows, slots([5, 1, 5]))
+        compiled(rows, slots([5, 1, 5], device))
     with pytest.raises(Exception, match=r"dst_slots\[1\] = 99 is out of range"):
-        compiled(rows, slots([5, 99, 2]))
+        compiled(rows, slots([5, 99, 2], device))
+    TC.sync(device)
     TC.assert_unchanged(cache.tensors, snap)
     torch._dynamo.reset()
     compiled = torch.compile(copy_within, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception) as info:      # refused while tracing: dynamo reports the ValueError as cause
-        compiled(slots([0, 1]), slots([2, 3]))
+        compiled(slots([0, 1], device), slots([2, 3], device))
     assert "overlap in memory" in f"{info.value} {info.value.__cause__}"
     TC.assert_unchanged(cache.tensors, snap)
 

@@ -377,6 +377,23 @@ void read_slots_once(CopyPlan& p, HostSlots& copy, bool unique_dst) {
   if (!dst_identity) p.dst_slots = SlotArray{copy.dst.data(), 1, 8, 0};
 }
 
+void validate_slots_on_host(const CopyPlan& p, const std::optional<at::Tensor>& src_slots,
+                            const std::optional<at::Tensor>& dst_slots) {
+  if (p.empty()) return;
+  CopyPlan q = p;
+  at::Tensor hs, hd;  // host copies, alive while q points at them
+  if (q.src_slots.data != nullptr) {
+    hs = src_slots->to(at::kCPU, at::kLong).contiguous();
+    q.src_slots = SlotArray{hs.data_ptr(), 1, 8, 0};
+  }
+  if (q.dst_slots.data != nullptr) {
+    hd = dst_slots->to(at::kCPU, at::kLong).contiguous();
+    q.dst_slots = SlotArray{hd.data_ptr(), 1, 8, 0};
+  }
+  HostSlots copy;
+  read_slots_once(q, copy, /*unique_dst=*/true);
+}
+
 RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_positions,
                                 const at::Tensor& new_positions,
                                 const at::Tensor& cos_sin_cache, bool is_neox,

@@ -72,6 +72,12 @@ struct HostSlots {
 // both tokens). Linear time. Slots must be host-readable.
 void read_slots_once(CopyPlan& plan, HostSlots& copy, bool unique_dst);
 
+// validate=True of device backends: copies the slot tensors to the host (a
+// synchronisation) and checks the copies as read_slots_once does (range and
+// repeated destination slots), before anything is launched.
+void validate_slots_on_host(const CopyPlan& plan, const std::optional<at::Tensor>& src_slots,
+                            const std::optional<at::Tensor>& dst_slots);
+
 // Raises IndexError for slot `value` of token t of `name` (src_slots or
 // dst_slots; `identity` when the side has no slot tensor).
 [[noreturn]] void raise_slot_out_of_range(const char* name, bool identity, int64_t t,

@@ -37,7 +37,10 @@ TORCH_LIBRARY(kvlayout, m) {
       "copy_rows(Tensor[] src, Tensor(a!)[] dst, Tensor? src_slots, Tensor? dst_slots, "
       "int num_tokens, int skip_prefix, int[] src_segments, int[] dst_segments, "
       "int[] src_geometry, int[] dst_geometry, int num_pieces, int piece_bytes, "
-      "int max_ctas, Tensor(b!) status) -> ()");
+      "int max_ctas, Tensor(b!) status, bool validate=False) -> ()");
+  // validate: devices copy the slots to the host (a synchronisation) and check
+  // them there (range, repeated destination slots) before launching; the CPU
+  // always checks. Inside the op, so a compiled call keeps the check.
   // The same copy done by the copy engine (no SMs): the host reads the slots
   // (CPU tensors), coalesces runs and issues one memory copy per block.
   // Not capturable in a CUDA graph.

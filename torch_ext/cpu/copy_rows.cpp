@@ -32,8 +32,9 @@ void copy_rows_cpu(at::TensorList src, at::TensorList dst,
                    int64_t skip_prefix, c10::IntArrayRef src_segments,
                    c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
                    c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
-                   int64_t max_ctas, const at::Tensor& status) {
-  (void)status;  // CPU raises instead of recording
+                   int64_t max_ctas, const at::Tensor& status, bool validate) {
+  (void)status;    // CPU raises instead of recording
+  (void)validate;  // CPU always validates every slot
   check_on_cpu(src, "src");
   check_on_cpu(dst, "dst");
   CopyPlan p =
@@ -70,7 +71,8 @@ void copy_runs_cpu(at::TensorList src, at::TensorList dst,
                    c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
                    c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes) {
   copy_rows_cpu(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
-                dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0, at::Tensor());
+                dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0, at::Tensor(),
+                /*validate=*/true);
 }
 
 }  // namespace
