@@ -323,9 +323,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     T = lengths.pop() if lengths else (num_tokens if num_tokens is not None else g_src.N)
     if num_tokens is not None and num_tokens != T:
         raise ValueError(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
-    for name, slots, geom in (("source", s_slots, g_src), ("destination", d_slots, g_dst)):
+    for name, arg, slots, geom in (("source", "src_slots", s_slots, g_src),
+                                   ("destination", "dst_slots", d_slots, g_dst)):
         if slots is None and T > geom.N:
-            raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots")
+            raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots ({arg} is None, so token t "
+                             f"uses position t; num_tokens = {T} must be <= {geom.N})")
     if not 0 <= skip_prefix <= T:
         raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
     if not torch.compiler.is_compiling() and device.type != "cpu" and engine == "copy":

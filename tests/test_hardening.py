@@ -313,6 +313,12 @@ def test_overflowing_and_negative_ints_are_named():
         ops.transfer(cache, chunk, [0, 1, 2], max_ctas=-1)
     with pytest.raises(ValueError, match=r"max_ctas = 4294967296 must be <= 2147483647"):
         ops.transfer(cache, chunk, [0, 1, 2], max_ctas=2 ** 32)
+    with pytest.raises(ValueError, match=r"max_ctas = -3 must be >= 0"):
+        ops.rope_reposition(torch.zeros(2, 1, 8), slots([0, 1]), slots([1, 0]), torch.zeros(4, 8), is_neox=True,
+                            max_ctas=-3)
+    with pytest.raises(IndexError, match=r"dst_slots is None, so token t uses position t; num_tokens = 40 must be "
+                                         r"<= 16"):
+        ops.transfer(ops.bind("lmcache_kv_2ltd", torch.zeros(2, 2, 40, 16, dtype=torch.float16)), cache)
 
 
 def test_move_without_slots_and_bad_page_size():
