@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from . import _native
-from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind, same_storage_overlap
+from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind
 
 SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -242,17 +242,16 @@ def _check_pair(src: KVCache, dst: KVCache) -> None:
 
 
 def _check_disjoint(src: KVCache, dst: KVCache, launches: list[Launch]) -> None:
-    """No tensor a launch reads overlaps one it writes (within one cache, move() is the way).
+    """One tensor on both sides of a launch (within one cache, move() is the way).
 
-    While compiling, tensors have no addresses and the op sees functionalized copies: the same
-    tensor on both sides is what can be told apart there (the op checks addresses when it runs
-    in place).
+    The cheap, common case, with the caches' tensor numbers in the message; it also works while
+    compiling, where tensors have no addresses.  Every other overlap (views of one buffer, two
+    storages over one buffer) the native op finds by comparing address ranges.
     """
-    compiling = torch.compiler.is_compiling()
     for launch in launches:
         for a in launch.src_tensors:
             for b in launch.dst_tensors:
-                if a is b if compiling else same_storage_overlap(a, b):
+                if a is b:
                     i = next(k for k, t in enumerate(src.tensors) if t is a)
                     j = next(k for k, t in enumerate(dst.tensors) if t is b)
                     raise ValueError(f"source tensor {i} and destination tensor {j} overlap in memory; "

@@ -167,6 +167,8 @@ def as_int(name: str, value, lo: int | None = None, hi: int | None = None) -> in
     bools, floats and anything else instead of truncating it.  Errors name
     the argument, the value and the bound.
     """
+    if type(value) is int and (lo if lo is not None else INT64_MIN) <= value <= (hi if hi is not None else INT64_MAX):
+        return value   # the common case, kept cheap: this runs several times per layer-wise call
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer, got the bool {value!r}")
     if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point()
@@ -204,21 +206,3 @@ def as_index_list(count: int, chosen, name: str, *, unique: bool = False) -> lis
         v = next(v for i, v in enumerate(out) if v in out[:i])
         raise ValueError(f"{name} repeats {v}: a destination layer or plane may be written once")
     return out
-
-
-def same_storage_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' byte ranges intersect in memory.
-
-    Compares addresses, not storages: two storages over one buffer (two
-    ``torch.from_numpy`` of one array, ``torch.frombuffer``) overlap too.
-    """
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0 or a.device.type == "meta":
-        return False
-    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
-    return a0 < b1 and b0 < a1
-
-
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    return start, start + extent * t.element_size() if t.numel() else start

@@ -141,11 +141,11 @@ void check_no_internal_overlap(const at::Tensor& t, const char* op, const char* 
                                int64_t index) {
   if (at::has_internal_overlap(t) != at::MemOverlap::Yes) return;
   if (index >= 0) {
-    TORCH_CHECK(false, op, ": ", name, "[", index, "] has internal overlap (more than one element ",
+    TORCH_CHECK_VALUE(false, op, ": ", name, "[", index, "] has internal overlap (more than one element ",
                 "refers to a single memory location, e.g. an expanded tensor with strides ",
                 t.strides(), "); it cannot be written in place");
   }
-  TORCH_CHECK(false, op, ": ", name, " has internal overlap (more than one element refers to a ",
+  TORCH_CHECK_VALUE(false, op, ": ", name, " has internal overlap (more than one element refers to a ",
               "single memory location, e.g. an expanded tensor with strides ", t.strides(),
               "); it cannot be written in place");
 }
@@ -209,7 +209,7 @@ void check_copy_aliasing(at::TensorList src, at::TensorList dst,
   for (size_t i = 0; i < src.size(); ++i) {
     if (!src_used[i]) continue;
     const int64_t j = written.find(src[i]);
-    TORCH_CHECK(j < 0, "kvlayout::copy_rows: src[", i, "] and dst[", j,
+    TORCH_CHECK_VALUE(j < 0, "kvlayout::copy_rows: src[", i, "] and dst[", j,
                 "] overlap in memory (the copy would read bytes it writes); within one cache ",
                 "use move()");
   }
@@ -217,7 +217,7 @@ void check_copy_aliasing(at::TensorList src, at::TensorList dst,
                                     std::make_pair(&dst_slots, "dst_slots")}) {
     if (!slots->has_value() || !(*slots)->defined()) continue;
     const int64_t j = written.find(**slots);
-    TORCH_CHECK(j < 0, "kvlayout::copy_rows: ", name, " overlaps dst[", j,
+    TORCH_CHECK_VALUE(j < 0, "kvlayout::copy_rows: ", name, " overlaps dst[", j,
                 "] in memory (the copy would rewrite the slots it reads); pass a slot tensor "
                 "of its own");
   }
@@ -229,7 +229,7 @@ void check_copy_aliasing(at::TensorList src, at::TensorList dst,
                 g};
   std::sort(bases.begin(), bases.end());
   for (size_t k = 1; k < bases.size(); ++k) {
-    TORCH_CHECK(bases[k].first != bases[k - 1].first, "kvlayout::copy_rows: dst_segments ",
+    TORCH_CHECK_VALUE(bases[k].first != bases[k - 1].first, "kvlayout::copy_rows: dst_segments ",
                 std::min(bases[k].second, bases[k - 1].second), " and ",
                 std::max(bases[k].second, bases[k - 1].second),
                 " address the same destination rows (a destination layer or plane chosen "
@@ -429,7 +429,7 @@ RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_pos
     for (const auto& [t, name] : {std::make_pair(&old_positions, "old_positions"),
                                   std::make_pair(&new_positions, "new_positions"),
                                   std::make_pair(&cos_sin_cache, "cos_sin_cache")}) {
-      TORCH_CHECK(written.find(*t) < 0, "kvlayout::rope_reposition: ", name,
+      TORCH_CHECK_VALUE(written.find(*t) < 0, "kvlayout::rope_reposition: ", name,
                   " overlaps key in memory (the rotation would rewrite what it reads); pass a "
                   "tensor of its own");
     }
