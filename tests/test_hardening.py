@@ -153,16 +153,28 @@ def test_remembered_plans_keep_no_tensor_alive(device):
 # ---------------------------------------------------------------------------------------
 
 def test_overlap_of_two_storages_over_one_buffer():
-    arr = np.zeros(2 * 2 * 6 * 16, dtype=np.float16)
-    a = ops.bind("lmcache_kv_2ltd", torch.from_numpy(arr).view(2, 2, 6, 16))
-    b = ops.bind("lmcache_kv_2ltd", torch.from_numpy(arr).view(2, 2, 6, 16))
+    """Storages that start at different bytes of one buffer: their data pointers differ, their
+    address ranges meet."""
+    n = 2 * 2 * 6 * 16
+    arr = np.zeros(n + 64, dtype=np.float16)
+    a = ops.bind("lmcache_kv_2ltd", torch.from_numpy(arr[:n]).view(2, 2, 6, 16))
+    b = ops.bind("lmcache_kv_2ltd", torch.from_numpy(arr[64:]).view(2, 2, 6, 16))
+    assert a.tensors[0].untyped_storage().data_ptr() != b.tensors[0].untyped_storage().data_ptr()
     with pytest.raises(ValueError, match=r"src\[0\] and dst\[0\] overlap in memory"):
         ops.transfer(a, b)
-    raw = bytearray(2 * 2 * 6 * 16 * 2)
-    c = ops.bind("lmcache_kv_2ltd", torch.frombuffer(raw, dtype=torch.float16).view(2, 2, 6, 16))
-    d = ops.bind("lmcache_kv_2ltd", torch.frombuffer(raw, dtype=torch.float16).view(2, 2, 6, 16))
+    with pytest.raises(ValueError, match=r"src\[0\] and dst\[0\] overlap in memory"):
+        ops.transfer(b, a)
+    assert not arr.any()
+    raw = bytearray((n + 64) * 2)
+    c = ops.bind("lmcache_kv_2ltd", torch.frombuffer(raw, dtype=torch.float16, count=n).view(2, 2, 6, 16))
+    d = ops.bind("lmcache_kv_2ltd", torch.frombuffer(raw, dtype=torch.float16, offset=128).view(2, 2, 6, 16))
     with pytest.raises(ValueError, match=r"overlap in memory"):
         ops.transfer(c, d)
+    # disjoint parts of one buffer are fine
+    halves = np.arange(2 * n, dtype=np.float16)
+    ops.transfer(ops.bind("lmcache_kv_2ltd", torch.from_numpy(halves[:n]).view(2, 2, 6, 16)),
+                 ops.bind("lmcache_kv_2ltd", torch.from_numpy(halves[n:]).view(2, 2, 6, 16)))
+    assert (halves[n:] == halves[:n]).all()
     # the native op itself (what compiled code calls)
     launch = ops.plan(a, b, [0, 1], [0, 1], [0, 1], [0, 1])[0]
     with pytest.raises(ValueError, match=r"src\[0\] and dst\[0\] overlap in memory"):
