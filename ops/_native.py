@@ -51,22 +51,44 @@ _STATUS_WHAT = {
 }
 
 
+def _no_meta_mixed_with_data(op: str, named: dict) -> None:
+    """The fake (meta) kernels also run when real meta tensors reach an op: mixed with tensors
+    that hold data, that would be a silent no-op, so it is an error (all-meta calls trace shapes)."""
+    flat = []
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor):
+            flat.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            flat.extend((f"{name}[{i}]", t) for i, t in enumerate(value) if isinstance(t, torch.Tensor))
+    meta = [n for n, t in flat if t.device.type == "meta"]
+    real = [(n, t.device) for n, t in flat if t.device.type != "meta"]
+    if meta and real:
+        raise ValueError(f"kvlayout::{op}: {meta[0]} is a meta tensor but {real[0][0]} is on {real[0][1]}; "
+                         "meta tensors hold no data, so nothing would be copied")
+
+
 @torch.library.register_fake("kvlayout::copy_rows")
 def _copy_rows_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                     dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes,
-                    max_ctas, status):
+                    max_ctas, status, validate=False):
+    _no_meta_mixed_with_data("copy_rows", dict(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots,
+                                               status=status))
     return None
 
 
 @torch.library.register_fake("kvlayout::copy_runs")
 def _copy_runs_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                     dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes):
+    _no_meta_mixed_with_data("copy_runs", dict(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots))
     return None
 
 
 @torch.library.register_fake("kvlayout::rope_reposition")
 def _rope_reposition_fake(key, old_positions, new_positions, cos_sin_cache, is_neox,
                           max_ctas, status):
+    _no_meta_mixed_with_data("rope_reposition", dict(key=key, old_positions=old_positions,
+                                                     new_positions=new_positions, cos_sin_cache=cos_sin_cache,
+                                                     status=status))
     return None
 
 
@@ -106,7 +128,9 @@ def status_tensor(device) -> torch.Tensor:
         # First use inside a traced region (no lock there): dict.setdefault is atomic.
         t = _status.setdefault(device, torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device))
     if t is None:
-        with _status_lock:
+        # made outside inference mode even when first asked for inside it: the ops write it
+        # in place, which an inference tensor refuses outside inference mode
+        with _status_lock, torch.inference_mode(False):
             t = _status.get(device)
             if t is None:
                 t = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
@@ -163,6 +187,7 @@ def copy_rows(
     piece_bytes: int,
     max_ctas: int = 0,
     status: Optional[torch.Tensor] = None,
+    validate: bool = False,
 ) -> None:
     """Move rows between two strided byte layouts (torch.ops.kvlayout.copy_rows).
 
@@ -176,13 +201,16 @@ def copy_rows(
     When all tensors are host tensors the CPU kernel runs; otherwise the
     device of the first device tensor (dst, src, slots) runs it, and host
     tensors must be pinned. `status` defaults to that device's status tensor.
+    `validate`: a device backend copies the slots to the host (a sync) and
+    raises on an out-of-range or repeated destination slot before launching
+    (the CPU always does).
     """
     if status is None:
         status = status_tensor(_launch_device([*dst, *src, src_slots, dst_slots]))
     torch.ops.kvlayout.copy_rows(
         list(src), list(dst), src_slots, dst_slots, int(num_tokens), int(skip_prefix),
         list(src_segments), list(dst_segments), list(src_geometry), list(dst_geometry),
-        int(num_pieces), int(piece_bytes), int(max_ctas), status,
+        int(num_pieces), int(piece_bytes), int(max_ctas), status, bool(validate),
     )
 
 

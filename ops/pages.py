@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .views import KVCache
+from .views import KVCache, as_int
 
 
 def _page_views(cache: KVCache, page: int) -> list[torch.Tensor]:
     """Per tensor: a view of the page's elements with dims in memory order (largest stride first)."""
     g = cache.geometry
+    page = as_int("page", page)
     if not 0 <= page < g.NB:
         raise IndexError(f"page = {page} is out of range: the cache holds {g.NB} pages")
     views = []
@@ -33,9 +34,20 @@ def _page_views(cache: KVCache, page: int) -> list[torch.Tensor]:
                 t = t.select(names.index("nb"), page)
             elif page != 0:
                 raise IndexError(f"page = {page}: {cache.layout.name} has no page axis")
-            order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-            views.append(t.permute(order))
+            views.append(t.permute(_memory_order(t)))
     return views
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """Dims by decreasing stride, ties in dim order (a stable insertion sort: explicit comparisons
+    trace with symbolic strides, where sorted() with a key does not)."""
+    order = list(range(t.dim()))
+    for i in range(1, len(order)):
+        j = i
+        while j > 0 and t.stride(order[j - 1]) < t.stride(order[j]):
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    return order
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -44,7 +56,11 @@ _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """The same elements as integers of their size: copies of these keep every bit (float copies
     may rewrite NaN payloads, e.g. fp8 on CUDA)."""
-    return t.view(_RAW[t.element_size()])
+    raw = _RAW.get(t.element_size())
+    if raw is None:
+        raise TypeError(f"cache dtype {t.dtype} has {t.element_size()}-byte elements; get_page/set_page copy "
+                        f"raw elements of {', '.join(map(str, _RAW))} bytes")
+    return t.view(raw)
 
 
 def get_page(cache: KVCache, page: int) -> torch.Tensor:
@@ -88,9 +104,10 @@ def page_spans(cache: KVCache, pages) -> list[tuple[int, int, int]]:
     """
     spans = []
     isz = cache.itemsize
+    pages = [as_int(f"pages[{i}]", p) for i, p in enumerate(pages)]
     for page in pages:
         first = len(spans)   # runs are merged within a page, never across pages
-        for index, (tensor, view) in enumerate(zip(cache.tensors, _page_views(cache, int(page)))):
+        for index, (tensor, view) in enumerate(zip(cache.tensors, _page_views(cache, page))):
             base = tensor.storage_offset()
             for start, length in _runs(view):
                 offset = (view.storage_offset() - base + start) * isz

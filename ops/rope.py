@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from .views import as_int
 
 ROPE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -19,6 +20,7 @@ def rope_reposition(keys: torch.Tensor, old_positions: torch.Tensor, new_positio
     view (the K half of a packed K/V row) as long as its last dim is
     contiguous.  Returns ``keys``.
     """
+    max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
     if keys.dtype not in ROPE_DTYPES:
         raise TypeError(f"keys must be float32, float16 or bfloat16, got {keys.dtype}")
     if keys.dim() != 3:

@@ -11,12 +11,14 @@ Where a device boundary is crossed is decided by where the tensors live: a
 CUDA tensor facing a pinned host tensor is read/written directly by the kernel
 (zero-copy); an unpinned host tensor facing a CUDA tensor is an error.
 
-Checking: on CPU every slot is checked before anything is written.  On CUDA
-the fast path never synchronizes with the host: the kernel skips rows whose
-slot is out of range and records the first one in a per-device status tensor,
-which :func:`check_errors` reads (and raises on).  ``validate=True`` (or the
-environment variable ``KVLAYOUT_VALIDATE=1``) checks every slot on the host
-before launching, at the price of a synchronization.
+Checking: on CPU the native op reads every slot once, checks it (range, and
+no destination slot twice) and copies with the values it checked, before
+anything is written.  On CUDA the fast path never synchronizes with the host:
+the kernel skips rows whose slot is out of range and records the first one in
+a per-device status tensor, which :func:`check_errors` reads (and raises on).
+``validate=True`` (or the environment variable ``KVLAYOUT_VALIDATE=1``) makes
+the op check every slot on the host before launching, at the price of a
+synchronization.  The checks live in the op, so compiled code keeps them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Sequence
 import torch
 
 from . import _native
-from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, bind, same_storage_overlap
+from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind
 
 SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -52,6 +54,10 @@ class Launch:
         """The same launch on other caches of the same layouts, geometry and strides."""
         return dataclasses.replace(self, src_tensors=[src.tensor_for(k) for k in self.src_keys],
                                    dst_tensors=[dst.tensor_for(k) for k in self.dst_keys])
+
+    def unbound(self) -> "Launch":
+        """The launch without its tensors (``src_keys``/``dst_keys`` say which they are)."""
+        return dataclasses.replace(self, src_tensors=[], dst_tensors=[])
 
 
 def _side_geometry(cache: KVCache, view: PartView, stride_piece: int) -> tuple[int, ...]:
@@ -104,7 +110,7 @@ def _head_cuts(src: PartView, dst: PartView, width: int) -> set[int]:
 
 def _column_offset(view: PartView, column: int) -> int:
     """Element offset of a column of the part's row ``(h e)`` from its head 0."""
-    head, e = divmod(column, view.head_width)
+    head, e = column // view.head_width, column % view.head_width   # (divmod does not trace with symbolic sizes)
     return head * view.strides["h"] + e
 
 
@@ -170,7 +176,8 @@ def cached_plan(src: KVCache, dst: KVCache, *choice) -> list[Launch]:
     if launches is None:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
-        launches = _PLANS[key] = planner(src, dst, *choice)
+        # stored unbound: a remembered plan must not keep the tensors of the call that made it alive
+        launches = _PLANS[key] = [launch.unbound() for launch in planner(src, dst, *choice)]
     return [launch.bound_to(src, dst) for launch in launches]
 
 
@@ -178,7 +185,14 @@ def _slots_tensor(name: str, slots, device: torch.device) -> torch.Tensor | None
     if slots is None:
         return None
     if not isinstance(slots, torch.Tensor):
-        slots = torch.as_tensor(slots, dtype=torch.int64, device=device)
+        dtype = getattr(slots, "dtype", None)   # a NumPy array: integer dtypes only
+        if dtype is not None and getattr(dtype, "kind", "i") not in "iu":
+            raise TypeError(f"{name} must hold integers, got an array of {dtype}")
+        if getattr(slots, "ndim", 1) == 0 or not hasattr(slots, "__iter__"):
+            raise TypeError(f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, "
+                            f"got {type(slots).__name__}")
+        values = [as_int(f"{name}[{i}]", v) for i, v in enumerate(slots)]   # no float/bool truncation
+        slots = torch.tensor(values, dtype=torch.int64, device=device)
     if slots.dtype not in SLOT_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
     if slots.device.type != "cpu" and slots.device != device:
@@ -196,7 +210,8 @@ def _check_slots_on_host(name: str, slots: torch.Tensor | None, bound: int, uniq
     bad = torch.nonzero(values >= bound)
     if bad.numel():
         i = int(bad[0, 0])
-        raise IndexError(f"{name}[{i}] = {int(values[i])} is out of range: the cache holds {bound} slots")
+        side = "source" if name.startswith("src") else "destination"
+        raise IndexError(f"{name}[{i}] = {int(values[i])} is out of range: the {side} holds {bound} slots")
     if unique:
         valid = values[values >= 0]
         uniq, counts = torch.unique(valid, return_counts=True)
@@ -206,6 +221,9 @@ def _check_slots_on_host(name: str, slots: torch.Tensor | None, bound: int, uniq
 
 def _launch_device(src: KVCache, dst: KVCache) -> torch.device:
     devices = {src.device, dst.device}
+    if len(devices) > 1 and any(d.type == "meta" for d in devices):
+        raise ValueError(f"source on {src.device} and destination on {dst.device}: meta tensors hold no data, "
+                         "so a transfer between a meta and a real tensor would do nothing")
     accel = [d for d in devices if d.type != "cpu"]
     if len(accel) > 1:
         raise ValueError(f"source on {src.device} and destination on {dst.device}: "
@@ -224,20 +242,42 @@ def _check_pair(src: KVCache, dst: KVCache) -> None:
 
 
 def _check_disjoint(src: KVCache, dst: KVCache, launches: list[Launch]) -> None:
-    """No tensor a launch reads overlaps one it writes (within one cache, move() is the way)."""
+    """One tensor on both sides of a launch (within one cache, move() is the way).
+
+    The cheap, common case, with the caches' tensor numbers in the message; it also works while
+    compiling, where tensors have no addresses.  Every other overlap (views of one buffer, two
+    storages over one buffer) the native op finds by comparing address ranges.
+    """
     for launch in launches:
         for a in launch.src_tensors:
             for b in launch.dst_tensors:
-                if same_storage_overlap(a, b):
+                if a is b:
                     i = next(k for k, t in enumerate(src.tensors) if t is a)
                     j = next(k for k, t in enumerate(dst.tensors) if t is b)
                     raise ValueError(f"source tensor {i} and destination tensor {j} overlap in memory; "
                                      "use move() within one cache")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def validating(validate: bool | None) -> bool:
-    """``validate`` if given, else the ``KVLAYOUT_VALIDATE`` environment variable."""
-    return validate if validate is not None else os.environ.get("KVLAYOUT_VALIDATE", "0") not in ("", "0")
+    """``validate`` if given, else the ``KVLAYOUT_VALIDATE`` environment variable.
+
+    The variable reads 1/true/yes/on as on and 0/false/no/off (or empty) as
+    off, in any case; anything else is an error rather than a guess.
+    """
+    if validate is not None:
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be True, False or None, got {validate!r}")
+        return validate
+    raw = os.environ.get("KVLAYOUT_VALIDATE", "0")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"KVLAYOUT_VALIDATE = {raw!r} is not understood: use 1/true/yes/on or 0/false/no/off")
 
 
 def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
@@ -255,15 +295,19 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     g_src, g_dst = src.geometry, dst.geometry
     _check_pair(src, dst)
     s_layers = as_index_list(g_src.L, src_layers, "src_layers")
-    d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers")
+    d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers", unique=True)
     if len(s_layers) != len(d_layers):
         raise ValueError(f"src_layers has {len(s_layers)} layers, dst_layers {len(d_layers)}")
     s_planes = as_index_list(g_src.P, src_planes, "src_planes")
-    d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes")
+    d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes", unique=True)
     if len(s_planes) != len(d_planes):
         raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
     if engine not in ("kernel", "copy"):
         raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
+    skip_prefix = as_int("skip_prefix", skip_prefix, lo=0)
+    num_tokens = None if num_tokens is None else as_int("num_tokens", num_tokens, lo=0)
+    max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
+    validate = validating(validate)
     device = _launch_device(src, dst)
     slot_device = device if engine == "kernel" else torch.device("cpu")
     s_slots = _slots_tensor("src_slots", src_slots, slot_device)
@@ -278,21 +322,22 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     T = lengths.pop() if lengths else (num_tokens if num_tokens is not None else g_src.N)
     if num_tokens is not None and num_tokens != T:
         raise ValueError(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
-    for name, slots, geom in (("source", s_slots, g_src), ("destination", d_slots, g_dst)):
+    for name, arg, slots, geom in (("source", "src_slots", s_slots, g_src),
+                                   ("destination", "dst_slots", d_slots, g_dst)):
         if slots is None and T > geom.N:
-            raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots")
+            raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots ({arg} is None, so token t "
+                             f"uses position t; num_tokens = {T} must be <= {geom.N})")
     if not 0 <= skip_prefix <= T:
         raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
-    if not torch.compiler.is_compiling():
-        if validating(validate):
-            _check_slots_on_host("src_slots", s_slots, g_src.N, unique=False)
-        if validating(validate) or device.type == "cpu" or engine == "copy":   # no device sync involved
-            _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
+    if not torch.compiler.is_compiling() and device.type != "cpu" and engine == "copy":
+        # the kernel op checks every slot itself (CPU always, devices with validate=True, inside the
+        # op so compiled code keeps it); the copy engine reads the slots on the host but does not
+        # look for repeats
+        _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
     if T == 0 or not s_layers or not s_planes:
         return
     launches = cached_plan(src, dst, s_layers, d_layers, s_planes, d_planes)
-    if not torch.compiler.is_compiling():
-        _check_disjoint(src, dst, launches)
+    _check_disjoint(src, dst, launches)
     if engine == "copy":
         for launch in launches:
             _native.copy_runs(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
@@ -303,7 +348,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     for launch in launches:
         _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
                           launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,
-                          launch.num_pieces, launch.piece_bytes, max_ctas, status)
+                          launch.num_pieces, launch.piece_bytes, max_ctas, status, validate)
 
 
 def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layers=None, planes=None,
@@ -318,10 +363,20 @@ def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layer
     g = cache.geometry
     P = len(as_index_list(g.P, planes, "planes"))
     L = len(as_index_list(g.L, layers, "layers"))
-    T = int(slots.shape[0]) if slots is not None and hasattr(slots, "shape") else (
-        len(slots) if slots is not None else (num_tokens if num_tokens is not None else g.N))
+    if num_tokens is not None:
+        num_tokens = as_int("num_tokens", num_tokens, lo=0)
+    if slots is not None and not isinstance(slots, torch.Tensor):
+        slots = _slots_tensor("slots", slots, cache.device)
+    T = int(slots.shape[0]) if slots is not None and slots.dim() == 1 else (
+        num_tokens if num_tokens is not None else g.N)
     if out is None:
         out = torch.zeros((P, L, T, g.H, g.E), dtype=cache.dtype, device=cache.device)
+    elif not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor [P', L', T, H, E], got {type(out).__name__}")
+    elif out.dim() != 5 or (out.shape[0], out.shape[1]) != (P, L) or out.shape[2] < T:
+        # (rows of another H x E split with the same width are fine: the transfer checks the row width)
+        raise ValueError(f"out has shape {tuple(out.shape)}; it must be [P', L', T, H, E] with "
+                         f"P' = {P}, L' = {L} and T >= {T} for {T} tokens")
     transfer(cache, bind("rows", out), slots, None, src_layers=layers, src_planes=planes, skip_prefix=skip_prefix,
              num_tokens=T, max_ctas=max_ctas, validate=validate)
     return out
@@ -341,14 +396,15 @@ def move(cache: KVCache, src_slots, dst_slots, *, max_ctas: int = 0, validate: b
     scattered.  Pairs with a negative slot are skipped.
     """
     device = cache.device
+    for name, value in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if value is None:
+            raise TypeError(f"move needs {name}: a 1-D int32/int64 tensor of slots of the cache, got None")
     s = _slots_tensor("src_slots", src_slots, device)
     d = _slots_tensor("dst_slots", dst_slots, device)
     if s.shape != d.shape:
         raise ValueError(f"src_slots {tuple(s.shape)} and dst_slots {tuple(d.shape)} differ in length")
     # a pair is skipped when either slot is negative: mark the source too so the gather skips it
     s = torch.where(d < 0, torch.full_like(s, -1), s)
-    if not torch.compiler.is_compiling() and (validating(validate) or device.type == "cpu"):
-        _check_slots_on_host("dst_slots", d, cache.geometry.N, unique=True)
     rows = gather(cache, s, max_ctas=max_ctas, validate=validate)
     # a source the gather did not read (negative, or out of range and recorded by the
     # kernel) must not be written: its row in `rows` holds no data
@@ -361,11 +417,11 @@ def skip_prefix(slots: torch.Tensor | None, n: int, num_tokens: int | None = Non
 
     ``slots=None`` stands for the chunk positions ``0..num_tokens-1``.
     """
-    if n < 0:
-        raise ValueError(f"skip_prefix = {n} must be >= 0")
+    n = as_int("skip_prefix", n, lo=0)
     if slots is None:
         if num_tokens is None:
             raise ValueError("skip_prefix needs num_tokens when slots is None")
+        num_tokens = as_int("num_tokens", num_tokens, lo=0)
         slots = torch.arange(num_tokens, dtype=torch.int64)
     out = slots.clone()
     out[:n] = -1

@@ -17,6 +17,7 @@ which is the formula of ``torch_ext/include/kvlayout/address.h``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 import torch
@@ -70,6 +71,8 @@ class KVCache:
 
     def __init__(self, layout: Layout | str, tensors, *, page_size: int | None = None):
         self.layout = get(layout)
+        if page_size is not None:
+            page_size = as_int("page_size", page_size, lo=1)
         parts = self._split_parts(tensors)
         shapes = [[tuple(t.shape) for t in value] if part.per_layer else tuple(value.shape)
                   for part, value in zip(self.layout.parts, parts)]
@@ -92,7 +95,7 @@ class KVCache:
         self.parts: tuple[PartView, ...] = tuple(self._part_view(p, v) for p, v in zip(self.layout.parts, parts))
         # what a transfer plan depends on: layout, sizes, element size and strides (not the data pointers)
         self.signature = (self.layout.name, self.geometry, self.itemsize,
-                          tuple(tuple(sorted(pv.strides.items())) for pv in self.parts))
+                          tuple(tuple(pv.strides[a] for a in AXES) for pv in self.parts))
 
     # -- construction -------------------------------------------------------------------
     def _split_parts(self, tensors) -> tuple:
@@ -154,27 +157,52 @@ def bind(layout: Layout | str, tensors, *, page_size: int | None = None) -> KVCa
     return tensors if isinstance(tensors, KVCache) else KVCache(layout, tensors, page_size=page_size)
 
 
-def as_index_list(count: int, chosen, name: str) -> list[int]:
-    """``None`` -> ``range(count)``; an int -> ``[int]``; a sequence -> its ints, range-checked."""
-    if chosen is None:
-        return list(range(count))
-    if isinstance(chosen, int):
-        chosen = [chosen]
-    out = [int(c) for c in chosen]
-    for c in out:
-        if not 0 <= c < count:
-            raise IndexError(f"{name} contains {c}, out of range: there are {count}")
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def as_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as a Python int in ``[lo, hi]`` (each bound optional, always within int64).
+
+    Accepts ints and integer scalars (NumPy, 0-d integer tensors); refuses
+    bools, floats and anything else instead of truncating it.  Errors name
+    the argument, the value and the bound.
+    """
+    if type(value) is int and (lo if lo is not None else INT64_MIN) <= value <= (hi if hi is not None else INT64_MAX):
+        return value   # the common case, kept cheap: this runs several times per layer-wise call
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+    if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point()
+                                            or value.is_complex()):
+        raise TypeError(f"{name} must be an integer, got a tensor of {value.dtype} and shape {tuple(value.shape)}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    low = INT64_MIN if lo is None else lo
+    high = INT64_MAX if hi is None else hi
+    if out < low:
+        raise ValueError(f"{name} = {out} must be >= {low}" + (" (it must fit in int64)" if lo is None else ""))
+    if out > high:
+        raise ValueError(f"{name} = {out} must be <= {high}" + (" (it must fit in int64)" if hi is None else ""))
     return out
 
 
-def same_storage_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' byte ranges inside one storage intersect."""
-    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    return _byte_range(a)[0] < _byte_range(b)[1] and _byte_range(b)[0] < _byte_range(a)[1]
+def as_index_list(count: int, chosen, name: str, *, unique: bool = False) -> list[int]:
+    """``None`` -> ``range(count)``; an int -> ``[int]``; a sequence -> its ints, range-checked.
 
-
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    start = t.storage_offset() * t.element_size()
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    return start, start + extent * t.element_size() if t.numel() else start
+    ``unique``: refuse an index chosen twice (a destination written twice).
+    """
+    if chosen is None:
+        return list(range(count))
+    if getattr(chosen, "ndim", 1) == 0 or not hasattr(chosen, "__iter__"):   # one index (int, np.int64, 0-d)
+        chosen = [chosen]
+    out = []
+    for i, c in enumerate(chosen):
+        v = as_int(f"{name}[{i}]", c)
+        if not 0 <= v < count:
+            raise IndexError(f"{name} contains {v}, out of range: there are {count}")
+        out.append(v)
+    if unique and len(set(out)) != len(out):
+        v = next(v for i, v in enumerate(out) if v in out[:i])
+        raise ValueError(f"{name} repeats {v}: a destination layer or plane may be written once")
+    return out

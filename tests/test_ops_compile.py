@@ -198,6 +198,38 @@ def test_compile_fullgraph(device, name):
         np.testing.assert_array_equal(TC.bits(got), TC.bits(want))
 
 
+def at_tokens(name, mutable, other, T):
+    """The op case with its first T tokens: slots, chunk / rows / keys cut to T (fresh tensors)."""
+    def cut(x, dim):
+        return x.narrow(dim, 0, T).clone()
+    mutable = [cut(x, 2) if name == "transfer" and i == 1 else cut(x, 0) if name == "rope_reposition" and i == 0
+               else clone(x) for i, x in enumerate(mutable)]
+    other = [x[:T] if is_index(x) else cut(x, 2) if name == "scatter" and i == 0 else x
+             for i, x in enumerate(other)]
+    return mutable, other
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+@pytest.mark.parametrize("name", OPS)
+def test_compile_with_changing_token_count(device, name, dynamic):
+    """A compiled step sees another number of tokens each call: with dynamic=True (symbolic sizes
+    from the start) and with automatic dynamic shapes (recompiled once, symbolic), every op
+    traces without a graph break and matches eager."""
+    fn, mutable, other = op_cases(device)[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for T in (2, 4, 5):
+        eager_in, eager_other = at_tokens(name, mutable, other, T)
+        compiled_in, compiled_other = at_tokens(name, mutable, other, T)
+        want = fn(*eager_in, *eager_other)
+        got = compiled(*compiled_in, *compiled_other)
+        TC.sync(device)
+        for g, w in zip(leaves(compiled_in), leaves(eager_in)):
+            np.testing.assert_array_equal(TC.bits(g), TC.bits(w))
+        if want is not None:
+            np.testing.assert_array_equal(TC.bits(got), TC.bits(want))
+
+
 def test_compile_before_any_eager_call(device):
     """The first kvlayout call of a process may be inside the compiled region (status tensor created there)."""
     key = _native._normalize_device(device)

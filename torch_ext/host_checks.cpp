@@ -1,9 +1,12 @@
 #include "host_checks.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
 
 namespace kvlayout {
 namespace {
@@ -115,8 +118,158 @@ SlotArray parse_index(const std::optional<at::Tensor>& t, int64_t length, const 
                    static_cast<int32_t>(x.element_size()), 0};
 }
 
-[[noreturn]] void raise_index(const char* name, bool identity, int64_t t, int64_t value,
-                              int64_t bound, const char* what) {
+// Bytes [begin, end) a tensor's elements can occupy (empty for no elements).
+struct ByteRange {
+  uintptr_t begin = 0, end = 0;
+};
+
+ByteRange byte_range(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.numel() == 0) return {};
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>(extent * t.element_size())};
+}
+
+bool ranges_meet(const ByteRange& a, const ByteRange& b) {
+  return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end;
+}
+
+// Written tensors: no element may be written through two indices (torch
+// refuses in-place writes into expanded tensors for the same reason).
+void check_no_internal_overlap(const at::Tensor& t, const char* op, const char* name,
+                               int64_t index) {
+  if (at::has_internal_overlap(t) != at::MemOverlap::Yes) return;
+  if (index >= 0) {
+    TORCH_CHECK_VALUE(false, op, ": ", name, "[", index, "] has internal overlap (more than one element ",
+                "refers to a single memory location, e.g. an expanded tensor with strides ",
+                t.strides(), "); it cannot be written in place");
+  }
+  TORCH_CHECK_VALUE(false, op, ": ", name, " has internal overlap (more than one element refers to a ",
+              "single memory location, e.g. an expanded tensor with strides ", t.strides(),
+              "); it cannot be written in place");
+}
+
+// Address ranges, not storage identity: two storages over one buffer
+// (torch.from_numpy of one array twice, torch.frombuffer) are caught too.
+// Written tensors (dst) are sorted by start; a read range is tested against
+// the ones that start before it ends (prefix maximum of their ends).
+class WrittenRanges {
+ public:
+  void add(const at::Tensor& t, int64_t index) {
+    const ByteRange r = byte_range(t);
+    if (r.begin < r.end) items_.push_back({r, index, t.device()});
+  }
+  void finish() {
+    std::sort(items_.begin(), items_.end(),
+              [](const Item& a, const Item& b) { return a.range.begin < b.range.begin; });
+    max_end_.resize(items_.size());
+    uintptr_t m = 0;
+    for (size_t i = 0; i < items_.size(); ++i) max_end_[i] = m = std::max(m, items_[i].range.end);
+  }
+  // Index of a written tensor whose range meets `t`'s (on t's device), or -1.
+  int64_t find(const at::Tensor& t) const {
+    const ByteRange r = byte_range(t);
+    if (r.begin >= r.end || items_.empty()) return -1;
+    size_t k = std::lower_bound(items_.begin(), items_.end(), r.end,
+                                [](const Item& a, uintptr_t v) { return a.range.begin < v; }) -
+               items_.begin();
+    while (k > 0 && max_end_[k - 1] > r.begin) {
+      --k;
+      if (ranges_meet(items_[k].range, r) && items_[k].device == t.device()) return items_[k].index;
+    }
+    return -1;
+  }
+
+ private:
+  struct Item {
+    ByteRange range;
+    int64_t index;
+    c10::Device device;
+  };
+  std::vector<Item> items_;
+  std::vector<uintptr_t> max_end_;
+};
+
+void check_copy_aliasing(at::TensorList src, at::TensorList dst,
+                         const std::optional<at::Tensor>& src_slots,
+                         const std::optional<at::Tensor>& dst_slots, const CopyPlan& p) {
+  std::vector<char> src_used(src.size(), 0), dst_used(dst.size(), 0);
+  for (int64_t g = 0; g < p.num_segments; ++g) {
+    src_used[p.src_tensor[g]] = 1;
+    dst_used[p.dst_tensor[g]] = 1;
+  }
+  WrittenRanges written;
+  for (size_t j = 0; j < dst.size(); ++j) {
+    if (!dst_used[j]) continue;
+    check_no_internal_overlap(dst[j], "kvlayout::copy_rows", "dst", static_cast<int64_t>(j));
+    written.add(dst[j], static_cast<int64_t>(j));
+  }
+  written.finish();
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (!src_used[i]) continue;
+    const int64_t j = written.find(src[i]);
+    TORCH_CHECK_VALUE(j < 0, "kvlayout::copy_rows: src[", i, "] and dst[", j,
+                "] overlap in memory (the copy would read bytes it writes); within one cache ",
+                "use move()");
+  }
+  for (const auto& [slots, name] : {std::make_pair(&src_slots, "src_slots"),
+                                    std::make_pair(&dst_slots, "dst_slots")}) {
+    if (!slots->has_value() || !(*slots)->defined()) continue;
+    const int64_t j = written.find(**slots);
+    TORCH_CHECK_VALUE(j < 0, "kvlayout::copy_rows: ", name, " overlaps dst[", j,
+                "] in memory (the copy would rewrite the slots it reads); pass a slot tensor "
+                "of its own");
+  }
+  // Two segments writing the same rows (a layer or plane chosen twice).
+  std::vector<std::pair<uintptr_t, int64_t>> bases(p.num_segments);
+  for (int64_t g = 0; g < p.num_segments; ++g)
+    bases[g] = {reinterpret_cast<uintptr_t>(dst[p.dst_tensor[g]].data_ptr()) +
+                    static_cast<uintptr_t>(p.dst_offset[g]),
+                g};
+  std::sort(bases.begin(), bases.end());
+  for (size_t k = 1; k < bases.size(); ++k) {
+    TORCH_CHECK_VALUE(bases[k].first != bases[k - 1].first, "kvlayout::copy_rows: dst_segments ",
+                std::min(bases[k].second, bases[k - 1].second), " and ",
+                std::max(bases[k].second, bases[k - 1].second),
+                " address the same destination rows (a destination layer or plane chosen "
+                "twice); each row may be written once");
+  }
+}
+
+// Open-addressing set of destination slots (linear time): which token wrote
+// a slot first.
+class SlotSet {
+ public:
+  explicit SlotSet(int64_t n) {
+    size_t cap = 16;
+    while (cap < static_cast<size_t>(2 * n)) cap <<= 1;
+    mask_ = cap - 1;
+    slot_.assign(cap, -1);
+    token_.resize(cap);
+  }
+  // Inserts slot v (>= 0) of token t; returns the earlier token with v, or -1.
+  int64_t insert(int64_t v, int64_t t) {
+    size_t h = static_cast<size_t>((static_cast<uint64_t>(v) * 0x9E3779B97F4A7C15ull) >> 17) & mask_;
+    while (slot_[h] >= 0) {
+      if (slot_[h] == v) return token_[h];
+      h = (h + 1) & mask_;
+    }
+    slot_[h] = v;
+    token_[h] = t;
+    return -1;
+  }
+
+ private:
+  size_t mask_;
+  std::vector<int64_t> slot_, token_;
+};
+
+}  // namespace
+
+[[noreturn]] void raise_slot_out_of_range(const char* name, bool identity, int64_t t,
+                                          int64_t value, int64_t bound) {
+  const char* what = name[0] == 's' ? "the source" : "the destination";
   if (identity) {
     TORCH_CHECK_INDEX(false, "kvlayout: ", name, " is None, so token ", t, " uses slot ", value,
                       ", which is out of range: ", what, " holds ", bound, " slots");
@@ -125,8 +278,6 @@ SlotArray parse_index(const std::optional<at::Tensor>& t, int64_t length, const 
                     " holds ", bound, " slots");
   __builtin_unreachable();
 }
-
-}  // namespace
 
 CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
                         const std::optional<at::Tensor>& src_slots,
@@ -178,6 +329,7 @@ CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
     p.num_pieces = num_pieces;
     p.piece_bytes = piece_bytes;
   }
+  if (!p.empty()) check_copy_aliasing(src, dst, src_slots, dst_slots, p);
   return p;
 }
 
@@ -190,10 +342,56 @@ void check_slots_in_range_on_host(const CopyPlan& p) {
     const int64_t d = p.dst_slots.load(t);
     if (s < 0 || d < 0) continue;
     if (s >= p.src_geom.num_slots)
-      raise_index("src_slots", src_identity, t, s, p.src_geom.num_slots, "the source");
+      raise_slot_out_of_range("src_slots", src_identity, t, s, p.src_geom.num_slots);
     if (d >= p.dst_geom.num_slots)
-      raise_index("dst_slots", dst_identity, t, d, p.dst_geom.num_slots, "the destination");
+      raise_slot_out_of_range("dst_slots", dst_identity, t, d, p.dst_geom.num_slots);
   }
+}
+
+void read_slots_once(CopyPlan& p, HostSlots& copy, bool unique_dst) {
+  if (p.empty()) return;
+  const bool src_identity = p.src_slots.data == nullptr;
+  const bool dst_identity = p.dst_slots.data == nullptr;
+  if (!src_identity) copy.src.assign(p.num_tokens, -1);
+  if (!dst_identity) copy.dst.assign(p.num_tokens, -1);
+  const bool check_unique = unique_dst && !dst_identity;
+  SlotSet seen(check_unique ? p.num_tokens - p.skip_prefix : 0);
+  for (int64_t t = p.skip_prefix; t < p.num_tokens; ++t) {
+    const int64_t s = p.src_slots.load(t);  // the one load of each slot
+    const int64_t d = p.dst_slots.load(t);
+    if (!src_identity) copy.src[t] = s;
+    if (!dst_identity) copy.dst[t] = d;
+    if (s < 0 || d < 0) continue;
+    if (s >= p.src_geom.num_slots)
+      raise_slot_out_of_range("src_slots", src_identity, t, s, p.src_geom.num_slots);
+    if (d >= p.dst_geom.num_slots)
+      raise_slot_out_of_range("dst_slots", dst_identity, t, d, p.dst_geom.num_slots);
+    if (check_unique) {
+      const int64_t first = seen.insert(d, t);
+      TORCH_CHECK_VALUE(first < 0, "kvlayout: dst_slots repeats slot ", d, " (dst_slots[", first,
+                        "] and dst_slots[", t, "]): a destination slot may be written by one "
+                        "token only");
+    }
+  }
+  if (!src_identity) p.src_slots = SlotArray{copy.src.data(), 1, 8, 0};
+  if (!dst_identity) p.dst_slots = SlotArray{copy.dst.data(), 1, 8, 0};
+}
+
+void validate_slots_on_host(const CopyPlan& p, const std::optional<at::Tensor>& src_slots,
+                            const std::optional<at::Tensor>& dst_slots) {
+  if (p.empty()) return;
+  CopyPlan q = p;
+  at::Tensor hs, hd;  // host copies, alive while q points at them
+  if (q.src_slots.data != nullptr) {
+    hs = src_slots->to(at::kCPU, at::kLong).contiguous();
+    q.src_slots = SlotArray{hs.data_ptr(), 1, 8, 0};
+  }
+  if (q.dst_slots.data != nullptr) {
+    hd = dst_slots->to(at::kCPU, at::kLong).contiguous();
+    q.dst_slots = SlotArray{hd.data_ptr(), 1, 8, 0};
+  }
+  HostSlots copy;
+  read_slots_once(q, copy, /*unique_dst=*/true);
 }
 
 RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_positions,
@@ -223,6 +421,19 @@ RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_pos
               "kvlayout::rope_reposition: max_ctas must be >= 0 (0 = default), got ", max_ctas);
   TORCH_CHECK(old_positions.device() == new_positions.device(),
               "kvlayout::rope_reposition: old_positions and new_positions must be on one device");
+  check_no_internal_overlap(key, "kvlayout::rope_reposition", "key", -1);
+  {
+    WrittenRanges written;
+    written.add(key, 0);
+    written.finish();
+    for (const auto& [t, name] : {std::make_pair(&old_positions, "old_positions"),
+                                  std::make_pair(&new_positions, "new_positions"),
+                                  std::make_pair(&cos_sin_cache, "cos_sin_cache")}) {
+      TORCH_CHECK_VALUE(written.find(*t) < 0, "kvlayout::rope_reposition: ", name,
+                  " overlaps key in memory (the rotation would rewrite what it reads); pass a "
+                  "tensor of its own");
+    }
+  }
   const int64_t T = key.size(0);
   RopeParams p{};
   p.old_positions = parse_index(old_positions, T, "old_positions", "key.size(0)");
@@ -254,6 +465,25 @@ void check_positions_in_range_on_host(const RopeParams& p) {
     TORCH_CHECK_INDEX(n < p.max_pos, "kvlayout: new_positions[", t, "] = ", n,
                       " is out of range: cos_sin_cache holds ", p.max_pos, " positions");
   }
+}
+
+void read_positions_once(RopeParams& p, std::vector<int64_t>& old_copy,
+                         std::vector<int64_t>& new_copy) {
+  old_copy.resize(p.num_tokens);
+  new_copy.resize(p.num_tokens);
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    const int64_t o = p.old_positions.load(t);  // the one load of each position
+    const int64_t n = p.new_positions.load(t);
+    old_copy[t] = o;
+    new_copy[t] = n;
+    if (o < 0 || n < 0) continue;
+    TORCH_CHECK_INDEX(o < p.max_pos, "kvlayout: old_positions[", t, "] = ", o,
+                      " is out of range: cos_sin_cache holds ", p.max_pos, " positions");
+    TORCH_CHECK_INDEX(n < p.max_pos, "kvlayout: new_positions[", t, "] = ", n,
+                      " is out of range: cos_sin_cache holds ", p.max_pos, " positions");
+  }
+  p.old_positions = SlotArray{old_copy.data(), 1, 8, 0};
+  p.new_positions = SlotArray{new_copy.data(), 1, 8, 0};
 }
 
 void check_status_tensor(const at::Tensor& status, c10::Device device) {

@@ -52,15 +52,46 @@ CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
 
 // Reads the slot tensors on the host (they must be host-readable) and raises
 // IndexError naming the argument, token, value and bound for the first token
-// whose slot is >= the side's slot count. Negative slots are fine.
+// whose slot is >= the side's slot count. Negative slots are fine. A walk
+// that reads the slots again (for_each_block) checks what it reads itself.
 void check_slots_in_range_on_host(const CopyPlan& plan);
+
+// Slot values read once on the host into memory of the op's own: the values
+// that are checked are the values that are used, whatever happens to the
+// slot tensors meanwhile (another thread, or a slot tensor that aliases a
+// destination some other way than the checks can see).
+struct HostSlots {
+  std::vector<int64_t> src, dst;  // [num_tokens]; the skipped prefix holds -1
+};
+
+// Reads every slot of tokens [skip_prefix, num_tokens) exactly once into
+// `copy`, points the plan's slot arrays at the copies (identity sides stay
+// identity), and checks the copies: every slot < the side's slot count
+// (IndexError naming the argument, token, value and bound) and, when
+// `unique_dst`, no destination slot written by two tokens (ValueError naming
+// both tokens). Linear time. Slots must be host-readable.
+void read_slots_once(CopyPlan& plan, HostSlots& copy, bool unique_dst);
+
+// validate=True of device backends: copies the slot tensors to the host (a
+// synchronisation) and checks the copies as read_slots_once does (range and
+// repeated destination slots), before anything is launched.
+void validate_slots_on_host(const CopyPlan& plan, const std::optional<at::Tensor>& src_slots,
+                            const std::optional<at::Tensor>& dst_slots);
+
+// Raises IndexError for slot `value` of token t of `name` (src_slots or
+// dst_slots; `identity` when the side has no slot tensor).
+[[noreturn]] void raise_slot_out_of_range(const char* name, bool identity, int64_t t,
+                                          int64_t value, int64_t bound);
 
 // Walks tokens [begin, end) of a plan and calls copy(segment, src_offset,
 // dst_offset, bytes) for each contiguous block to move, offsets from the
 // segment's base. Contiguous rows (num_pieces == 1) of consecutive tokens that
 // are adjacent on both sides are coalesced into one block (address.h run
 // detection); otherwise every piece is one block. Tokens with a negative slot
-// are skipped. Slots must be host-readable and already range-checked.
+// are skipped. Slots must be host-readable. Each slot is loaded once and the
+// loaded value is range-checked before it is used (run_length checks the
+// tokens it adds), so slots rewritten after an earlier check raise
+// IndexError instead of addressing memory outside the tensors.
 template <class Copy>
 void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& copy) {
   const int64_t row_bytes = p.row_bytes();
@@ -72,6 +103,10 @@ void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& c
       ++t;
       continue;
     }
+    if (s >= p.src_geom.num_slots)
+      raise_slot_out_of_range("src_slots", p.src_slots.data == nullptr, t, s, p.src_geom.num_slots);
+    if (d >= p.dst_geom.num_slots)
+      raise_slot_out_of_range("dst_slots", p.dst_slots.data == nullptr, t, d, p.dst_geom.num_slots);
     if (p.num_pieces == 1) {
       const int64_t n =
           run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t, end, s, d, row_bytes);
@@ -96,6 +131,12 @@ RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_pos
 
 // Raises IndexError for the first out-of-range position (host-readable only).
 void check_positions_in_range_on_host(const RopeParams& p);
+
+// Reads every position once into `old_copy` / `new_copy`, points the params
+// at the copies and checks them (IndexError naming the argument, token,
+// value and bound): what is checked is what the rotation uses.
+void read_positions_once(RopeParams& p, std::vector<int64_t>& old_copy,
+                         std::vector<int64_t>& new_copy);
 
 // Validates the status tensor of device backends: int64, >= kStatusNumel
 // elements, contiguous, on `device`.

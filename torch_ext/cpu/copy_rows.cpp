@@ -1,6 +1,7 @@
 // CPU implementation of kvlayout::copy_rows (and copy_runs, the same on CPU).
 //
-// All slots are validated before anything is written. Tokens are split over
+// All slots are read once and validated before anything is written (range,
+// and no destination slot written by two tokens). Tokens are split over
 // threads with at::parallel_for; inside a thread's range, consecutive tokens
 // whose rows are adjacent on both sides are coalesced into one run (address.h
 // run detection, host_checks.h for_each_block) and moved with one memmove per
@@ -31,15 +32,20 @@ void copy_rows_cpu(at::TensorList src, at::TensorList dst,
                    int64_t skip_prefix, c10::IntArrayRef src_segments,
                    c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
                    c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
-                   int64_t max_ctas, const at::Tensor& status) {
-  (void)status;  // CPU raises instead of recording
+                   int64_t max_ctas, const at::Tensor& status, bool validate) {
+  (void)status;    // CPU raises instead of recording
+  (void)validate;  // CPU always validates every slot
   check_on_cpu(src, "src");
   check_on_cpu(dst, "dst");
-  const CopyPlan p =
+  CopyPlan p =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, max_ctas);
   if (p.empty()) return;
-  check_slots_in_range_on_host(p);
+  // Each slot is read once into the op's own copy, checked there (range, and
+  // no destination slot twice: two tokens writing one row would race), and
+  // the copy is what the walk below uses.
+  HostSlots slots;
+  read_slots_once(p, slots, /*unique_dst=*/true);
 
   const int64_t G = p.num_segments;
   std::vector<const char*> sb(G);
@@ -65,7 +71,8 @@ void copy_runs_cpu(at::TensorList src, at::TensorList dst,
                    c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
                    c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes) {
   copy_rows_cpu(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
-                dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0, at::Tensor());
+                dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0, at::Tensor(),
+                /*validate=*/true);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// CPU implementation of kvlayout::rope_reposition: positions are validated
-// before anything is written, then tokens are split over threads; the pair
+// CPU implementation of kvlayout::rope_reposition: positions are read once and
+// validated before anything is written, then tokens are split over threads; the pair
 // math is the shared rope.h code.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -34,10 +34,12 @@ void rope_reposition_cpu(const at::Tensor& key, const at::Tensor& old_positions,
   TORCH_CHECK(key.device().is_cpu() && cos_sin_cache.device().is_cpu() &&
                   old_positions.device().is_cpu() && new_positions.device().is_cpu(),
               "kvlayout::rope_reposition (CPU): all tensors must be on the CPU");
-  const RopeParams p =
+  RopeParams p =
       plan_rope_reposition(key, old_positions, new_positions, cos_sin_cache, is_neox, max_ctas);
   if (p.num_tokens == 0 || p.num_heads == 0 || p.half_rot == 0) return;
-  check_positions_in_range_on_host(p);
+  // Positions are read once into the op's own copy, checked, and used from it.
+  std::vector<int64_t> old_copy, new_copy;
+  read_positions_once(p, old_copy, new_copy);
   const bool cache_f32 = cos_sin_cache.scalar_type() == at::kFloat;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(),
                                   "kvlayout_rope_reposition_cpu", [&] {

@@ -126,7 +126,7 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
                     int64_t skip_prefix, c10::IntArrayRef src_segments,
                     c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
                     c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
-                    int64_t max_ctas, const at::Tensor& status) {
+                    int64_t max_ctas, const at::Tensor& status, bool validate) {
   const CopyPlan plan =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, max_ctas);
@@ -134,6 +134,7 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
   const c10::cuda::CUDAGuard guard(dev);
   check_status_tensor(status, dev);
   if (plan.empty()) return;
+  if (validate) validate_slots_on_host(plan, src_slots, dst_slots);
 
   // Device-visible addresses of every tensor (pinned host memory through UVA).
   bool touches_host = false;

@@ -82,6 +82,11 @@ KVL_HD inline int64_t max_row_offset(const RowGeometry& g) {
 
 // Slot array: an optional 1-D int32/int64 index vector with any element
 // stride. `data == nullptr` means identity (slot t for token t).
+//
+// Rule for every kernel: load a slot once, check that value, use that value
+// (never load it again after the check: the tensor may be rewritten while
+// the op runs). On the host the load is volatile, so the compiler cannot
+// split one load in the source into two reads of memory.
 struct SlotArray {
   const void* data;
   int64_t stride;     // in elements
@@ -90,8 +95,13 @@ struct SlotArray {
 
   KVL_HD inline int64_t load(int64_t t) const {
     if (data == nullptr) return t;
+#if defined(__CUDA_ARCH__) || defined(__SYCL_DEVICE_ONLY__)
     if (elem_bytes == 8) return static_cast<const int64_t*>(data)[t * stride];
     return static_cast<int64_t>(static_cast<const int32_t*>(data)[t * stride]);
+#else
+    if (elem_bytes == 8) return static_cast<const volatile int64_t*>(data)[t * stride];
+    return static_cast<int64_t>(static_cast<const volatile int32_t*>(data)[t * stride]);
+#endif
   }
 };
 

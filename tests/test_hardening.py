@@ -1,0 +1,424 @@
+"""Hostile input: aliasing, racing slot tensors, leaks, weak arguments, autograd.
+
+Every case here is something a caller can do with public tensors and ops;
+the op library must either do the documented copy or raise a clear
+exception naming the argument, and never touch memory it was not given.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from kvlayout import ops
+from kvlayout import reference as R
+from kvlayout.conformance import strategies as S
+from kvlayout.ops import _native
+from kvlayout.reference import Geometry
+
+import torch_cases as TC
+
+G = Geometry(P=2, L=2, NB=4, BS=4, H=2, E=8)        # 16 slots, rows of 16 elements
+
+
+def make_cache(layout, device, dtype="float16", geom=G, seed=0) -> ops.KVCache:
+    physical = S.random_cache(layout, geom, dtype, np.random.default_rng(seed))
+    return ops.bind(layout, TC.to_torch(layout, physical, device),
+                    page_size=None if R.get(layout).paged else geom.BS)
+
+
+def slots(values, device="cpu", dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def row_launch(num_slots: int, row_bytes: int) -> dict:
+    """copy_rows arguments of one segment of contiguous rows (``num_slots`` rows per side)."""
+    geom = [num_slots, 1, row_bytes, row_bytes, 0]
+    return dict(src_segments=[0, 0], dst_segments=[0, 0], src_geometry=geom, dst_geometry=list(geom),
+                num_pieces=1, piece_bytes=row_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# slot tensors that change while the op runs
+# ---------------------------------------------------------------------------------------
+
+def test_slot_tensor_viewing_the_destination_is_rejected():
+    """Slots that live in the destination's memory would be rewritten by the copy itself."""
+    dst = torch.zeros(32, dtype=torch.int64)                 # 32 rows of one int64
+    src = torch.arange(100, 132, dtype=torch.int64)          # values that are out of range as slots
+    dst_slots = dst[:8]                                      # a view of the destination
+    dst_slots.copy_(torch.arange(8))
+    before = dst.clone()
+    with pytest.raises(ValueError, match=r"dst_slots overlaps dst\[0\] in memory"):
+        _native.copy_rows([src], [dst], None, dst_slots, 8, 0, **row_launch(32, 8))
+    assert torch.equal(dst, before)
+    # the same through a second storage over the same bytes (storage identity cannot see it)
+    arr = np.zeros(32, dtype=np.int64)
+    arr[:8] = np.arange(8)
+    dst2, alias = torch.from_numpy(arr), torch.from_numpy(arr)[:8]
+    with pytest.raises(ValueError, match=r"dst_slots overlaps dst\[0\] in memory"):
+        _native.copy_rows([src], [dst2], None, alias, 8, 0, **row_launch(32, 8))
+    with pytest.raises(ValueError, match=r"src_slots overlaps dst\[0\] in memory"):
+        _native.copy_rows([src], [dst2], alias, None, 8, 0, **row_launch(32, 8))
+    assert (arr[8:] == 0).all() and (arr[:8] == np.arange(8)).all()
+
+
+def test_slots_rewritten_by_another_thread_never_escape_the_tensors():
+    """A thread flips slot values between valid and out-of-range while copies run: every call
+    either copies valid rows or raises IndexError; the guard bytes after the cache never change."""
+    rows = T = 2048
+    row_bytes = 32
+    storage = torch.zeros(rows * 2 * row_bytes, dtype=torch.uint8)   # cache rows, then guard rows
+    dst = storage[: rows * row_bytes]
+    guard = storage[rows * row_bytes:]
+    src = torch.full((T * row_bytes,), 7, dtype=torch.uint8)
+    good = torch.arange(T, dtype=torch.int64)
+    bad = good + rows                                      # lands in the guard rows if ever used
+    dst_slots = good.clone()
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            dst_slots.copy_(bad)
+            dst_slots.copy_(good)
+
+    outcomes = {"copied": 0, "refused": 0}
+    geom = [rows, 1, row_bytes, row_bytes, 0]
+    writer = threading.Thread(target=flip)
+    writer.start()
+    try:
+        for i in range(60):
+            op = _native.copy_rows if i % 2 else _native.copy_runs   # the kernel and the copy-engine walk
+            try:
+                op([src], [dst], None, dst_slots, T, 0, [0, 0], [0, 0], geom, list(geom), 1, row_bytes)
+                outcomes["copied"] += 1
+            except IndexError as exc:
+                assert "dst_slots[" in str(exc) and "the destination holds 2048 slots" in str(exc)
+                outcomes["refused"] += 1
+    finally:
+        stop.set()
+        writer.join()
+    assert outcomes["copied"] + outcomes["refused"] == 60
+    assert int(guard.count_nonzero()) == 0, "a slot value that failed the check was used"
+
+
+def test_positions_overlapping_or_expanded_keys_are_rejected():
+    keys = torch.randn(4, 2, 8)
+    cos_sin = torch.randn(16, 8)
+    pos = torch.tensor([0, 1, 2, 3])
+    # positions stored inside the keys' buffer
+    buf = torch.zeros(4 * 2 * 8, dtype=torch.float32)
+    keys_in_buf = buf.view(4, 2, 8)
+    alias = buf.view(torch.int32)[:4]
+    with pytest.raises(ValueError, match=r"old_positions overlaps key in memory"):
+        ops.rope_reposition(keys_in_buf, alias, pos, cos_sin, is_neox=True)
+    expanded = torch.randn(1, 2, 8).expand(4, 2, 8)
+    before = expanded.clone()
+    with pytest.raises(ValueError, match=r"key has internal overlap"):
+        ops.rope_reposition(expanded, pos, pos.flip(0), cos_sin, is_neox=True)
+    assert torch.equal(expanded, before)
+    ops.rope_reposition(keys, pos, pos.flip(0), cos_sin, is_neox=True)   # the plain case still works
+
+
+# ---------------------------------------------------------------------------------------
+# plans hold no tensors
+# ---------------------------------------------------------------------------------------
+
+def test_remembered_plans_keep_no_tensor_alive(device):
+    cache = make_cache("vllm_flash_attn_nhd", device)
+    refs = []
+    for T in (3, 5, 3):                      # a new geometry, another, then a remembered one
+        out = ops.gather(cache, slots(list(range(T)), device))
+        refs.append(weakref.ref(out))
+        chunk = ops.bind("lmcache_kv_2ltd", torch.zeros(2, 2, T, 16, dtype=torch.float16, device=device))
+        ops.transfer(cache, chunk, slots(list(range(T)), device))
+        refs.append(weakref.ref(chunk.tensors[0]))
+        del out, chunk
+    other = make_cache("vllm_flash_attn_nhd", device, seed=3)
+    ops.transfer(other, ops.bind("lmcache_kv_2ltd", torch.zeros(2, 2, 4, 16, dtype=torch.float16, device=device)),
+                 slots([0, 1, 2, 3], device))
+    refs += [weakref.ref(t) for t in other.tensors]
+    del other
+    gc.collect()
+    assert all(r() is None for r in refs), "a dropped chunk or cache is still referenced"
+
+
+# ---------------------------------------------------------------------------------------
+# overlap by address, self-aliasing destinations, meta tensors
+# ---------------------------------------------------------------------------------------
+
+def test_overlap_of_two_storages_over_one_buffer():
+    """Storages that start at different bytes of one buffer: their data pointers differ, their
+    address ranges meet."""
+    n = 2 * 2 * 6 * 16
+    arr = np.zeros(n + 64, dtype=np.float16)
+    a = ops.bind("lmcache_kv_2ltd", torch.from_numpy(arr[:n]).view(2, 2, 6, 16))
+    b = ops.bind("lmcache_kv_2ltd", torch.from_numpy(arr[64:]).view(2, 2, 6, 16))
+    assert a.tensors[0].untyped_storage().data_ptr() != b.tensors[0].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match=r"src\[0\] and dst\[0\] overlap in memory"):
+        ops.transfer(a, b)
+    with pytest.raises(ValueError, match=r"src\[0\] and dst\[0\] overlap in memory"):
+        ops.transfer(b, a)
+    assert not arr.any()
+    raw = bytearray((n + 64) * 2)
+    c = ops.bind("lmcache_kv_2ltd", torch.frombuffer(raw, dtype=torch.float16, count=n).view(2, 2, 6, 16))
+    d = ops.bind("lmcache_kv_2ltd", torch.frombuffer(raw, dtype=torch.float16, offset=128).view(2, 2, 6, 16))
+    with pytest.raises(ValueError, match=r"overlap in memory"):
+        ops.transfer(c, d)
+    # disjoint parts of one buffer are fine
+    halves = np.arange(2 * n, dtype=np.float16)
+    ops.transfer(ops.bind("lmcache_kv_2ltd", torch.from_numpy(halves[:n]).view(2, 2, 6, 16)),
+                 ops.bind("lmcache_kv_2ltd", torch.from_numpy(halves[n:]).view(2, 2, 6, 16)))
+    assert (halves[n:] == halves[:n]).all()
+    # the native op itself (what compiled code calls)
+    launch = ops.plan(a, b, [0, 1], [0, 1], [0, 1], [0, 1])[0]
+    with pytest.raises(ValueError, match=r"src\[0\] and dst\[0\] overlap in memory"):
+        _native.copy_rows(list(a.tensors), list(b.tensors), None, None, 6, 0, launch.src_segments,
+                          launch.dst_segments, launch.src_geometry, launch.dst_geometry, launch.num_pieces,
+                          launch.piece_bytes)
+
+
+def test_self_aliasing_destinations_are_rejected(device):
+    cache = make_cache("vllm_flash_attn_nhd", device)
+    expanded = torch.zeros(2, 2, 1, 16, dtype=torch.float16, device=device).expand(2, 2, 6, 16)
+    before = expanded.clone()
+    with pytest.raises(ValueError, match=r"dst\[0\] has internal overlap"):
+        ops.transfer(cache, ops.bind("lmcache_kv_2ltd", expanded), slots([0, 1, 2, 3, 4, 5], device))
+    assert torch.equal(expanded, before)
+    rows = torch.ones(2, 2, 2, 2, 8, dtype=torch.float16, device=device)
+    snap = TC.snapshot(cache.tensors)
+    with pytest.raises(ValueError, match=r"dst_layers repeats 0"):
+        ops.transfer(ops.bind("rows", rows), cache, None, slots([1, 2], device), dst_layers=[0, 0])
+    with pytest.raises(ValueError, match=r"dst_planes repeats 1"):
+        ops.transfer(ops.bind("rows", rows), cache, None, slots([1, 2], device), dst_planes=[1, 1])
+    with pytest.raises(ValueError, match=r"layers repeats 1"):
+        ops.scatter(cache, rows, slots([1, 2], device), layers=[1, 1])
+    TC.assert_unchanged(cache.tensors, snap)
+    # the native op refuses two segments onto the same rows by itself
+    chunk = torch.zeros(2, 6, 16, dtype=torch.float16, device=device)
+    launch = row_launch(6, 32)
+    launch.update(src_segments=[0, 0, 0, 192], dst_segments=[0, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"dst_segments 0 and 1 address the same destination rows"):
+        _native.copy_rows([torch.ones_like(chunk)], [chunk], None, None, 6, 0, **launch)
+    assert int(chunk.count_nonzero()) == 0
+
+
+def test_meta_tensors_mixed_with_data_are_rejected():
+    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+    meta_chunk = ops.bind("lmcache_kv_2ltd", torch.empty(2, 2, 4, 16, dtype=torch.float16, device="meta"))
+    with pytest.raises(ValueError, match=r"meta"):
+        ops.transfer(cache, meta_chunk, slots([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match=r"meta"):
+        ops.transfer(meta_chunk, cache, None, slots([0, 1, 2, 3]))
+    launch = row_launch(4, 32)
+    with pytest.raises(ValueError, match=r"kvlayout::copy_rows: src\[0\] is a meta tensor but dst\[0\] is on cpu"):
+        _native.copy_rows([torch.empty(4, 16, dtype=torch.float16, device="meta")],
+                          [torch.zeros(4, 16, dtype=torch.float16)], None, None, 4, 0, **launch)
+    with pytest.raises(ValueError, match=r"key is a meta tensor"):
+        ops.rope_reposition(torch.empty(4, 2, 8, device="meta"), slots([0, 1, 2, 3]), slots([0, 1, 2, 3]),
+                            torch.randn(8, 8), is_neox=True)
+    # all-meta calls trace shapes and are fine
+    ops.transfer(ops.bind("lmcache_kv_2ltd", torch.empty(2, 2, 4, 16, dtype=torch.float16, device="meta")),
+                 meta_chunk)
+
+
+# ---------------------------------------------------------------------------------------
+# autograd sees the writes
+# ---------------------------------------------------------------------------------------
+
+def test_writes_bump_the_version_counter(device):
+    cache = make_cache("vllm_flash_attn_nhd", device)
+    chunk = torch.zeros(2, 2, 4, 16, dtype=torch.float16, device=device)
+    v = chunk._version
+    ops.transfer(cache, ops.bind("lmcache_kv_2ltd", chunk), slots([0, 1, 2, 3], device))
+    assert chunk._version > v
+    keys = torch.randn(4, 2, 8, device=device)
+    v = keys._version
+    ops.rope_reposition(keys, slots([0, 1, 2, 3], device), slots([3, 2, 1, 0], device),
+                        torch.randn(8, 8, device=device), is_neox=False)
+    assert keys._version > v
+    # a tensor saved for backward notices the write
+    x = torch.randn(2, 2, 4, 16, device=device, requires_grad=True)
+    w = (x * 1.0).to(torch.float16)  # a non-leaf that requires grad, saved by the product
+    s = w * w
+    ops.transfer(cache, ops.bind("lmcache_kv_2ltd", w), slots([0, 1, 2, 3], device))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.float().sum().backward()
+
+
+def test_leaf_requiring_grad_and_inference_tensors_are_refused(device):
+    cache = make_cache("vllm_flash_attn_nhd", device)
+    leaf = torch.zeros(2, 2, 4, 16, dtype=torch.float16, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"dst\[0\] is a leaf tensor that requires grad"):
+        ops.transfer(cache, ops.bind("lmcache_kv_2ltd", leaf), slots([0, 1, 2, 3], device))
+    assert int(leaf.detach().count_nonzero()) == 0
+    with torch.no_grad():                     # as with torch's in-place ops
+        ops.transfer(cache, ops.bind("lmcache_kv_2ltd", leaf), slots([0, 1, 2, 3], device))
+    keys = torch.randn(4, 2, 8, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"key is a leaf tensor that requires grad"):
+        ops.rope_reposition(keys, slots([0, 1, 2, 3], device), slots([3, 2, 1, 0], device),
+                            torch.randn(8, 8, device=device), is_neox=True)
+    with torch.inference_mode():
+        inference = torch.zeros(2, 2, 4, 16, dtype=torch.float16, device=device)
+        ops.transfer(cache, ops.bind("lmcache_kv_2ltd", inference), slots([0, 1, 2, 3], device))
+    before = TC.snapshot([inference])
+    with pytest.raises(RuntimeError, match=r"dst\[0\] is an inference tensor"):
+        ops.transfer(cache, ops.bind("lmcache_kv_2ltd", inference), slots([4, 5, 6, 7], device))
+    TC.assert_unchanged([inference], before)
+
+
+# ---------------------------------------------------------------------------------------
+# weak arguments: clear errors naming the argument, the value and the bound
+# ---------------------------------------------------------------------------------------
+
+def test_float_and_bool_indices_are_not_truncated():
+    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+    chunk = ops.bind("lmcache_kv_2ltd", torch.zeros(2, 2, 3, 16, dtype=torch.float16))
+    snap = TC.snapshot(chunk.tensors)
+    with pytest.raises(TypeError, match=r"src_slots\[1\] must be an integer, got float 1.5"):
+        ops.transfer(cache, chunk, [0, 1.5, 2])
+    with pytest.raises(TypeError, match=r"src_slots\[0\] must be an integer, got the bool True"):
+        ops.transfer(cache, chunk, [True, 1, 2])
+    with pytest.raises(TypeError, match=r"src_slots must hold integers, got an array of float64"):
+        ops.transfer(cache, chunk, np.array([0.0, 1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"src_layers\[0\] must be an integer, got float 0.7"):
+        ops.transfer(cache, chunk, [0, 1, 2], src_layers=[0.7, 1])
+    with pytest.raises(TypeError, match=r"src_planes\[0\] must be an integer, got the bool True"):
+        ops.transfer(cache, chunk, [0, 1, 2], src_planes=True, dst_planes=[0])
+    with pytest.raises(TypeError, match=r"skip_prefix must be an integer, got float 1.5"):
+        ops.transfer(cache, chunk, [0, 1, 2], skip_prefix=1.5)
+    with pytest.raises(TypeError, match=r"skip_prefix must be an integer"):
+        ops.skip_prefix(slots([0, 1, 2]), 1.0)
+    with pytest.raises(TypeError, match=r"page must be an integer, got float 1.0"):
+        ops.get_page(cache, 1.0)
+    with pytest.raises(TypeError, match=r"pages\[0\] must be an integer"):
+        ops.page_spans(cache, [0.5])
+    TC.assert_unchanged(chunk.tensors, snap)
+
+
+def test_numpy_integers_are_ints():
+    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+    out = ops.gather(cache, slots([0, 1, 2]), layers=np.int64(1), planes=[np.int32(0)])
+    want = ops.gather(cache, slots([0, 1, 2]), layers=[1], planes=[0])
+    np.testing.assert_array_equal(TC.bits(out), TC.bits(want))
+    got = ops.gather(cache, np.array([0, 1, 2], dtype=np.int32))
+    np.testing.assert_array_equal(TC.bits(got), TC.bits(ops.gather(cache, slots([0, 1, 2]))))
+
+
+def test_overflowing_and_negative_ints_are_named():
+    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+    chunk = ops.bind("lmcache_kv_2ltd", torch.zeros(2, 2, 3, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"src_slots\[1\] = 36893488147419103232 must be <= 9223372036854775807"):
+        ops.transfer(cache, chunk, [0, 2 ** 65, 1])
+    with pytest.raises(ValueError, match=r"num_tokens = -1 must be >= 0"):
+        ops.gather(cache, num_tokens=-1)
+    with pytest.raises(ValueError, match=r"num_tokens = 36893488147419103232 must be <= 9223372036854775807"):
+        ops.transfer(cache, chunk, num_tokens=2 ** 65)
+    with pytest.raises(ValueError, match=r"skip_prefix = -2 must be >= 0"):
+        ops.transfer(cache, chunk, [0, 1, 2], skip_prefix=-2)
+    with pytest.raises(ValueError, match=r"max_ctas = -1 must be >= 0"):
+        ops.transfer(cache, chunk, [0, 1, 2], max_ctas=-1)
+    with pytest.raises(ValueError, match=r"max_ctas = 4294967296 must be <= 2147483647"):
+        ops.transfer(cache, chunk, [0, 1, 2], max_ctas=2 ** 32)
+    with pytest.raises(ValueError, match=r"max_ctas = -3 must be >= 0"):
+        ops.rope_reposition(torch.zeros(2, 1, 8), slots([0, 1]), slots([1, 0]), torch.zeros(4, 8), is_neox=True,
+                            max_ctas=-3)
+    with pytest.raises(IndexError, match=r"dst_slots is None, so token t uses position t; num_tokens = 40 must be "
+                                         r"<= 16"):
+        ops.transfer(ops.bind("lmcache_kv_2ltd", torch.zeros(2, 2, 40, 16, dtype=torch.float16)), cache)
+
+
+def test_move_without_slots_and_bad_page_size():
+    cache = make_cache("sglang_mha", "cpu")
+    with pytest.raises(TypeError, match=r"move needs src_slots"):
+        ops.move(cache, None, None)
+    with pytest.raises(TypeError, match=r"move needs dst_slots"):
+        ops.move(cache, slots([0, 1]), None)
+    k = [torch.zeros(20, 2, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"page_size = -4 must be >= 1"):
+        ops.bind("sglang_mha", (k, k), page_size=-4)
+    with pytest.raises(ValueError, match=r"page_size = 0 must be >= 1"):
+        ops.bind("sglang_mha", (k, k), page_size=0)
+    with pytest.raises(TypeError, match=r"page_size must be an integer, got float 4.0"):
+        ops.bind("sglang_mha", (k, k), page_size=4.0)
+
+
+def test_gather_out_too_short_is_named():
+    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+    out = torch.full((2, 2, 2, 2, 8), 3, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"out has shape \(2, 2, 2, 2, 8\); it must be .* T >= 3"):
+        ops.gather(cache, slots([0, 1, 2]), out=out)
+    with pytest.raises(ValueError, match=r"out has shape"):
+        ops.gather(cache, slots([0, 1]), out=torch.zeros(2, 2, 2, 16, dtype=torch.float16))
+    assert bool((out == 3).all())
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False),
+                                      ("false", False), ("No", False), ("off", False), ("", False)])
+def test_validate_environment_variable(monkeypatch, value, on):
+    monkeypatch.setenv("KVLAYOUT_VALIDATE", value)
+    assert ops.transfer.__globals__["validating"](None) is on
+
+
+def test_validate_environment_variable_not_understood(monkeypatch):
+    monkeypatch.setenv("KVLAYOUT_VALIDATE", "maybe")
+    cache = make_cache("vllm_flash_attn_nhd", "cpu")
+    with pytest.raises(ValueError, match=r"KVLAYOUT_VALIDATE = 'maybe' is not understood"):
+        ops.gather(cache, slots([0, 1]))
+
+
+def test_page_helpers_on_16_byte_elements_are_named():
+    k = [torch.zeros(8, 1, 4, dtype=torch.complex128) for _ in range(2)]
+    cache = ops.bind("sglang_mha", (k, k), page_size=4)
+    with pytest.raises(TypeError, match=r"cache dtype torch.complex128 .*16-byte elements"):
+        ops.get_page(cache, 1)
+    with pytest.raises(TypeError, match=r"cache dtype torch.complex128 .*16-byte elements"):
+        ops.set_page(cache, 1, torch.zeros(2 * 2 * 4 * 4, dtype=torch.complex128))
+
+
+# ---------------------------------------------------------------------------------------
+# compiled calls refuse what eager calls refuse
+# ---------------------------------------------------------------------------------------
+
+def test_compiled_calls_reject_what_eager_rejects(device):
+    """CPU ops always check slots inside the op; devices do with validate=True (inside the op too)."""
+    cache = make_cache("vllm_flash_attn_nhd", device)
+    snap = TC.snapshot(cache.tensors)
+    validate = device != "cpu" or None
+
+    def scatter(rows, s):
+        ops.scatter(cache, rows, s, validate=validate)
+
+    def copy_within(s, d):
+        ops.transfer(cache, cache, s, d)
+
+    rows = torch.ones(2, 2, 3, 2, 8, dtype=torch.float16, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(scatter, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"dst_slots repeats slot 5"):
+        compiled(rows, slots([5, 1, 5], device))
+    with pytest.raises(Exception, match=r"dst_slots\[1\] = 99 is out of range"):
+        compiled(rows, slots([5, 99, 2], device))
+    TC.sync(device)
+    TC.assert_unchanged(cache.tensors, snap)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy_within, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception) as info:      # refused while tracing: dynamo reports the ValueError as cause
+        compiled(slots([0, 1], device), slots([2, 3], device))
+    assert "overlap in memory" in f"{info.value} {info.value.__cause__}"
+    TC.assert_unchanged(cache.tensors, snap)
+
+
+def test_cpu_duplicate_check_allows_what_it_should():
+    src = make_cache("vllm_flash_attn_nhd", "cpu")
+    dst = make_cache("vllm_flashinfer_hnd", "cpu", seed=3)
+    # negatives repeat freely; a repeat inside the skipped prefix writes nothing
+    ops.transfer(src, dst, slots([0, 0, 2, 3]), slots([-1, -1, 4, 5]))
+    ops.transfer(src, dst, slots([0, 1, 2]), slots([6, 6, 7]), skip_prefix=1)
+    with pytest.raises(ValueError, match=r"dst_slots repeats slot 6 \(dst_slots\[1\] and dst_slots\[3\]\)"):
+        ops.transfer(src, dst, slots([0, 1, 2, 3]), slots([0, 6, 1, 6], dtype=torch.int32))
