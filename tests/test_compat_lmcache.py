@@ -319,7 +319,7 @@ def test_validate_reaches_kvlayout_and_rope_positions_are_checked(monkeypatch):
     lm.multi_layer_kv_transfer_unilateral(memobj, sgl, slots, "cpu", 0, Dir.D2H, validate=True)
     lm.single_layer_kv_transfer_sgl(memobj[:, 0], sgl[0][0], sgl[1][0], slots, Dir.D2H, validate=True)
     assert seen == [True, False, True, True]
-    with pytest.raises(IndexError, match=rf"out of range: the cache holds {N} slots"):
+    with pytest.raises(IndexError, match=rf"out of range: the source holds {N} slots"):
         lm.multi_layer_kv_transfer(memobj, kv, slots + N, "cpu", 0, Dir.D2H, F.NL_X_TWO_NB_BS_NH_HS, validate=True)
     key = rand((3, H, D), torch.float32, "cpu", gen)
     before = key.clone()

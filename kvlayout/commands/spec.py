@@ -42,7 +42,7 @@ SEMANTICS = """\
   negatives explicitly.)
 * **Out of range.** A slot `>=` the cache's slot count is an error, never an
   out-of-bounds access: a `ValueError` names the argument, the index, the value
-  and the bound (e.g. `dst_slots[3] = 99 is out of range: the cache holds 64 slots`).
+  and the bound (e.g. `dst_slots[3] = 99 is out of range: the destination holds 64 slots`).
 * **Duplicates.** A destination slot that appears twice (among the
   non-negative ones) is rejected; repeated source slots are fine.
 * **Empty** transfers (no tokens, no layers) are no-ops.
