@@ -44,10 +44,13 @@ page-aligned.  :func:`transfer_kv_direct` moves exactly the listed indices.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import threading
+import weakref
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvlayout import ops
@@ -701,19 +704,43 @@ def _bind_device_pool(device_pool) -> ops.KVCache:
     return ops.bind("sglang_mha", (list(device_pool.k_buffer), list(device_pool.v_buffer)))
 
 
-def _register_host_memory(buffer: torch.Tensor) -> bool:
-    """Page-lock ``buffer``'s own bytes with ``cudaHostRegister`` (no allocator rounding); False when impossible."""
-    if not torch.cuda.is_available():
-        logger.info("host pool: no CUDA runtime here, the buffer stays pageable")
-        return False
-    nbytes = buffer.numel() * buffer.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-    code = int(getattr(err, "value", err))
-    if code != 0:
+_HOST_PAGE = 4096
+
+
+def _collect_cuda_error() -> None:
+    """Take the error a failed runtime call left as CUDA's "last error" (the next kernel launch of any library
+    would report it as its own): a tiny launch reads and clears it."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+
+
+def _page_locked_bytes(nbytes: int) -> torch.Tensor | None:
+    """``uint8 [nbytes]`` of host memory page-locked with ``cudaHostRegister``; ``None`` when CUDA refuses.
+
+    The memory is whole pages of its own (start aligned, length rounded up to
+    a page, at most one page more than asked): ``cudaHostRegister`` locks
+    whole pages, so a range sharing a page with another allocation could not
+    be registered twice. It is unregistered when the last tensor using it is
+    freed (before the memory goes back to the allocator, which may hand it out
+    again), so registrations never outlive their memory.
+    """
+    span = -(-max(nbytes, 1) // _HOST_PAGE) * _HOST_PAGE
+    raw = np.empty(span + _HOST_PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _HOST_PAGE
+    owned = raw[start:start + span]
+    ptr = owned.ctypes.data
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, span, 0)
+    if int(getattr(err, "value", err)) != 0:
         logger.warning("host pool: cudaHostRegister of %.2f GB failed (CUDA error %d); the buffer stays pageable, "
-                       "so device kernels cannot read it directly", nbytes / 1e9, code)
-        return False
-    return True
+                       "so device kernels cannot read it directly", span / 1e9, int(getattr(err, "value", err)))
+        _collect_cuda_error()
+        return None
+    # numpy clears weak references before it frees an array's data: unregister first, then free
+    weakref.finalize(raw, cudart.cudaHostUnregister, ptr).atexit = False
+    return torch.from_numpy(owned)[:nbytes]
 
 
 class HostKVPool:
@@ -749,10 +776,12 @@ class HostKVPool:
     page_first_kv_split       -                            ``[pages, L, P, 1, rank]`` + ``[..., rope]``
     ========================  ===========================  ================================
 
-    ``pin_memory=True``: the buffer is allocated at its exact size and
-    page-locked with ``cudaHostRegister`` (as SGLang; a pinned allocation
-    from torch's caching host allocator would round it up to a power of two);
-    ``pinned`` says whether that worked, and a failure is logged as a warning.
+    ``pin_memory=True`` with a device pool on a GPU: the buffer is allocated
+    at its exact size (whole pages of its own) and page-locked with
+    ``cudaHostRegister`` (as SGLang; a pinned allocation from torch's caching
+    host allocator would round it up to a power of two), and unregistered
+    when the last tensor using it is freed; ``pinned`` says whether that
+    worked, and a failure is logged as a warning.
 
     io backends, for every layout: ``kernel`` moves token rows at the given
     indices with kvlayout's kernel.  ``direct`` uses the copy engine (no SMs,
@@ -807,12 +836,13 @@ class HostKVPool:
         if available is not None and need > available - reserve:
             raise ValueError(f"not enough host memory for the host pool: need {need / 1e9:.2f} GB, "
                              f"{available / 1e9:.2f} GB available, {reserve / 1e9:.2f} GB reserved")
-        self.pin_memory = bool(pin_memory)
+        # page-locking only serves a device pool on a GPU (the kernels and the copy engine reach it directly)
+        self.pin_memory = bool(pin_memory) and torch.device(getattr(device_pool, "device", "cpu")).type == "cuda"
+        self.pinned = self.pin_memory
         self.token_stride_size = (self.kv_cache_dim if self.is_mla else self.head_num * self.head_dim) * \
             torch.empty((), dtype=self.dtype).element_size()
         self.layout_dim = self.token_stride_size * self.layer_num
         self._alloc_buffers()
-        self.pinned = all(_register_host_memory(t) for t in self._physical_list()) if self.pin_memory else False
         self.cache = ops.bind(table[layout], self._physical(), page_size=self.page_size)
         self._data_tables()
         self.lock = threading.RLock()
@@ -837,7 +867,14 @@ class HostKVPool:
 
     # -- buffers --------------------------------------------------------------------------
     def _empty(self, shape) -> torch.Tensor:
-        """A zeroed host tensor of exactly its size (pinned afterwards by ``cudaHostRegister``)."""
+        """A zeroed host tensor of exactly its size, page-locked when the pool pins (``pinned`` turns False
+        when page-locking fails)."""
+        if self.pinned:
+            nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+            raw = _page_locked_bytes(nbytes)
+            if raw is not None:
+                return raw.view(self.dtype).view(shape).zero_()
+            self.pinned = False
         return torch.zeros(shape, dtype=self.dtype)
 
     def _data_tables(self) -> None:

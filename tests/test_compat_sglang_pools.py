@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import types
 
@@ -216,27 +217,54 @@ def test_alloc_errors_as_the_source():
 # Pinning with cudaHostRegister (the CUDA runtime replaced by a recorder)
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("error", [0, 712])
-def test_host_pool_registers_its_exact_buffer(monkeypatch, caplog, error):
-    calls = []
+class _RecordingCudart:
+    """Stands in for torch.cuda.cudart(): records cudaHostRegister / cudaHostUnregister, answers ``error``."""
 
-    class _Cudart:
-        def cudaHostRegister(self, ptr, nbytes, flags):
-            calls.append((ptr, nbytes, flags))
-            return error
+    def __init__(self, error=0):
+        self.error, self.calls = error, []
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
-    gen = torch.Generator().manual_seed(9)
-    dev = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, gen)
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        return self.error
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 10_000])
+def test_page_locked_buffer_owns_whole_pages_and_is_unregistered_when_freed(monkeypatch, nbytes):
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buf = S._page_locked_bytes(nbytes)
+    (kind, ptr, span, flags), = cudart.calls
+    assert kind == "register" and flags == 0 and buf.numel() == nbytes and buf.data_ptr() == ptr
+    assert ptr % 4096 == 0 and span % 4096 == 0 and nbytes <= span < nbytes + 4096   # pages of its own
+    view = buf.view(torch.uint8)[:1]
+    del buf
+    gc.collect()
+    assert len(cudart.calls) == 1, "unregistered while a view still uses the memory"
+    del view
+    gc.collect()
+    assert cudart.calls[1:] == [("unregister", ptr)]
+
+
+def test_page_locking_failure_is_reported_and_leaves_pageable_memory(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _RecordingCudart(712))
+    collected = []
+    monkeypatch.setattr(S, "_collect_cuda_error", lambda: collected.append(True))
     with caplog.at_level(logging.WARNING, logger="kvlayout.compat.sglang"):
-        host = S.HostKVPool(dev, 2.0, 0, P, "page_first")
-    nbytes = host.size * host.get_size_per_token()                          # exactly the pool, no rounding
-    assert calls == [(host.kv_buffer.data_ptr(), nbytes, 0)]
-    assert host.pinned is (error == 0)
-    assert ("cudaHostRegister" in caplog.text) is (error != 0)
-    calls.clear()
-    assert S.HostKVPool(dev, 2.0, 0, P, "page_first", False).pinned is False and calls == []
+        assert S._page_locked_bytes(100) is None
+    assert "cudaHostRegister" in caplog.text and "712" in caplog.text
+    assert collected == [True], "the failed call's error must not be left for the next kernel launch to report"
+
+
+def test_host_pool_pins_only_for_a_device_pool_on_a_gpu(monkeypatch):
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    dev = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, torch.Generator().manual_seed(9))
+    host = S.HostKVPool(dev, 2.0, 0, P, "page_first")          # pin_memory=True, as SGLang, but a CPU pool
+    assert host.pinned is False and cudart.calls == [] and not host.kv_buffer.is_pinned()
 
 
 # ---------------------------------------------------------------------------------------
