@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 from typing import Any, Generator, Mapping, Sequence
 
@@ -350,7 +351,12 @@ class _ChunkConnector(_Connector):
         _check_fmt(memory_obj, self._memory_format())
         slots = self._load_slots(kwargs, start, end)
         skip = skip_tokens(start, end, kwargs.get("vllm_cached_tokens", 0))
-        for i, (kv, fmt, src) in enumerate(self._pairs(memory_obj)):
+        self._load(memory_obj, itertools.repeat(slots), skip, kwargs)
+
+    def _load(self, memory_obj, slots_per_pair, skip: int, kwargs) -> None:
+        """Each (cache, format, chunk tensor) pair of ``memory_obj`` into its cache at its slots, through the
+        staging buffer where there is one."""
+        for i, ((kv, fmt, src), slots) in enumerate(zip(self._pairs(memory_obj), slots_per_pair)):
             staged = self._staging_view(src, slot=i)
             if staged is not None:
                 staged.copy_(src, non_blocking=True)
@@ -533,13 +539,7 @@ class VLLMPagedMemGPUConnectorV3(_ChunkConnector):
         self._caches(kwargs)
         _check_fmt(memory_obj, self._memory_format())
         skip = skip_tokens(start, end, kwargs.get("vllm_cached_tokens", 0))
-        for i, ((kv, fmt, src), slots) in enumerate(zip(self._pairs(memory_obj),
-                                                        self._group_slots(kwargs, start, end))):
-            staged = self._staging_view(src, slot=i)
-            if staged is not None:
-                staged.copy_(src, non_blocking=True)
-                src = staged
-            self._transfer(src, kv, fmt, slots, H2D, skip, self._validate(kwargs))
+        self._load(memory_obj, self._group_slots(kwargs, start, end), skip, kwargs)
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
         self._caches(kwargs)
