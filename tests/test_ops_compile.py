@@ -173,12 +173,17 @@ def run_compiled_against_eager(device, name, backend):
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     got = compiled(*compiled_in, *other)         # compiled first: it may be the process's first kvlayout call
     want = fn(*eager_in, *other)
+    assert_same_results(device, compiled_in, got, eager_in, want)
+    return compiled, fn, mutable, other
+
+
+def assert_same_results(device, compiled_in, got, eager_in, want) -> None:
+    """The compiled call wrote the same bytes into its inputs and returned the same bytes as eager."""
     TC.sync(device)
     for g, w in zip(leaves(compiled_in), leaves(eager_in)):
         np.testing.assert_array_equal(TC.bits(g), TC.bits(w))
     if want is not None:
         np.testing.assert_array_equal(TC.bits(got), TC.bits(want))
-    return compiled, fn, mutable, other
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -191,11 +196,7 @@ def test_compile_fullgraph(device, name):
     eager_in, compiled_in = clone(mutable), clone(mutable)
     want = fn(*eager_in, *other)
     got = compiled(*compiled_in, *other)
-    TC.sync(device)
-    for g, w in zip(leaves(compiled_in), leaves(eager_in)):
-        np.testing.assert_array_equal(TC.bits(g), TC.bits(w))
-    if want is not None:
-        np.testing.assert_array_equal(TC.bits(got), TC.bits(want))
+    assert_same_results(device, compiled_in, got, eager_in, want)
 
 
 def at_tokens(name, mutable, other, T):
@@ -223,11 +224,7 @@ def test_compile_with_changing_token_count(device, name, dynamic):
         compiled_in, compiled_other = at_tokens(name, mutable, other, T)
         want = fn(*eager_in, *eager_other)
         got = compiled(*compiled_in, *compiled_other)
-        TC.sync(device)
-        for g, w in zip(leaves(compiled_in), leaves(eager_in)):
-            np.testing.assert_array_equal(TC.bits(g), TC.bits(w))
-        if want is not None:
-            np.testing.assert_array_equal(TC.bits(got), TC.bits(want))
+        assert_same_results(device, compiled_in, got, eager_in, want)
 
 
 def test_compile_before_any_eager_call(device):
