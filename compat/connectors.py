@@ -373,11 +373,16 @@ class _ChunkConnector(_Connector):
         """
         self._caches(kwargs)
         slots = self._slots(kwargs, start, end)
-        stream = self.store_stream if self.store_on_stream else None
+        self._store(memory_obj, itertools.repeat(slots), self.store_stream if self.store_on_stream else None,
+                    kwargs)
+
+    def _store(self, memory_obj, slots_per_pair, stream, kwargs) -> None:
+        """Each cache into its (cache, format, chunk tensor) pair of ``memory_obj`` on ``stream`` (``None``: the
+        current one), through the staging buffer where there is one; waits when the host reads the result next."""
         wait_stream(stream, self._current())
         dsts = []
         with on_stream(stream):
-            for i, (kv, fmt, dst) in enumerate(self._pairs(memory_obj)):
+            for i, ((kv, fmt, dst), slots) in enumerate(zip(self._pairs(memory_obj), slots_per_pair)):
                 staged = self._staging_view(dst, slot=("store", i))
                 self._transfer(staged if staged is not None else dst, kv, fmt, slots, D2H,
                                validate=self._validate(kwargs))
@@ -543,24 +548,7 @@ class VLLMPagedMemGPUConnectorV3(_ChunkConnector):
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
         self._caches(kwargs)
-        group_slots = self._group_slots(kwargs, start, end)
-        wait_stream(self.store_stream, self._current())
-        dsts = []
-        with on_stream(self.store_stream):
-            for i, ((kv, fmt, dst), slots) in enumerate(zip(self._pairs(memory_obj), group_slots)):
-                staged = self._staging_view(dst, slot=("store", i))
-                self._transfer(staged if staged is not None else dst, kv, fmt, slots, D2H,
-                               validate=self._validate(kwargs))
-                if staged is not None:
-                    dst.copy_(staged, non_blocking=True)
-                dsts.append(dst)
-        if any(t.device.type == "cpu" for t in dsts):      # the host reads it next: wait
-            if self.store_stream is not None:
-                synchronize_stream(self.store_stream)
-                ops.check_errors(self.device)
-            else:
-                _synchronize(self.device)
-        _tag_stored(memory_obj, self._memory_format(), self.use_mla)
+        self._store(memory_obj, self._group_slots(kwargs, start, end), self.store_stream, kwargs)
 
 
 class SGLangGPUConnector(_ChunkConnector):

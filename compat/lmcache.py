@@ -149,32 +149,30 @@ def _enum_int(value, what: str) -> int:
         raise TypeError(f"{what} must be an enum member or its integer value, got {value!r}") from None
 
 
+def _as_member(enum_type, value, what: str, unsupported: str):
+    """``enum_type``'s member with the integer behind ``value`` (see :func:`_enum_int`); ``ValueError`` naming
+    ``what`` and ``unsupported`` (the accepted values) when there is none."""
+    v = _enum_int(value, what)
+    try:
+        return enum_type(v)
+    except ValueError:
+        raise ValueError(f"unsupported {enum_type.__name__} {value!r} for {what}; {unsupported}") from None
+
+
 def as_gpu_kv_format(gpu_kv_format) -> GPUKVFormat:
     """kvlayout's :class:`GPUKVFormat` for a member of LMCache's ``GPUKVFormat``/``EngineKVFormat`` (or an int)."""
-    v = _enum_int(gpu_kv_format, "gpu_kv_format")
-    try:
-        return GPUKVFormat(v)
-    except ValueError:
-        raise ValueError(f"unsupported GPUKVFormat {gpu_kv_format!r}; supported: "
-                         f"{sorted(int(f) for f in LAYOUT_OF_FORMAT)}") from None
+    return _as_member(GPUKVFormat, gpu_kv_format, "gpu_kv_format",
+                      f"supported: {sorted(int(f) for f in LAYOUT_OF_FORMAT)}")
 
 
 def as_memory_format(fmt) -> MemoryFormat:
     """kvlayout's :class:`MemoryFormat` for a member of LMCache's ``MemoryFormat`` (or an int)."""
-    v = _enum_int(fmt, "fmt")
-    try:
-        return MemoryFormat(v)
-    except ValueError:
-        raise ValueError(f"unsupported MemoryFormat {fmt!r}; supported: {[int(f) for f in MemoryFormat]}") from None
+    return _as_member(MemoryFormat, fmt, "fmt", f"supported: {[int(f) for f in MemoryFormat]}")
 
 
 def as_direction(direction) -> TransferDirection:
     """kvlayout's :class:`TransferDirection` for a member of LMCache's (or 0 / 1)."""
-    v = _enum_int(direction, "direction")
-    try:
-        return TransferDirection(v)
-    except ValueError:
-        raise ValueError(f"direction must be H2D (0) or D2H (1), got {direction!r}") from None
+    return _as_member(TransferDirection, direction, "direction", "it must be H2D (0) or D2H (1)")
 
 
 def layout_of(gpu_kv_format) -> str:
