@@ -205,6 +205,16 @@ def test_out_of_range_slot_cuda_recorded_and_memory_outside_untouched(cuda_devic
     assert (raw[:guard] == 0x5A).all() and (raw[-guard:] == 0x5A).all(), "bytes outside the destination written"
 
 
+def test_check_errors_ignores_status_words_made_while_tracing():
+    """Tracing with fake tensors leaves a meta status word behind; check_errors() must not try to read it."""
+    from kvlayout.ops import _native
+    _native.status_tensor("meta")
+    try:
+        ops.check_errors()
+    finally:
+        _native._status.pop(torch.device("meta"), None)
+
+
 def test_positions_beyond_the_destination(device):
     src = make_cache("vllm_flash_attn_nhd", device)
     dst = make_chunk(device, T=4)
