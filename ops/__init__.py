@@ -7,18 +7,26 @@ Bind the tensors an engine already has to a catalog layout, then move rows::
     chunk = ops.bind("lmcache_kv_2ltd", memobj)                 # [2, L, T, H*D]
     ops.transfer(vllm, chunk, slot_mapping)                     # gather into the chunk
 
+A layer-wise pipeline prepares the transfer once and runs one layer per call::
+
+    t = ops.prepare(vllm, chunk, slot_mapping)
+    for i in range(t.num_layers):
+        t.layer(i)
+
 Operations (same names and rules as ``kvlayout.reference``): ``transfer``,
 ``gather``, ``scatter``, ``move``, ``skip_prefix``, page helpers
 (``get_page``, ``set_page``, ``zero_page``, ``page_spans``,
 ``page_buffer_meta``), ``rope_reposition``.  Native ops:
-``torch.ops.kvlayout.copy_rows`` and ``torch.ops.kvlayout.rope_reposition``.
+``torch.ops.kvlayout.copy_rows``, ``torch.ops.kvlayout.copy_program`` (a registered
+copy program, ``kvlayout.ops.program``) and ``torch.ops.kvlayout.rope_reposition``.
 """
 
 from .views import KVCache, bind
 from .transfer import transfer, gather, scatter, move, skip_prefix, check_errors, plan
+from .prepared import PreparedTransfer, prepare
 from .pages import get_page, set_page, zero_page, page_spans, page_buffer_meta, dummy_flat_page
 from .rope import rope_reposition
 
-__all__ = ["KVCache", "bind", "transfer", "gather", "scatter", "move", "skip_prefix", "check_errors", "plan",
+__all__ = ["KVCache", "bind", "transfer", "prepare", "PreparedTransfer", "gather", "scatter", "move", "skip_prefix", "check_errors", "plan",
            "get_page", "set_page", "zero_page", "page_spans", "page_buffer_meta", "dummy_flat_page",
            "rope_reposition"]

@@ -83,6 +83,14 @@ def _copy_runs_fake(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src
     return None
 
 
+@torch.library.register_fake("kvlayout::copy_program")
+def _copy_program_fake(program, src, dst, src_slots, dst_slots, step, num_tokens, skip_prefix, max_ctas, status,
+                       validate=False):
+    _no_meta_mixed_with_data("copy_program", dict(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots,
+                                                  status=status))
+    return None
+
+
 @torch.library.register_fake("kvlayout::rope_reposition")
 def _rope_reposition_fake(key, old_positions, new_positions, cos_sin_cache, is_neox,
                           max_ctas, status):

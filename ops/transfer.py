@@ -280,20 +280,34 @@ def validating(validate: bool | None) -> bool:
     raise ValueError(f"KVLAYOUT_VALIDATE = {raw!r} is not understood: use 1/true/yes/on or 0/false/no/off")
 
 
-def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
-             src_planes=None, dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None,
-             max_ctas: int = 0, validate: bool | None = None, engine: str = "kernel") -> None:
-    """Copy token rows from ``src`` into ``dst`` in place (see ``reference.transfer``).
+@dataclasses.dataclass
+class TransferArgs:
+    """A transfer's arguments, checked and normalized (what :func:`transfer` and ``prepare`` share)."""
 
-    ``src_slots``/``dst_slots``: int32/int64 ``[T]`` tensors on the launch
-    device (or pinned host), or ``None`` for positions ``0..T-1`` (chunk
-    layouts).  For each token t >= ``skip_prefix`` with both slots >= 0, each
-    plane pair and each layer pair: ``dst[pd, ld, dst_slots[t]] = src[ps, ls,
-    src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: how many
-    CTAs (SMs) the CUDA kernel may occupy, 0 = default.
-    """
+    src_layers: list
+    dst_layers: list
+    src_planes: list
+    dst_planes: list
+    device: torch.device          # where the copy runs
+    src_slots: torch.Tensor | None
+    dst_slots: torch.Tensor | None
+    num_tokens: int
+    skip_prefix: int
+    max_ctas: int
+    validate: bool
+    engine: str
+
+    @property
+    def empty(self) -> bool:
+        return self.num_tokens == 0 or not self.src_layers or not self.src_planes
+
+
+ENGINES = ("kernel", "copy")
+
+
+def check_layers_and_planes(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes):
+    """The chosen layers and planes of both sides as index lists (same counts, no destination twice)."""
     g_src, g_dst = src.geometry, dst.geometry
-    _check_pair(src, dst)
     s_layers = as_index_list(g_src.L, src_layers, "src_layers")
     d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers", unique=True)
     if len(s_layers) != len(d_layers):
@@ -302,13 +316,14 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes", unique=True)
     if len(s_planes) != len(d_planes):
         raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
-    if engine not in ("kernel", "copy"):
-        raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
+    return s_layers, d_layers, s_planes, d_planes
+
+
+def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, src_slots, dst_slots,
+                skip_prefix, num_tokens) -> tuple:
+    """``(src_slots, dst_slots, num_tokens, skip_prefix)`` checked for a transfer from ``src`` to ``dst``."""
     skip_prefix = as_int("skip_prefix", skip_prefix, lo=0)
     num_tokens = None if num_tokens is None else as_int("num_tokens", num_tokens, lo=0)
-    max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
-    validate = validating(validate)
-    device = _launch_device(src, dst)
     slot_device = device if engine == "kernel" else torch.device("cpu")
     s_slots = _slots_tensor("src_slots", src_slots, slot_device)
     d_slots = _slots_tensor("dst_slots", dst_slots, slot_device)
@@ -319,11 +334,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     lengths = {int(s.shape[0]) for s in (s_slots, d_slots) if s is not None}
     if len(lengths) > 1:
         raise ValueError(f"src_slots and dst_slots differ in length: {sorted(lengths)}")
-    T = lengths.pop() if lengths else (num_tokens if num_tokens is not None else g_src.N)
+    T = lengths.pop() if lengths else (num_tokens if num_tokens is not None else src.geometry.N)
     if num_tokens is not None and num_tokens != T:
         raise ValueError(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
-    for name, arg, slots, geom in (("source", "src_slots", s_slots, g_src),
-                                   ("destination", "dst_slots", d_slots, g_dst)):
+    for name, arg, slots, geom in (("source", "src_slots", s_slots, src.geometry),
+                                   ("destination", "dst_slots", d_slots, dst.geometry)):
         if slots is None and T > geom.N:
             raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots ({arg} is None, so token t "
                              f"uses position t; num_tokens = {T} must be <= {geom.N})")
@@ -333,22 +348,77 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
         # the kernel op checks every slot itself (CPU always, devices with validate=True, inside the
         # op so compiled code keeps it); the copy engine reads the slots on the host but does not
         # look for repeats
-        _check_slots_on_host("dst_slots", d_slots, g_dst.N, unique=True)
-    if T == 0 or not s_layers or not s_planes:
-        return
-    launches = cached_plan(src, dst, s_layers, d_layers, s_planes, d_planes)
-    _check_disjoint(src, dst, launches)
-    if engine == "copy":
-        for launch in launches:
-            _native.copy_runs(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
-                              launch.src_segments, launch.dst_segments, launch.src_geometry,
-                              launch.dst_geometry, launch.num_pieces, launch.piece_bytes)
-        return
-    status = _native.status_tensor(device)
+        _check_slots_on_host("dst_slots", d_slots, dst.geometry.N, unique=True)
+    return s_slots, d_slots, T, skip_prefix
+
+
+def transfer_args(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None,
+                  dst_layers=None, src_planes=None, dst_planes=None, skip_prefix: int = 0,
+                  num_tokens: int | None = None, max_ctas: int = 0, validate: bool | None = None,
+                  engine: str = "kernel") -> TransferArgs:
+    """Checks and normalizes :func:`transfer`'s arguments (errors name the argument)."""
+    _check_pair(src, dst)
+    layers_planes = check_layers_and_planes(src, dst, src_layers, dst_layers, src_planes, dst_planes)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
+    max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
+    validate = validating(validate)
+    device = _launch_device(src, dst)
+    s_slots, d_slots, T, skip_prefix = check_slots(src, dst, device, engine, src_slots, dst_slots, skip_prefix,
+                                                   num_tokens)
+    return TransferArgs(*layers_planes, device, s_slots, d_slots, T, skip_prefix, max_ctas, validate, engine)
+
+
+def copy_engine_run(launches: list[Launch], args: TransferArgs) -> None:
+    """Runs launches with the copy engine (``kvlayout::copy_runs``)."""
     for launch in launches:
-        _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
-                          launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,
-                          launch.num_pieces, launch.piece_bytes, max_ctas, status, validate)
+        _native.copy_runs(launch.src_tensors, launch.dst_tensors, args.src_slots, args.dst_slots, args.num_tokens,
+                          args.skip_prefix, launch.src_segments, launch.dst_segments, launch.src_geometry,
+                          launch.dst_geometry, launch.num_pieces, launch.piece_bytes)
+
+
+def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
+             src_planes=None, dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None,
+             max_ctas: int = 0, validate: bool | None = None, engine: str = "kernel") -> None:
+    """Copy token rows from ``src`` into ``dst`` in place (see ``reference.transfer``).
+
+    ``src_slots``/``dst_slots``: int32/int64 ``[T]`` tensors on the launch
+    device (or pinned host), or ``None`` for positions ``0..T-1`` (chunk
+    layouts).  For each token t >= ``skip_prefix`` with both slots >= 0, each
+    plane pair and each layer pair: ``dst[pd, ld, dst_slots[t]] = src[ps, ls,
+    src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: how many
+    CTAs (SMs) the CUDA kernel may occupy, 0 = default.  ``engine``:
+    ``"kernel"`` (the copy kernel) or ``"copy"`` (the copy engine, slots on the
+    host).  The plan is made once per choice and kept in C++ as a copy
+    program; calling :func:`~kvlayout.ops.prepare` instead also keeps the
+    binding and the argument checks.
+    """
+    args = transfer_args(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
+                         src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix,
+                         num_tokens=num_tokens, max_ctas=max_ctas, validate=validate, engine=engine)
+    if args.empty:
+        return
+    if args.engine == "copy":
+        launches = cached_plan(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+        _check_disjoint(src, dst, launches)
+        copy_engine_run(launches, args)
+        return
+    status = _native.status_tensor(args.device)
+    if torch.compiler.is_compiling():
+        # The graph keeps the launches themselves (registering a program is not traceable);
+        # tensors have no addresses while tracing, so the identity check names the caches' tensors.
+        launches = plan(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+        _check_disjoint(src, dst, launches)
+        for launch in launches:
+            _native.copy_rows(launch.src_tensors, launch.dst_tensors, args.src_slots, args.dst_slots,
+                              args.num_tokens, args.skip_prefix, launch.src_segments, launch.dst_segments,
+                              launch.src_geometry, launch.dst_geometry, launch.num_pieces, launch.piece_bytes,
+                              args.max_ctas, status, args.validate)
+        return
+    from .program import program_for, run_program   # (program imports this module)
+    handle = program_for(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+    run_program(handle, src, dst, args.src_slots, args.dst_slots, 0, args.num_tokens, args.skip_prefix,
+                args.max_ctas, status, args.validate)
 
 
 def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layers=None, planes=None,

@@ -105,35 +105,7 @@ void parse_segments(at::TensorList tensors, c10::IntArrayRef segments, const cha
   }
 }
 
-SlotArray parse_index(const std::optional<at::Tensor>& t, int64_t length, const char* name,
-                      const char* length_name) {
-  if (!t.has_value() || !t->defined()) return SlotArray{nullptr, 1, 8, 0};
-  const at::Tensor& x = *t;
-  TORCH_CHECK(x.dim() == 1, "kvlayout: ", name, " must be 1-D, got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "kvlayout: ", name,
-              " must be int32 or int64, got ", x.scalar_type());
-  TORCH_CHECK(x.size(0) == length, "kvlayout: ", name, " has ", x.size(0),
-              " entries but ", length_name, " is ", length);
-  return SlotArray{x.data_ptr(), x.size(0) > 1 ? x.stride(0) : 1,
-                   static_cast<int32_t>(x.element_size()), 0};
-}
 
-// Bytes [begin, end) a tensor's elements can occupy (empty for no elements).
-struct ByteRange {
-  uintptr_t begin = 0, end = 0;
-};
-
-ByteRange byte_range(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage() || t.numel() == 0) return {};
-  int64_t extent = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {begin, begin + static_cast<uintptr_t>(extent * t.element_size())};
-}
-
-bool ranges_meet(const ByteRange& a, const ByteRange& b) {
-  return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end;
-}
 
 // Written tensors: no element may be written through two indices (torch
 // refuses in-place writes into expanded tensors for the same reason).
@@ -149,47 +121,6 @@ void check_no_internal_overlap(const at::Tensor& t, const char* op, const char* 
               "single memory location, e.g. an expanded tensor with strides ", t.strides(),
               "); it cannot be written in place");
 }
-
-// Address ranges, not storage identity: two storages over one buffer
-// (torch.from_numpy of one array twice, torch.frombuffer) are caught too.
-// Written tensors (dst) are sorted by start; a read range is tested against
-// the ones that start before it ends (prefix maximum of their ends).
-class WrittenRanges {
- public:
-  void add(const at::Tensor& t, int64_t index) {
-    const ByteRange r = byte_range(t);
-    if (r.begin < r.end) items_.push_back({r, index, t.device()});
-  }
-  void finish() {
-    std::sort(items_.begin(), items_.end(),
-              [](const Item& a, const Item& b) { return a.range.begin < b.range.begin; });
-    max_end_.resize(items_.size());
-    uintptr_t m = 0;
-    for (size_t i = 0; i < items_.size(); ++i) max_end_[i] = m = std::max(m, items_[i].range.end);
-  }
-  // Index of a written tensor whose range meets `t`'s (on t's device), or -1.
-  int64_t find(const at::Tensor& t) const {
-    const ByteRange r = byte_range(t);
-    if (r.begin >= r.end || items_.empty()) return -1;
-    size_t k = std::lower_bound(items_.begin(), items_.end(), r.end,
-                                [](const Item& a, uintptr_t v) { return a.range.begin < v; }) -
-               items_.begin();
-    while (k > 0 && max_end_[k - 1] > r.begin) {
-      --k;
-      if (ranges_meet(items_[k].range, r) && items_[k].device == t.device()) return items_[k].index;
-    }
-    return -1;
-  }
-
- private:
-  struct Item {
-    ByteRange range;
-    int64_t index;
-    c10::Device device;
-  };
-  std::vector<Item> items_;
-  std::vector<uintptr_t> max_end_;
-};
 
 void check_copy_aliasing(at::TensorList src, at::TensorList dst,
                          const std::optional<at::Tensor>& src_slots,
@@ -213,14 +144,8 @@ void check_copy_aliasing(at::TensorList src, at::TensorList dst,
                 "] overlap in memory (the copy would read bytes it writes); within one cache ",
                 "use move()");
   }
-  for (const auto& [slots, name] : {std::make_pair(&src_slots, "src_slots"),
-                                    std::make_pair(&dst_slots, "dst_slots")}) {
-    if (!slots->has_value() || !(*slots)->defined()) continue;
-    const int64_t j = written.find(**slots);
-    TORCH_CHECK_VALUE(j < 0, "kvlayout::copy_rows: ", name, " overlaps dst[", j,
-                "] in memory (the copy would rewrite the slots it reads); pass a slot tensor "
-                "of its own");
-  }
+  check_slots_not_written(written, src_slots, "src_slots", "kvlayout::copy_rows");
+  check_slots_not_written(written, dst_slots, "dst_slots", "kvlayout::copy_rows");
   // Two segments writing the same rows (a layer or plane chosen twice).
   std::vector<std::pair<uintptr_t, int64_t>> bases(p.num_segments);
   for (int64_t g = 0; g < p.num_segments; ++g)
@@ -266,6 +191,69 @@ class SlotSet {
 };
 
 }  // namespace
+
+// Bytes [begin, end) a tensor's elements can occupy (empty for no elements).
+ByteRange byte_range(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.numel() == 0) return {};
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>(extent * t.element_size())};
+}
+
+bool ranges_meet(const ByteRange& a, const ByteRange& b) {
+  return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end;
+}
+
+// Written tensors are sorted by start; a read range is tested against the
+// ones that start before it ends (prefix maximum of their ends).
+void WrittenRanges::add(const at::Tensor& t, int64_t index) {
+  const ByteRange r = byte_range(t);
+  if (r.begin < r.end) items_.push_back({r, index, t.device()});
+}
+
+void WrittenRanges::finish() {
+  std::sort(items_.begin(), items_.end(),
+            [](const Item& a, const Item& b) { return a.range.begin < b.range.begin; });
+  max_end_.resize(items_.size());
+  uintptr_t m = 0;
+  for (size_t i = 0; i < items_.size(); ++i) max_end_[i] = m = std::max(m, items_[i].range.end);
+}
+
+int64_t WrittenRanges::find(const at::Tensor& t) const {
+  const ByteRange r = byte_range(t);
+  if (r.begin >= r.end || items_.empty()) return -1;
+  size_t k = std::lower_bound(items_.begin(), items_.end(), r.end,
+                              [](const Item& a, uintptr_t v) { return a.range.begin < v; }) -
+             items_.begin();
+  while (k > 0 && max_end_[k - 1] > r.begin) {
+    --k;
+    if (ranges_meet(items_[k].range, r) && items_[k].device == t.device()) return items_[k].index;
+  }
+  return -1;
+}
+
+void check_slots_not_written(const WrittenRanges& written, const std::optional<at::Tensor>& slots,
+                             const char* name, const char* op) {
+  if (!slots.has_value() || !slots->defined()) return;
+  const int64_t j = written.find(*slots);
+  TORCH_CHECK_VALUE(j < 0, op, ": ", name, " overlaps dst[", j,
+                    "] in memory (the copy would rewrite the slots it reads); pass a slot tensor "
+                    "of its own");
+}
+
+SlotArray parse_index(const std::optional<at::Tensor>& t, int64_t length, const char* name,
+                      const char* length_name) {
+  if (!t.has_value() || !t->defined()) return SlotArray{nullptr, 1, 8, 0};
+  const at::Tensor& x = *t;
+  TORCH_CHECK(x.dim() == 1, "kvlayout: ", name, " must be 1-D, got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "kvlayout: ", name,
+              " must be int32 or int64, got ", x.scalar_type());
+  TORCH_CHECK(x.size(0) == length, "kvlayout: ", name, " has ", x.size(0),
+              " entries but ", length_name, " is ", length);
+  return SlotArray{x.data_ptr(), x.size(0) > 1 ? x.stride(0) : 1,
+                   static_cast<int32_t>(x.element_size()), 0};
+}
 
 [[noreturn]] void raise_slot_out_of_range(const char* name, bool identity, int64_t t,
                                           int64_t value, int64_t bound) {

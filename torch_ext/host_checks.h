@@ -12,6 +12,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kvlayout/address.h"
@@ -38,6 +39,42 @@ struct CopyPlan {
   bool empty() const { return num_segments == 0 || skip_prefix >= num_tokens; }
   int64_t row_bytes() const { return num_pieces * piece_bytes; }
 };
+
+// Bytes [begin, end) a tensor's elements can occupy (empty for no elements).
+struct ByteRange {
+  uintptr_t begin = 0, end = 0;
+};
+ByteRange byte_range(const at::Tensor& t);
+bool ranges_meet(const ByteRange& a, const ByteRange& b);
+
+// The address ranges of the tensors an op writes. Address ranges, not
+// storage identity: two storages over one buffer (torch.from_numpy of one
+// array twice, torch.frombuffer) are caught too.
+class WrittenRanges {
+ public:
+  void add(const at::Tensor& t, int64_t index);  // then finish() before find()
+  void finish();
+  // Index of a written tensor whose range meets `t`'s (on t's device), or -1.
+  int64_t find(const at::Tensor& t) const;
+
+ private:
+  struct Item {
+    ByteRange range;
+    int64_t index;
+    c10::Device device;
+  };
+  std::vector<Item> items_;
+  std::vector<uintptr_t> max_end_;
+};
+
+// A 1-D int32/int64 index tensor of `length` entries as a SlotArray (none:
+// the identity); errors name the argument and the length's name.
+SlotArray parse_index(const std::optional<at::Tensor>& t, int64_t length, const char* name,
+                      const char* length_name);
+
+// Raises ValueError when a slot tensor overlaps a written tensor.
+void check_slots_not_written(const WrittenRanges& written, const std::optional<at::Tensor>& slots,
+                             const char* name, const char* op);
 
 // Validates the arguments of kvlayout::copy_rows (all but slot values and
 // device placement) and returns the normalised plan. Slot tensors are read

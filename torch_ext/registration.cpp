@@ -1,18 +1,17 @@
-// Operator schemas of kvlayout and the Python module stub kvlayout._C.
+// Operator schemas of kvlayout.
 //
-// Importing kvlayout._C loads this library, whose static initialisers register
-// the schemas below and every backend's implementations (TORCH_LIBRARY_IMPL in
-// torch_ext/{cpu,cuda,sycl}). No Python bindings are needed: the ops are
-// reached as torch.ops.kvlayout.*.
-#include <Python.h>
+// Importing kvlayout._C (torch_ext/python_module.cpp) loads this library,
+// whose static initialisers register the schemas below and every backend's
+// implementations (TORCH_LIBRARY_IMPL in torch_ext/{cpu,cuda,sycl} and
+// torch_ext/program.cpp). The ops are reached as torch.ops.kvlayout.*.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <string>
 #include <vector>
+
+#include "program.h"
 
 namespace kvlayout {
 namespace {
@@ -48,6 +47,14 @@ TORCH_LIBRARY(kvlayout, m) {
       "copy_runs(Tensor[] src, Tensor(a!)[] dst, Tensor? src_slots, Tensor? dst_slots, "
       "int num_tokens, int skip_prefix, int[] src_segments, int[] dst_segments, "
       "int[] src_geometry, int[] dst_geometry, int num_pieces, int piece_bytes) -> ()");
+  // Runs step `step` of the registered copy program `program` (see
+  // torch_ext/program.h) on the caches' tensor lists: step 0 copies every
+  // chosen layer, step 1 + i the i-th chosen layer. The per-call arguments
+  // are the slot tensors and counts; the geometry lives in the program.
+  m.def(
+      "copy_program(int program, Tensor[] src, Tensor(a!)[] dst, Tensor? src_slots, "
+      "Tensor? dst_slots, int step, int num_tokens, int skip_prefix, int max_ctas, "
+      "Tensor(b!) status, bool validate=False) -> ()");
   // Rotates cached keys from old to new RoPE positions (see kvlayout/rope.h).
   m.def(
       "rope_reposition(Tensor(a!) key, Tensor old_positions, Tensor new_positions, "
@@ -87,14 +94,7 @@ void inplace_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   std::vector<at::Tensor> written;
   for_each_written(op, stack, [&](const at::Tensor& t, const std::string& name, int64_t j) {
     if (!t.defined()) return;
-    const std::string what = j < 0 ? name : name + "[" + std::to_string(j) + "]";
-    TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad() && t.is_leaf()), op_name,
-                ": ", what, " is a leaf tensor that requires grad; a leaf Variable that requires "
-                "grad is being used in an in-place operation (write under torch.no_grad() or "
-                "into a tensor that does not require grad)");
-    TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), op_name, ": ", what,
-                " is an inference tensor; inplace update to inference tensor outside "
-                "InferenceMode is not allowed (make a clone to get a normal tensor first)");
+    check_writable(t, op_name, j < 0 ? name : name + "[" + std::to_string(j) + "]");
     written.push_back(t);
   });
   {
@@ -110,13 +110,8 @@ void inplace_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
 TORCH_LIBRARY_IMPL(kvlayout, Autograd, m) {
   m.impl("copy_rows", torch::CppFunction::makeFromBoxedFunction<&inplace_autograd>());
   m.impl("copy_runs", torch::CppFunction::makeFromBoxedFunction<&inplace_autograd>());
+  m.impl("copy_program", torch::CppFunction::makeFromBoxedFunction<&inplace_autograd>());
   m.impl("rope_reposition", torch::CppFunction::makeFromBoxedFunction<&inplace_autograd>());
 }
 
 }  // namespace kvlayout
-
-static struct PyModuleDef kvlayout_c_module = {PyModuleDef_HEAD_INIT, "_C",
-                                               "kvlayout native ops (torch.ops.kvlayout)", -1,
-                                               nullptr};
-
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kvlayout_c_module); }

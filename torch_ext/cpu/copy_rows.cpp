@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "../host_checks.h"
+#include "../program.h"
 #include "kvlayout/address.h"
 
 namespace kvlayout {
@@ -26,6 +27,56 @@ void check_on_cpu(at::TensorList ts, const char* name) {
   }
 }
 
+// A launch bound to CPU tensors: base pointers resolved once.
+class CpuLaunch final : public BoundLaunch {
+ public:
+  CpuLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst) {
+    check_on_cpu(src, "src");
+    check_on_cpu(dst, "dst");
+    src_base_.resize(plan.num_segments);
+    dst_base_.resize(plan.num_segments);
+    for (int64_t g = 0; g < plan.num_segments; ++g) {
+      src_base_[g] = static_cast<const char*>(src[plan.src_tensor[g]].data_ptr()) + plan.src_offset[g];
+      dst_base_[g] = static_cast<char*>(dst[plan.dst_tensor[g]].data_ptr()) + plan.dst_offset[g];
+    }
+  }
+
+  void run(const CopyPlan& plan, const RunArgs& args) const override {
+    (void)args;  // the CPU checks every slot and raises; no CTA budget
+    run_plan(plan);
+  }
+
+  // Each slot is read once into the op's own copy, checked there (range, and
+  // no destination slot twice: two tokens writing one row would race), and
+  // the copy is what the walk uses.
+  void run_plan(CopyPlan p) const {
+    if (p.empty()) return;
+    HostSlots slots;
+    read_slots_once(p, slots, /*unique_dst=*/true);
+    const int64_t bytes_per_token = std::max<int64_t>(1, p.num_segments * p.row_bytes());
+    const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / bytes_per_token);
+    at::parallel_for(p.skip_prefix, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+      for_each_block(p, begin, end, [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
+        std::memmove(dst_base_[g] + dof, src_base_[g] + so, static_cast<size_t>(bytes));
+      });
+    });
+  }
+
+ private:
+  std::vector<const char*> src_base_;
+  std::vector<char*> dst_base_;
+};
+
+std::unique_ptr<BoundLaunch> make_cpu_launch(const CopyPlan& plan, at::TensorList src,
+                                             at::TensorList dst, c10::Device device,
+                                             const at::Tensor& status) {
+  (void)device;
+  (void)status;  // CPU raises instead of recording
+  return std::make_unique<CpuLaunch>(plan, src, dst);
+}
+
+const bool registered = (register_bound_launch_factory(c10::DeviceType::CPU, &make_cpu_launch), true);
+
 void copy_rows_cpu(at::TensorList src, at::TensorList dst,
                    const std::optional<at::Tensor>& src_slots,
                    const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
@@ -37,30 +88,11 @@ void copy_rows_cpu(at::TensorList src, at::TensorList dst,
   (void)validate;  // CPU always validates every slot
   check_on_cpu(src, "src");
   check_on_cpu(dst, "dst");
-  CopyPlan p =
+  const CopyPlan p =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, max_ctas);
   if (p.empty()) return;
-  // Each slot is read once into the op's own copy, checked there (range, and
-  // no destination slot twice: two tokens writing one row would race), and
-  // the copy is what the walk below uses.
-  HostSlots slots;
-  read_slots_once(p, slots, /*unique_dst=*/true);
-
-  const int64_t G = p.num_segments;
-  std::vector<const char*> sb(G);
-  std::vector<char*> db(G);
-  for (int64_t g = 0; g < G; ++g) {
-    sb[g] = static_cast<const char*>(src[p.src_tensor[g]].data_ptr()) + p.src_offset[g];
-    db[g] = static_cast<char*>(dst[p.dst_tensor[g]].data_ptr()) + p.dst_offset[g];
-  }
-  const int64_t bytes_per_token = std::max<int64_t>(1, G * p.row_bytes());
-  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / bytes_per_token);
-  at::parallel_for(p.skip_prefix, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
-    for_each_block(p, begin, end, [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
-      std::memmove(db[g] + dof, sb[g] + so, static_cast<size_t>(bytes));
-    });
-  });
+  CpuLaunch(p, src, dst).run_plan(p);
 }
 
 // The copy-engine op on CPU is the same host walk: one memmove per block.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../host_checks.h"
+#include "../program.h"
 #include "cuda_common.h"
 #include "kvlayout/copy_rows_kernel.h"
 
@@ -71,6 +72,15 @@ struct StreamingMem<1> {
 template <int VEC>
 __global__ void __launch_bounds__(kCopyThreadsPerBlock)
     copy_rows_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent launch (consecutive layer calls),
+  // the kernel may start while the previous kernel of the stream still runs:
+  // wait for it to finish and its writes to be visible before touching
+  // memory, then let the next dependent launch start its CTAs. Without that
+  // launch attribute both instructions do nothing.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
   copy_rows_thread<VEC, StreamingMem<VEC>>(p, thread, num_threads,
@@ -95,8 +105,15 @@ int64_t resident_ctas_per_sm() {
 // device memory every CTA that is resident at once (one full wave: the work
 // is split evenly over the grid, so CTAs beyond one wave would run a second,
 // partial wave at a fraction of the occupancy).
+// Whether the device supports programmatic dependent launch (compute
+// capability 9.0 and later).
+bool supports_dependent_launch(c10::DeviceIndex dev) {
+  return at::cuda::getDeviceProperties(dev)->major >= 9;
+}
+
 template <int VEC>
-void launch(const Params& p, int64_t max_ctas, bool touches_host, cudaStream_t stream) {
+void launch(const Params& p, int64_t max_ctas, bool touches_host, bool dependent,
+            cudaStream_t stream) {
   const int64_t budget =
       max_ctas > 0 ? max_ctas
                    : int64_t(cuda::num_sms()) *
@@ -105,8 +122,22 @@ void launch(const Params& p, int64_t max_ctas, bool touches_host, cudaStream_t s
   const int64_t threads_needed = p.num_tasks << p.log2_group;
   int64_t blocks = (threads_needed + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
-  copy_rows_kernel<VEC><<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!dependent) {
+    copy_rows_kernel<VEC><<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kCopyThreadsPerBlock);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, copy_rows_kernel<VEC>, p));
 }
 
 // Which device runs the op: the first CUDA tensor among dst, src, slots, status.
@@ -119,6 +150,130 @@ c10::Device launch_device(at::TensorList src, at::TensorList dst,
   TORCH_CHECK(status.is_cuda(), "kvlayout::copy_rows: no CUDA tensor among the arguments");
   return status.device();
 }
+
+// A launch bound to tensors: device addresses, vector width and the segment
+// bases of each <= kMaxSegmentsPerLaunch chunk are resolved once; a run
+// fills in the slots and token counts and launches.
+class CudaLaunch final : public BoundLaunch {
+ public:
+  CudaLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst, c10::Device dev,
+             const at::Tensor& status)
+      : dev_(dev) {
+    check_status_tensor(status, dev);
+    // Device-visible addresses of every tensor (pinned host memory through UVA).
+    std::vector<const char*> src_ptr(src.size(), nullptr);
+    std::vector<char*> dst_ptr(dst.size(), nullptr);
+    for (int64_t g = 0; g < plan.num_segments; ++g) {
+      const int64_t si = plan.src_tensor[g], di = plan.dst_tensor[g];
+      if (src_ptr[si] == nullptr) {
+        src_ptr[si] = cuda::device_address(src[si], dev, "src", si);
+        if (!src[si].is_cuda()) host_src_.emplace_back(si, src_ptr[si]);
+      }
+      if (dst_ptr[di] == nullptr) {
+        dst_ptr[di] = cuda::device_address(dst[di], dev, "dst", di);
+        if (!dst[di].is_cuda()) host_dst_.emplace_back(di, dst_ptr[di]);
+      }
+    }
+    touches_host_ = !host_src_.empty() || !host_dst_.empty();
+
+    // Widest vector that divides every base address, every stride in use and
+    // the piece size.
+    uint64_t align = static_cast<uint64_t>(plan.piece_bytes);
+    auto strides_in_use = [&](const RowGeometry& g) {
+      if (g.num_slots > g.page_size) align |= static_cast<uint64_t>(g.stride_page);
+      if (g.page_size > 1 && g.num_slots > 1) align |= static_cast<uint64_t>(g.stride_in_page);
+      if (plan.num_pieces > 1) align |= static_cast<uint64_t>(g.stride_piece);
+    };
+    strides_in_use(plan.src_geom);
+    strides_in_use(plan.dst_geom);
+    for (int64_t g = 0; g < plan.num_segments; ++g) {
+      align |= reinterpret_cast<uintptr_t>(src_ptr[plan.src_tensor[g]] + plan.src_offset[g]);
+      align |= reinterpret_cast<uintptr_t>(dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g]);
+    }
+    vec_ = 16;
+    while (vec_ > 1 && (align % static_cast<uint64_t>(vec_)) != 0) vec_ /= 2;
+
+    Params p{};
+    p.src_geom = plan.src_geom;
+    p.dst_geom = plan.dst_geom;
+    p.num_pieces = plan.num_pieces;
+    p.vecs_per_piece = plan.piece_bytes / vec_;
+    p.vecs_per_row = plan.num_pieces * p.vecs_per_piece;
+    p.status = status.data_ptr<int64_t>();
+    p.log2_group = copy_rows_log2_group(p.vecs_per_row, vec_);
+    for (int64_t first = 0; first < plan.num_segments; first += kMaxSegmentsPerLaunch) {
+      const int64_t n = std::min<int64_t>(kMaxSegmentsPerLaunch, plan.num_segments - first);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t g = first + j;
+        p.src_base[j] = src_ptr[plan.src_tensor[g]] + plan.src_offset[g];
+        p.dst_base[j] = dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g];
+      }
+      p.num_segments = n;
+      p.record_errors = first == 0 ? 1 : 0;
+      chunks_.push_back(p);
+    }
+  }
+
+  void run(const CopyPlan& plan, const RunArgs& args) const override {
+    const c10::cuda::CUDAGuard guard(dev_);
+    if (args.validate) validate_slots_on_host(plan, args.src_slots, args.dst_slots);
+    SlotArray ss = plan.src_slots, ds = plan.dst_slots;
+    ss.data = cuda::index_address(args.src_slots, dev_, "src_slots");
+    ds.data = cuda::index_address(args.dst_slots, dev_, "dst_slots");
+    const bool dependent = args.dependent_launch && supports_dependent_launch(dev_.index());
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev_.index()).stream();
+    for (const Params& chunk : chunks_) {
+      Params p = chunk;  // a bound launch may run on several threads at once
+      p.src_slots = ss;
+      p.dst_slots = ds;
+      p.skip_prefix = plan.skip_prefix;
+      p.tokens = plan.num_tokens - plan.skip_prefix;
+      p.num_tasks = p.tokens * p.num_segments;
+      switch (vec_) {
+        case 16: launch<16>(p, args.max_ctas, touches_host_, dependent, stream); break;
+        case 8: launch<8>(p, args.max_ctas, touches_host_, dependent, stream); break;
+        case 4: launch<4>(p, args.max_ctas, touches_host_, dependent, stream); break;
+        case 2: launch<2>(p, args.max_ctas, touches_host_, dependent, stream); break;
+        default: launch<1>(p, args.max_ctas, touches_host_, dependent, stream); break;
+      }
+    }
+  }
+
+  // A host tensor at the same address must still be pinned with the same
+  // device alias (it may have been freed and its address reused).
+  bool still_valid(at::TensorList src, at::TensorList dst) const override {
+    auto same_alias = [&](const at::Tensor& t, const char* alias) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, t.data_ptr()) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      return attr.type == cudaMemoryTypeHost && attr.devicePointer == alias;
+    };
+    for (const auto& [i, alias] : host_src_)
+      if (!same_alias(src[i], alias)) return false;
+    for (const auto& [j, alias] : host_dst_)
+      if (!same_alias(dst[j], alias)) return false;
+    return true;
+  }
+
+ private:
+  c10::Device dev_;
+  std::vector<Params> chunks_;
+  std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
+  bool touches_host_ = false;
+  int vec_ = 16;
+};
+
+std::unique_ptr<BoundLaunch> make_cuda_launch(const CopyPlan& plan, at::TensorList src,
+                                              at::TensorList dst, c10::Device device,
+                                              const at::Tensor& status) {
+  const c10::cuda::CUDAGuard guard(device);
+  return std::make_unique<CudaLaunch>(plan, src, dst, device, status);
+}
+
+const bool registered =
+    (register_bound_launch_factory(c10::DeviceType::CUDA, &make_cuda_launch), true);
 
 void copy_rows_cuda(at::TensorList src, at::TensorList dst,
                     const std::optional<at::Tensor>& src_slots,
@@ -134,72 +289,12 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
   const c10::cuda::CUDAGuard guard(dev);
   check_status_tensor(status, dev);
   if (plan.empty()) return;
-  if (validate) validate_slots_on_host(plan, src_slots, dst_slots);
-
-  // Device-visible addresses of every tensor (pinned host memory through UVA).
-  bool touches_host = false;
-  std::vector<const char*> src_ptr(src.size(), nullptr);
-  std::vector<char*> dst_ptr(dst.size(), nullptr);
-  for (int64_t g = 0; g < plan.num_segments; ++g) {
-    const int64_t si = plan.src_tensor[g], di = plan.dst_tensor[g];
-    if (src_ptr[si] == nullptr) src_ptr[si] = cuda::device_address(src[si], dev, "src", si);
-    if (dst_ptr[di] == nullptr) dst_ptr[di] = cuda::device_address(dst[di], dev, "dst", di);
-    touches_host = touches_host || !src[si].is_cuda() || !dst[di].is_cuda();
-  }
-  SlotArray ss = plan.src_slots, ds = plan.dst_slots;
-  ss.data = cuda::index_address(src_slots, dev, "src_slots");
-  ds.data = cuda::index_address(dst_slots, dev, "dst_slots");
-
-  // Widest vector that divides every base address, every stride in use and
-  // the piece size.
-  uint64_t align = static_cast<uint64_t>(plan.piece_bytes);
-  auto strides_in_use = [&](const RowGeometry& g) {
-    if (g.num_slots > g.page_size) align |= static_cast<uint64_t>(g.stride_page);
-    if (g.page_size > 1 && g.num_slots > 1) align |= static_cast<uint64_t>(g.stride_in_page);
-    if (plan.num_pieces > 1) align |= static_cast<uint64_t>(g.stride_piece);
-  };
-  strides_in_use(plan.src_geom);
-  strides_in_use(plan.dst_geom);
-  for (int64_t g = 0; g < plan.num_segments; ++g) {
-    align |= reinterpret_cast<uintptr_t>(src_ptr[plan.src_tensor[g]] + plan.src_offset[g]);
-    align |= reinterpret_cast<uintptr_t>(dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g]);
-  }
-  int vec = 16;
-  while (vec > 1 && (align % static_cast<uint64_t>(vec)) != 0) vec /= 2;
-
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
-
-  Params p{};
-  p.src_geom = plan.src_geom;
-  p.dst_geom = plan.dst_geom;
-  p.src_slots = ss;
-  p.dst_slots = ds;
-  p.skip_prefix = plan.skip_prefix;
-  p.tokens = plan.num_tokens - plan.skip_prefix;
-  p.num_pieces = plan.num_pieces;
-  p.vecs_per_piece = plan.piece_bytes / vec;
-  p.vecs_per_row = plan.num_pieces * p.vecs_per_piece;
-  p.status = status.data_ptr<int64_t>();
-  p.log2_group = copy_rows_log2_group(p.vecs_per_row, vec);
-
-  for (int64_t first = 0; first < plan.num_segments; first += kMaxSegmentsPerLaunch) {
-    const int64_t n = std::min<int64_t>(kMaxSegmentsPerLaunch, plan.num_segments - first);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t g = first + j;
-      p.src_base[j] = src_ptr[plan.src_tensor[g]] + plan.src_offset[g];
-      p.dst_base[j] = dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g];
-    }
-    p.num_segments = n;
-    p.num_tasks = p.tokens * n;
-    p.record_errors = first == 0 ? 1 : 0;
-    switch (vec) {
-      case 16: launch<16>(p, max_ctas, touches_host, stream); break;
-      case 8: launch<8>(p, max_ctas, touches_host, stream); break;
-      case 4: launch<4>(p, max_ctas, touches_host, stream); break;
-      case 2: launch<2>(p, max_ctas, touches_host, stream); break;
-      default: launch<1>(p, max_ctas, touches_host, stream); break;
-    }
-  }
+  RunArgs args;
+  args.src_slots = src_slots;
+  args.dst_slots = dst_slots;
+  args.max_ctas = max_ctas;
+  args.validate = validate;
+  CudaLaunch(plan, src, dst, dev, status).run(plan, args);
 }
 
 }  // namespace

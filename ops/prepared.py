@@ -1,0 +1,118 @@
+"""Prepared transfers: check and plan once, then run a layer (or all) per call.
+
+An engine calls a transfer once per layer per step on the same caches, and
+the host time of each call is what it feels.  :func:`prepare` does once what
+:func:`~kvlayout.ops.transfer` does per call (argument checks, planning,
+storage bounds and overlap checks, host-pointer lookups, kernel parameters)
+and returns a :class:`PreparedTransfer` whose calls go straight to C++::
+
+    t = ops.prepare(vllm, host, slot_mapping, host_slots)     # once per step (or once)
+    for i in range(num_layers):
+        t.layer(i)                                            # one launch, a few µs of host time
+    t.set_slots(next_slot_mapping, next_host_slots)           # next step, no re-planning
+
+The prepared transfer keeps its caches' tensors alive; if one of them is
+resized or re-set meanwhile, the next call raises instead of writing where
+the memory used to be.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlayout import _C
+
+from . import _native
+from .program import program_for, program_steps
+from .transfer import TransferArgs, _check_disjoint, check_slots, copy_engine_run, transfer_args
+from .views import KVCache, as_int, bind
+
+
+class PreparedTransfer:
+    """A transfer from ``src`` to ``dst`` planned and checked once (see :func:`prepare`).
+
+    ``t()`` copies every chosen layer; ``t.layer(i)`` the ``i``-th chosen
+    layer only (``0 <= i < t.num_layers``); ``t.set_slots(...)`` swaps the
+    slot tensors (and token count) for the next step.
+    """
+
+    def __init__(self, src: KVCache, dst: KVCache, args: TransferArgs, dependent_launch: bool):
+        self.src, self.dst = src, dst
+        self._args = args
+        self._dependent = bool(dependent_launch)
+        self._status = _native.status_tensor(args.device)
+        if args.engine == "copy":
+            self._steps = program_steps(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+            _check_disjoint(src, dst, self._steps[0])
+            self._handle = self._native = None
+            return
+        self._steps = None
+        self._handle = program_for(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+        # bound now: storage bounds, overlaps and kernel parameters are checked and made once
+        self._native = _C.PreparedCopy(self._handle, list(src.tensors), list(dst.tensors), self._status)
+
+    @property
+    def num_layers(self) -> int:
+        """How many layers the transfer copies (``t.layer(i)`` takes ``0 <= i < num_layers``)."""
+        return len(self._args.src_layers)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._args.num_tokens
+
+    def __call__(self) -> None:
+        """Copy every chosen layer (one launch per row geometry)."""
+        self._run(0)
+
+    def layer(self, i: int) -> None:
+        """Copy the ``i``-th chosen layer only (one launch)."""
+        if type(i) is not int or not 0 <= i < len(self._args.src_layers):
+            i = as_int("layer", i, lo=0, hi=len(self._args.src_layers) - 1)
+        self._run(1 + i)
+
+    def set_slots(self, src_slots=None, dst_slots=None, *, skip_prefix: int = 0, num_tokens: int | None = None):
+        """Use these slots (and token count) from the next call on; the plan and the checks are kept."""
+        a = self._args
+        s, d, T, skip = check_slots(self.src, self.dst, a.device, a.engine, src_slots, dst_slots, skip_prefix,
+                                    num_tokens)
+        a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix = s, d, T, skip
+        return self
+
+    def _run(self, step: int) -> None:
+        a = self._args
+        if a.num_tokens == 0 or not a.src_planes:
+            return
+        if self._native is None:
+            copy_engine_run(self._steps[step], a)
+        elif torch.compiler.is_compiling():
+            torch.ops.kvlayout.copy_program(self._handle, list(self.src.tensors), list(self.dst.tensors),
+                                            a.src_slots, a.dst_slots, step, a.num_tokens, a.skip_prefix,
+                                            a.max_ctas, self._status, a.validate)
+        else:
+            self._native.run(step, a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate,
+                             self._dependent)
+
+    def __repr__(self) -> str:
+        a = self._args
+        return (f"PreparedTransfer({self.src.layout.name} -> {self.dst.layout.name}, {self.num_layers} layers, "
+                f"{a.num_tokens} tokens, {a.device}, engine={a.engine!r})")
+
+
+def prepare(src, dst, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None, src_planes=None,
+            dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None, max_ctas: int = 0,
+            validate: bool | None = None, engine: str = "kernel", dependent_launch: bool = True
+            ) -> PreparedTransfer:
+    """A :class:`PreparedTransfer`: :func:`~kvlayout.ops.transfer`'s arguments, checked and planned once.
+
+    Same arguments and rules as :func:`~kvlayout.ops.transfer` (``src`` and
+    ``dst`` may also be ``(layout, tensors)`` pairs).  ``dependent_launch``
+    (CUDA, compute capability 9.0+): each launch may start while the previous
+    kernel of the stream finishes (programmatic dependent launch); it still
+    waits for that kernel's writes before it reads or writes anything.
+    """
+    src = src if isinstance(src, KVCache) else bind(*src)
+    dst = dst if isinstance(dst, KVCache) else bind(*dst)
+    args = transfer_args(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
+                         src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix,
+                         num_tokens=num_tokens, max_ctas=max_ctas, validate=validate, engine=engine)
+    return PreparedTransfer(src, dst, args, dependent_launch)

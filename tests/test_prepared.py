@@ -1,0 +1,262 @@
+"""Prepared transfers (``ops.prepare``) and copy programs against the reference, on every device.
+
+A prepared transfer must move exactly the bytes ``ops.transfer`` (and the
+reference) moves, whether called for all layers at once or layer by layer;
+swap its slots; refuse tensors that changed under it; keep autograd's rules;
+and work inside ``torch.compile(fullgraph=True)`` and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from kvlayout import ops, reference as R
+from kvlayout.conformance import strategies as S
+from kvlayout.reference import Geometry
+
+import torch_cases as TC
+from conftest import devices
+from test_ops import bind_np, op_kwargs
+
+
+def _case_caches(case, device):
+    src_np, dst_np = case.caches()
+    want = R.transfer(case.src_layout, src_np, case.dst_layout, dst_np, *case.slots(), **case.transfer_kwargs())
+    src = bind_np(case.src_layout, src_np, case.src_geom, device)
+    fresh = lambda: bind_np(case.dst_layout, dst_np, case.dst_geom, device)   # noqa: E731
+    return src, fresh, TC.flat(case.dst_layout, want)
+
+
+@pytest.mark.parametrize("device", devices)
+@given(case=S.transfer_cases())
+@settings(max_examples=TC.examples(12))
+def test_prepared_all_layers_and_layer_by_layer_match_the_reference(device, case):
+    src, fresh, want = _case_caches(case, device)
+    ss, ds = case.slots()
+    slots = (TC.slots(ss, torch.int32, device), TC.slots(ds, torch.int64, device))
+    dst = fresh()
+    t = ops.prepare(src, dst, *slots, **op_kwargs(case))
+    t()
+    TC.sync(device)
+    TC.assert_same_bytes(dst.tensors, want, f"all layers of {case.describe()}")
+    dst = fresh()
+    t = ops.prepare(src, dst, *slots, **op_kwargs(case))
+    for i in range(t.num_layers):
+        t.layer(i)
+    TC.sync(device)
+    TC.assert_same_bytes(dst.tensors, want, f"layer by layer, {case.describe()}")
+
+
+def _pair(device, L=3, NB=4, BS=4, H=2, E=8, seed=0):
+    """A vLLM-style paged source with random bytes and a zeroed LMCache chunk destination."""
+    g = Geometry(P=2, L=L, NB=NB, BS=BS, H=H, E=E)
+    rng = np.random.default_rng(seed)
+    src_np = S.random_cache("vllm_flash_attn_nhd", g, "float16", rng)
+    src = bind_np("vllm_flash_attn_nhd", src_np, g, device)
+    chunk = torch.zeros(2, L, 6, H * E, dtype=torch.float16, device=device)
+    return g, src_np, src, ops.bind("lmcache_kv_2ltd", chunk)
+
+
+def _want_rows(src_np, g, slots, layers=None):
+    """[2, L', T, H*E] rows of the numpy source at ``slots`` (reference gather)."""
+    rows = np.asarray(R.gather("vllm_flash_attn_nhd", src_np, np.asarray(slots), layers=layers))
+    return rows.reshape(rows.shape[0], rows.shape[1], rows.shape[2], -1)
+
+
+def test_set_slots_swaps_the_next_calls_slots(device):
+    g, src_np, src, dst = _pair(device)
+    t = ops.prepare(src, dst, TC.slots([0, 5, 9], device=device))
+    t.set_slots(TC.slots([15, 1, 2, 3, 4, 6], device=device))
+    assert t.num_tokens == 6
+    t()
+    TC.sync(device)
+    assert np.array_equal(TC.bits(dst.tensors[0]), _want_rows(src_np, g, [15, 1, 2, 3, 4, 6]).view(np.uint16))
+
+
+def test_layer_call_writes_only_its_layer(device):
+    g, src_np, src, dst = _pair(device)
+    t = ops.prepare(src, dst, TC.slots([3, 2, 1, 0, 7, 8], device=device), src_layers=[2, 0], dst_layers=[0, 1])
+    t.layer(1)                                     # source layer 0 -> destination layer 1 only
+    TC.sync(device)
+    got = TC.bits(dst.tensors[0])
+    want = _want_rows(src_np, g, [3, 2, 1, 0, 7, 8], layers=[0]).view(np.uint16)
+    assert np.array_equal(got[:, 1], want[:, 0])
+    assert not got[:, 0].any() and not got[:, 2].any()
+    with pytest.raises(ValueError, match=r"layer = 2 must be <= 1"):
+        t.layer(2)
+    with pytest.raises(TypeError, match="layer must be an integer"):
+        t.layer(0.0)
+
+
+def test_a_resized_or_reset_tensor_is_refused(device):
+    _, _, src, dst = _pair(device)
+    t = ops.prepare(src, dst, TC.slots([0, 1], device=device))
+    t()
+    dst.tensors[0].resize_(4 * dst.tensors[0].numel())            # new, larger storage
+    with pytest.raises(RuntimeError, match="destination tensor 0 was resized, re-set or freed"):
+        t()
+    _, _, src, dst = _pair(device)
+    t = ops.prepare(src, dst, TC.slots([0, 1], device=device))
+    src.tensors[1].set_(torch.zeros_like(src.tensors[1]))
+    with pytest.raises(RuntimeError, match="source tensor 1 was resized, re-set or freed"):
+        t.layer(0)
+
+
+def test_the_prepared_transfer_keeps_its_tensors_alive(device):
+    g, src_np, src, dst = _pair(device)
+    out = dst.tensors[0]
+    t = ops.prepare(src, dst, TC.slots([4, 3], device=device))
+    del src, dst
+    gc.collect()
+    t()
+    TC.sync(device)
+    assert np.array_equal(TC.bits(out)[:, :, :2], _want_rows(src_np, g, [4, 3]).view(np.uint16))
+
+
+def test_out_of_range_slots(device):
+    _, _, src, dst = _pair(device)
+    before = TC.snapshot(dst.tensors)
+    t = ops.prepare(src, dst, TC.slots([0, 99], device=device))
+    if device == "cpu":
+        with pytest.raises(IndexError, match=r"src_slots\[1\] = 99 is out of range: the source holds 16 slots"):
+            t.layer(0)
+        TC.assert_unchanged(dst.tensors, before)
+    else:
+        t.layer(0)
+        torch.cuda.synchronize()
+        with pytest.raises(IndexError, match=r"src_slots\[1\] = 99 is out of range"):
+            ops.check_errors()
+    with pytest.raises(IndexError, match=r"src_slots\[1\] = 99 is out of range"):
+        ops.prepare(src, dst, TC.slots([0, 99], device=device), validate=True).layer(0)
+
+
+def test_set_slots_checks_like_transfer(device):
+    _, _, src, dst = _pair(device)
+    t = ops.prepare(src, dst, TC.slots([0, 1], device=device))
+    with pytest.raises(TypeError, match="src_slots must be int32 or int64"):
+        t.set_slots(torch.zeros(2, dtype=torch.float32, device=device))
+    with pytest.raises(IndexError, match="positions exceed the destination's 6 slots"):
+        t.set_slots(None, num_tokens=7)
+    with pytest.raises(ValueError, match="overlaps dst"):
+        t.set_slots(dst.tensors[0].view(-1)[:4].view(torch.int64))   # slots inside the destination
+        t()
+
+
+def test_version_counter_and_leaf_rules(device):
+    _, _, src, dst = _pair(device)
+    t = ops.prepare(src, dst, TC.slots([0, 1], device=device))
+    v = dst.tensors[0]._version
+    t()
+    assert dst.tensors[0]._version > v
+    dst.tensors[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"dst\[0\] is a leaf tensor that requires grad"):
+        t()
+    with torch.no_grad():
+        t()
+
+
+def test_copy_engine_prepared(device):
+    g, src_np, src, dst = _pair(device)
+    t = ops.prepare(src, dst, torch.tensor([7, 6, 5]), engine="copy")
+    for i in range(t.num_layers):
+        t.layer(i)
+    TC.sync(device)
+    assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :3], _want_rows(src_np, g, [7, 6, 5]).view(np.uint16))
+
+
+def test_prepared_layer_calls_compile_fullgraph(device):
+    g, src_np, src, dst = _pair(device)
+    slots = TC.slots([9, 8, 7, 1], device=device)
+    t = ops.prepare(src, dst, slots)
+
+    @torch.compile(fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    def step(x):
+        for i in range(t.num_layers):
+            t.layer(i)
+        return x + 1
+
+    step(torch.zeros(1, device=device))
+    TC.sync(device)
+    assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :4], _want_rows(src_np, g, [9, 8, 7, 1]).view(np.uint16))
+
+
+def test_copy_program_op_opcheck(device):
+    from kvlayout.ops import _native
+    from kvlayout.ops.program import program_for
+    _, _, src, dst = _pair(device)
+    handle = program_for(src, dst, [0, 1, 2], [0, 1, 2], [0, 1], [0, 1])
+    args = (handle, list(src.tensors), list(dst.tensors), TC.slots([1, 2], device=device), None, 2, 2, 0, 0,
+            _native.status_tensor(device), False)
+    torch.library.opcheck(torch.ops.kvlayout.copy_program, args)
+
+
+def test_copy_program_refuses_a_foreign_tensor_list(device):
+    from kvlayout.ops import _native
+    from kvlayout.ops.program import program_for
+    _, _, src, dst = _pair(device)
+    handle = program_for(src, dst, [0, 1, 2], [0, 1, 2], [0, 1], [0, 1])
+    small = torch.zeros(2, 3, 2, 16, dtype=torch.float16, device=device)   # too small for the program's chunk
+    with pytest.raises(RuntimeError, match="addresses bytes up to"):
+        torch.ops.kvlayout.copy_program(handle, list(src.tensors), [small], None, None, 0, 2, 0, 0,
+                                        _native.status_tensor(device), False)
+    with pytest.raises(ValueError, match="destination of 1 tensors, got 2"):
+        torch.ops.kvlayout.copy_program(handle, list(src.tensors), [small, small], None, None, 0, 2, 0, 0,
+                                        _native.status_tensor(device), False)
+    with pytest.raises(IndexError, match="no copy program has handle"):
+        torch.ops.kvlayout.copy_program(1 << 40, list(src.tensors), list(dst.tensors), None, None, 0, 2, 0, 0,
+                                        _native.status_tensor(device), False)
+
+
+def test_transfer_rebinds_when_a_cache_moves(device):
+    """ops.transfer's C++ binding cache is keyed by address: new tensors of the same shapes are new bindings."""
+    for seed in range(3):
+        g, src_np, src, dst = _pair(device, seed=seed)
+        ops.transfer(src, dst, TC.slots([1, 2, 3], device=device))
+        TC.sync(device)
+        assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :3], _want_rows(src_np, g, [1, 2, 3]).view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA: dependent launches, graph capture and replay with new slots
+# ---------------------------------------------------------------------------------------
+
+def test_dependent_launch_waits_for_the_previous_kernel(cuda_device):
+    """Each layer call starts early but must still see what the kernel before it wrote."""
+    L = 8
+    g, _, src, dst = _pair(cuda_device, L=L, NB=64, BS=16, H=8, E=128)
+    slots = torch.randperm(g.N, device=cuda_device)[:6]
+    t = ops.prepare(src, dst, slots, dependent_launch=True)
+    for round_ in range(3):
+        for i in range(L):
+            src.tensors[i].fill_(float(round_ * L + i))          # the kernel right before the copy
+            t.layer(i)
+        torch.cuda.synchronize()
+        got = dst.tensors[0].float()
+        for i in range(L):
+            assert bool((got[:, i] == float(round_ * L + i)).all()), f"layer {i}, round {round_}"
+
+
+def test_cuda_graph_of_a_step_replays_with_new_slots(cuda_device):
+    g, src_np, src, dst = _pair(cuda_device, L=4)
+    slots = torch.full((6,), -1, dtype=torch.int64, device=cuda_device)     # capacity 6, unused = -1
+    t = ops.prepare(src, dst, slots)
+    t()                                                                    # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for i in range(t.num_layers):
+            t.layer(i)
+    for values in ([3, 1, 4, 15, 9, 2], [7, 7 + 16, 40, -1, -1, -1]):
+        dst.tensors[0].zero_()
+        slots.copy_(torch.tensor(values))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = sum(v >= 0 for v in values)
+        assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :n], _want_rows(src_np, g, values[:n]).view(np.uint16))
+        assert not TC.bits(dst.tensors[0])[:, :, n:].any()
