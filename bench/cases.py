@@ -15,6 +15,7 @@ cache, plus one ``copy_`` across the host boundary through a staging buffer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -67,13 +68,23 @@ class Case:
     layerwise: bool = False
     max_ctas: int = 0
     engine: str = "kernel"  # or "copy": the copy engine, page-granular runs
+    call: str = "transfer"  # layer-wise: "transfer" (ops.transfer per layer), "prepared" (a prepared
+    #                         transfer's layer calls) or "graph" (those calls captured once, replayed)
+    empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
     def key(self) -> str:
         mode = "x%d layers" % SHAPES[self.shape].L if self.layerwise else "all layers"
         engine = "" if self.engine == "kernel" else " copy-engine"
+        call = "" if self.call == "transfer" else f" {self.call}"
+        empty = " empty" if self.empty else ""
         return (f"{self.shape} T={self.T} ps={self.page_size} {self.device_layout}->{self.buffer_layout} "
-                f"{self.direction} {mode} ctas={self.max_ctas or 'default'}{engine}")
+                f"{self.direction} {mode} ctas={self.max_ctas or 'default'}{engine}{call}{empty}")
+
+    @property
+    def calls(self) -> int:
+        """Host calls per measured repetition (one per layer when layer-wise)."""
+        return SHAPES[self.shape].L if self.layerwise else 1
 
     def payload_bytes(self, itemsize: int = 2) -> int:
         s = SHAPES[self.shape]
@@ -103,13 +114,18 @@ def plan_cases(quick: bool) -> list[Case]:
         for (dev, buf), ps, direction in itertools.product(pairs, [16] if quick else [1, 16, 64],
                                                            ("to_host", "from_host")):
             cases.append(Case("layouts", name, dev, buf, 4096, ps, direction))
-    # layer-wise pipeline: L calls of one layer each, against the all-layer figure
-    for name, T, direction in itertools.product(shapes[:3], [256] if quick else [256, 4096],
-                                                ("to_host", "from_host")):
+    # layer-wise pipeline: L calls of one layer each (ops.transfer, prepared layer calls, and those calls
+    # replayed from a CUDA graph), against the all-layer figure of the headline group
+    for name, T, direction, call in itertools.product(shapes[:3], [256] if quick else [256, 4096],
+                                                      ("to_host", "from_host"), ("transfer", "prepared", "graph")):
         shape = SHAPES[name]
         dev = "vllm_mla" if shape.mla else "vllm_flash_attn_nhd"
         buf = "lmcache_kv_mla_layer" if shape.mla else "lmcache_kv_t2d"
-        cases.append(Case("layerwise", name, dev, buf, T, 16, direction, layerwise=True))
+        cases.append(Case("layerwise", name, dev, buf, T, 16, direction, layerwise=True, call=call))
+    # SGLang HiCache: a host pool loaded into the device pool layer by layer (load_to_device_per_layer)
+    for T, call in itertools.product([256] if quick else [256, 4096], ("transfer", "prepared")):
+        cases.append(Case("layerwise", "L32_H8_D128", "sglang_mha", "hicache_layer_first", T, 16, "from_host",
+                          layerwise=True, call=call))
     # CTA budget for host transfers
     for name, direction, ctas in itertools.product(["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_H1_D128",
                                                                                   "L32_MLA_D576"],
@@ -123,15 +139,25 @@ def plan_cases(quick: bool) -> list[Case]:
         dev = "vllm_mla" if SHAPES[name].mla else "vllm_flash_attn_nhd"
         buf = "hicache_mla_page_first_direct" if SHAPES[name].mla else "hicache_page_first_direct"
         cases.append(Case("copy_engine", name, dev, buf, 4096, ps, direction, engine=engine))
-    return cases
+    return cases + host_cost_cases("to_host")
+
+
+def host_cost_cases(direction: str) -> list[Case]:
+    """Host time per call with nothing to move (every slot -1): ops.transfer of all layers, of one layer, and a
+    prepared layer call."""
+    return [Case("host_cost", "L32_H8_D128", "vllm_flash_attn_nhd", buf, 256, 16, direction, layerwise=layerwise,
+                 call=call, empty=True)
+            for buf, layerwise, call in (("lmcache_kv_2ltd", False, "transfer"), ("lmcache_kv_t2d", True, "transfer"),
+                                         ("lmcache_kv_t2d", True, "prepared"))]
 
 
 def cpu_cases() -> list[Case]:
-    """A short CPU run: small shapes only (the CPU kernel is a correctness path)."""
+    """A short CPU run: small shapes only (the CPU kernel is a correctness path), and the host cost per call."""
     return [Case("headline", "L32_H1_D128", dev, buf, T, 16, d)
             for (dev, buf), T, d in itertools.product([("vllm_flash_attn_nhd", "lmcache_kv_2ltd"),
                                                        ("vllm_flash_attn_hnd", "lmcache_kv_2ltd")],
-                                                      [256, 4096], ("gather_device", "scatter_device"))]
+                                                      [256, 4096], ("gather_device", "scatter_device"))] + \
+        host_cost_cases("gather_device")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,12 +257,15 @@ def build(case: Case, inputs: Inputs, min_cache_slots: int = 8192) -> dict:
     cache = _physical(case.device_layout, shape, n_cache, case.page_size, shape.L, dtype, inputs, False)
     buffer_is_chunk = case.buffer_layout.startswith("lmcache")
     n_buf = case.T if buffer_is_chunk else n_cache
-    buf_layers = 1 if case.layerwise else shape.L
+    # layer-wise chunks hold one layer (each layer call reuses it); a host pool holds every layer
+    buf_layers = 1 if case.layerwise and buffer_is_chunk else shape.L
     buffer = _physical(case.buffer_layout, shape, n_buf, case.page_size, buf_layers, dtype, inputs, host)
     slot_device = inputs.device if case.engine == "kernel" else torch.device("cpu")   # the copy engine reads them on the host
     cache_slots = _page_slots(n_cache, case.page_size, case.T, inputs.index_generator).to(slot_device)
     buffer_slots = None if buffer_is_chunk else \
         _page_slots(n_buf, case.page_size, case.T, inputs.index_generator).to(slot_device)
+    if case.empty:
+        cache_slots.fill_(-1)
     return {"cache": cache, "buffer": buffer, "cache_slots": cache_slots, "buffer_slots": buffer_slots}
 
 
@@ -247,19 +276,47 @@ def endpoints(case: Case, data: dict):
     return data["buffer"], data["buffer_slots"], data["cache"], data["cache_slots"]
 
 
+def _layer_choices(case: Case, data: dict) -> list[dict]:
+    """Per layer call: the layers keyword arguments (a one-layer chunk is layer 0 on its side)."""
+    L = SHAPES[case.shape].L
+    src, _, _, _ = endpoints(case, data)
+    chunk = case.buffer_layout.startswith("lmcache")
+    cache_is_src = src is data["cache"]
+    return [{"src_layers": [layer if cache_is_src or not chunk else 0],
+             "dst_layers": [0 if cache_is_src and chunk else layer]} for layer in range(L)]
+
+
 def kvlayout_fn(case: Case, data: dict):
     """The measured kvlayout call(s)."""
     src, ss, dst, ds = endpoints(case, data)
     if not case.layerwise:
         return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
-    L = SHAPES[case.shape].L
-    cache_is_src = src is data["cache"]
+    choices = _layer_choices(case, data)
+    if case.call == "transfer":
+        def per_layer():
+            for kw in choices:
+                ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, **kw)
+        return per_layer
+    if case.buffer_layout.startswith("lmcache"):
+        # one-layer chunks: one prepared transfer per layer (as a layer-wise connector keeps per layer)
+        layers = [ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, **kw) for kw in choices]
+    else:
+        t = ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas)
+        layers = [functools.partial(t.layer, i) for i in range(t.num_layers)]
 
-    def per_layer():
-        for layer in range(L):
-            ops.transfer(src, dst, ss, ds, src_layers=[layer if cache_is_src else 0],
-                         dst_layers=[0 if cache_is_src else layer], max_ctas=case.max_ctas)
-    return per_layer
+    def prepared():
+        for call in layers:
+            call()
+    if case.call == "prepared":
+        return prepared
+    # "graph": the layer calls captured once (on a side stream, as capture requires) and replayed
+    prepared()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.graph(graph):
+        prepared()
+    data["graph"] = graph     # kept alive with the case's tensors
+    return graph.replay
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +370,7 @@ def torch_fn(case: Case, data: dict):
         return staging[key]
 
     def one(layers):
-        buffer_layers = [0] * len(layers) if case.layerwise else layers
+        buffer_layers = [0] * len(layers) if case.layerwise and buffer.geometry.L == 1 else layers
         cache_views = _row_views(cache, layers)
         page, in_page = cache_slots // g.BS, cache_slots % g.BS     # once per call, shared by every view
         if to_buffer:

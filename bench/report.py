@@ -25,25 +25,30 @@ def table_rows(doc: dict) -> list[list[str]]:
     rows = []
     for r in doc["results"]:
         mode = "per layer" if r["layerwise"] else "all layers"
+        if r.get("call", "transfer") != "transfer":
+            mode += f", {r['call']}"
+        if r.get("group") == "host_cost":
+            mode += ", nothing to move"
         rows.append([r["group"], r["shape"], f"{r['device_layout']}->{r['buffer_layout']}", str(r["T"]),
                      str(r["page_size"]), r["direction"], mode,
                      "copy engine" if r.get("engine") == "copy" else str(r["max_ctas"] or "default"),
                      _fmt(r.get("gbps")), _fmt(r.get("kernel_gbps")), _pct(r.get("pct_of_limit")),
-                     _pct(r.get("pct_of_same_size")), _fmt(r.get("host_us"), ".0f"),
+                     _pct(r.get("pct_of_same_size")), _fmt(r.get("host_us_per_call", r.get("host_us")), ".1f"),
                      _fmt(r.get("torch_gbps")), _fmt(r.get("x_torch"), ".2f"), _peer(r),
                      "yes" if r["bit_exact"] else "NO"])
     return rows
 
 
 HEADER = ["group", "shape", "layouts", "T", "ps", "direction", "mode", "CTAs", "GB/s", "kernel GB/s", "% ceiling",
-          "% same size", "host µs", "torch GB/s", "x torch", "best peer GB/s (% of its limit)", "bit-exact"]
+          "% same size", "host µs/call", "torch GB/s", "x torch", "best peer GB/s (% of its limit)", "bit-exact"]
 
 EXPLAIN = (
     "GB/s = payload bytes moved one way / median end-to-end time (CUDA events around the call, device idle "
     "before it, so host issue time counts); kernel GB/s = the same with the device kept busy while the host "
     "issues the call (launched work only); % ceiling against the pinned 256 MiB copy (host transfers) or the "
-    "device copy; % same size against a pinned copy of the same payload size (up to 512 MiB); host µs = host "
-    "time inside the call; x torch = torch time / kvlayout time on the same data; best peer = the best "
+    "device copy; % same size against a pinned copy of the same payload size (up to 512 MiB); host µs/call = host "
+    "time inside one call (a layer-wise row makes one call per layer; host_cost rows move nothing, so their time "
+    "is the calls' host cost); x torch = torch time / kvlayout time on the same data; best peer = the best "
     "LMCache / SGLang / torch figure recorded for the same job in `bench/peers.json`, ahead/behind by % of each "
     "run's own limit, end to end (and kernel only: the peers were timed with L2 flushed by a memset queued "
     "just before the call, which hides host issue time shorter than that memset). Every row was checked bit-exact against the torch baseline first; L2 is flushed by reading "

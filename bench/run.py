@@ -54,7 +54,17 @@ def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
     return ok
 
 
-GROUPS = ("headline", "layouts", "layerwise", "ctas", "copy_engine")
+def check_untouched(case: C.Case, data: dict, timer: Timer) -> bool:
+    """A case with every slot -1 moves nothing: the destination keeps every byte."""
+    _, _, dst, _ = C.endpoints(case, data)
+    start = _device_copies(dst.tensors, timer.device)
+    C.kvlayout_fn(case, data)()
+    timer.sync()
+    return all(torch.equal(a.view(torch.uint8), b.to(timer.device).view(torch.uint8))
+               for a, b in zip(start, dst.tensors))
+
+
+GROUPS = ("headline", "layouts", "layerwise", "ctas", "copy_engine", "host_cost")
 
 
 def selected(case: C.Case, only: str | None) -> bool:
@@ -95,15 +105,17 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
     row = {"group": case.group, "shape": case.shape, "device_layout": case.device_layout,
            "buffer_layout": case.buffer_layout, "T": case.T, "page_size": case.page_size,
            "direction": case.direction, "layerwise": case.layerwise, "max_ctas": case.max_ctas,
-           "engine": case.engine, "payload_bytes": case.payload_bytes(), "key": case.key}
-    row["bit_exact"] = check_bit_exact(case, data, timer)
+           "engine": case.engine, "call": case.call, "payload_bytes": case.payload_bytes(), "key": case.key}
+    row["bit_exact"] = check_untouched(case, data, timer) if case.empty else check_bit_exact(case, data, timer)
     if not row["bit_exact"]:
         return row
     nbytes = case.payload_bytes()
     fn = C.kvlayout_fn(case, data)
     ours = timer(fn)
-    row.update(gbps=ours.gbps(nbytes), spread=ours.spread, median_us=ours.median * 1e6,
-               host_us=ours.host * 1e6)
+    row.update(median_us=ours.median * 1e6, host_us=ours.host * 1e6, host_us_per_call=ours.host * 1e6 / case.calls)
+    if case.empty:   # nothing moved: only the host time means something
+        return row
+    row.update(gbps=ours.gbps(nbytes), spread=ours.spread)
     if timer.cuda:
         kernel = timer(fn, kernel_only=True, host_s=ours.host)
         row.update(kernel_gbps=kernel.gbps(nbytes), kernel_us=kernel.median * 1e6)
@@ -113,7 +125,7 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
     if host and same_size is not None:
         row["same_size_gbps"] = same_size.gbps(case.direction, nbytes)
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
-    if case.max_ctas == 0 and case.engine == "kernel":
+    if case.max_ctas == 0 and case.engine == "kernel" and not case.empty:
         base = baseline_timer(C.torch_fn(case, data))
         row.update(torch_gbps=base.gbps(nbytes), torch_spread=base.spread, x_torch=base.median / ours.median)
     matches = peers.matching(case) if peers is not None else []
@@ -220,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="file stem of the outputs (default: the device kind)")
     parser.add_argument("--only", default=None,
                         help="comma-separated: run only cases of these groups (headline, layouts, layerwise, ctas, "
-                             "copy_engine) or whose description contains one of these texts")
+                             "copy_engine, host_cost) or whose description contains one of these texts")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run recorded in <out>/<name>.jsonl (skips the cases it holds)")
     parser.add_argument("--seed", type=int, default=0)

@@ -16,12 +16,17 @@ graph) refers to.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from kvlayout import _C
 
-from .transfer import Launch, plan
+from .transfer import Launch
 from .views import KVCache
+
+# the module (the package's name ``transfer`` is the function)
+_transfer = importlib.import_module(__package__ + ".transfer")
 
 _HANDLES: dict[tuple, int] = {}
 
@@ -47,6 +52,7 @@ def _launch_spec(src: KVCache, dst: KVCache, launch: Launch) -> "_C.LaunchSpec":
 
 def program_steps(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes) -> list[list[Launch]]:
     """The program's steps as :class:`Launch` lists: all chosen layers, then one step per layer."""
+    plan = _transfer.plan   # looked up per call: a test may put a faulty planner in its place
     steps = [plan(src, dst, src_layers, dst_layers, src_planes, dst_planes)]
     steps += [plan(src, dst, [ls], [ld], src_planes, dst_planes) for ls, ld in zip(src_layers, dst_layers)]
     return steps
@@ -58,7 +64,7 @@ def program_for(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, 
     Keyed by both caches' signatures (layout, geometry, element size,
     strides: what a plan depends on) and the chosen layers and planes.
     """
-    key = (src.signature, dst.signature, tuple(src_layers), tuple(dst_layers), tuple(src_planes),
+    key = (_transfer.plan, src.signature, dst.signature, tuple(src_layers), tuple(dst_layers), tuple(src_planes),
            tuple(dst_planes))
     handle = _HANDLES.get(key)
     if handle is None:
