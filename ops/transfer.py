@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from typing import Sequence
 
 import torch
@@ -352,18 +353,55 @@ def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, s
     return s_slots, d_slots, T, skip_prefix
 
 
-def transfer_args(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None,
-                  dst_layers=None, src_planes=None, dst_planes=None, skip_prefix: int = 0,
-                  num_tokens: int | None = None, max_ctas: int = 0, validate: bool | None = None,
-                  engine: str = "kernel") -> TransferArgs:
-    """Checks and normalizes :func:`transfer`'s arguments (errors name the argument)."""
+def _choice_key(chosen):
+    """A layer/plane choice as a memo key: ``None`` or a tuple of exact ints (anything else: not memoized)."""
+    if chosen is None:
+        return None
+    if type(chosen) in (list, tuple) and all(type(c) is int for c in chosen):
+        return tuple(chosen)
+    raise TypeError   # checked the long way (it may be an error worth its message)
+
+
+def _pair_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,
+                 engine) -> tuple:
+    """``(layers and planes, max_ctas, device)``: the slot-independent arguments, checked.
+
+    Remembered on the source cache per (destination, choice), since a layer-wise
+    pipeline makes the same call many times; an entry is used only for the
+    very destination object it was made for.
+    """
+    try:
+        if torch.compiler.is_compiling():
+            raise TypeError   # traced code checks every call (and keeps no memo)
+        key = (id(dst), _choice_key(src_layers), _choice_key(dst_layers), _choice_key(src_planes),
+               _choice_key(dst_planes), max_ctas if type(max_ctas) is int else None, engine)
+    except TypeError:
+        key = None
+    if key is not None and key[5] is not None:
+        hit = src._checked_choices.get(key)
+        if hit is not None and hit[0]() is dst:
+            return hit[1]
     _check_pair(src, dst)
     layers_planes = check_layers_and_planes(src, dst, src_layers, dst_layers, src_planes, dst_planes)
     if engine not in ENGINES:
         raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
     max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
+    out = (layers_planes, max_ctas, _launch_device(src, dst))
+    if key is not None and key[5] is not None:
+        if len(src._checked_choices) >= 256:
+            src._checked_choices.clear()
+        src._checked_choices[key] = (weakref.ref(dst), out)
+    return out
+
+
+def transfer_args(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None,
+                  dst_layers=None, src_planes=None, dst_planes=None, skip_prefix: int = 0,
+                  num_tokens: int | None = None, max_ctas: int = 0, validate: bool | None = None,
+                  engine: str = "kernel") -> TransferArgs:
+    """Checks and normalizes :func:`transfer`'s arguments (errors name the argument)."""
+    layers_planes, max_ctas, device = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes,
+                                                   max_ctas, engine)
     validate = validating(validate)
-    device = _launch_device(src, dst)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
     return TransferArgs(*layers_planes, device, s_slots, d_slots, T, skip_prefix, max_ctas, validate, engine)

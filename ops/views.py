@@ -96,6 +96,8 @@ class KVCache:
         # what a transfer plan depends on: layout, sizes, element size and strides (not the data pointers)
         self.signature = (self.layout.name, self.geometry, self.itemsize,
                           tuple(tuple(pv.strides[a] for a in AXES) for pv in self.parts))
+        # (destination, choice) -> checked transfer arguments (ops.transfer's memo; see _pair_choice)
+        self._checked_choices: dict = {}
 
     # -- construction -------------------------------------------------------------------
     def _split_parts(self, tensors) -> tuple:

@@ -149,9 +149,11 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
     for (const LaunchSpec& spec : program.steps[k]) {
       CopyPlan plan = plan_launch(spec, src, dst);
       for (int64_t g = 0; g < plan.num_segments; ++g) {
-        const int64_t j = plan.dst_tensor[g];
+        const int64_t i = plan.src_tensor[g], j = plan.dst_tensor[g];
         if (std::find(step.written.begin(), step.written.end(), j) == step.written.end())
           step.written.push_back(j);
+        if (std::find(step.read.begin(), step.read.end(), i) == step.read.end())
+          step.read.push_back(i);
         used[j] = 1;
       }
       step.launches.push_back(factory(plan, src, dst, device, status));
@@ -163,16 +165,19 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
   written_ranges_.finish();
 }
 
-void BoundProgram::check_still_bound(at::TensorList src, at::TensorList dst,
+void BoundProgram::check_still_bound(int64_t step, at::TensorList src, at::TensorList dst,
                                      const char* who) const {
   TORCH_CHECK(src.size() == src_prints_.size() && dst.size() == dst_prints_.size(), who,
               ": the bound caches changed their number of tensors");
-  for (size_t i = 0; i < src.size(); ++i) {
+  TORCH_CHECK_INDEX(step >= 0 && step < num_steps(), who, ": the copy program has ", num_steps(),
+                    " steps (all layers, then one per layer), got step ", step);
+  const Step& s = steps_[static_cast<size_t>(step)];
+  for (int64_t i : s.read) {
     TORCH_CHECK(fingerprint(src[i]) == src_prints_[i], who, ": source tensor ", i,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
                 "moved or changed size); prepare the transfer again");
   }
-  for (size_t j = 0; j < dst.size(); ++j) {
+  for (int64_t j : s.written) {
     TORCH_CHECK(fingerprint(dst[j]) == dst_prints_[j], who, ": destination tensor ", j,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
                 "moved or changed size); prepare the transfer again");
@@ -180,9 +185,9 @@ void BoundProgram::check_still_bound(at::TensorList src, at::TensorList dst,
 }
 
 bool BoundProgram::still_valid(at::TensorList src, at::TensorList dst) const {
-  for (const Step& step : steps_)
-    for (const auto& l : step.launches)
-      if (!l->still_valid(src, dst)) return false;
+  // Step 0 (every chosen layer) uses every tensor any other step uses.
+  for (const auto& l : steps_.front().launches)
+    if (!l->still_valid(src, dst)) return false;
   return true;
 }
 
@@ -202,15 +207,11 @@ void BoundProgram::run(int64_t step, const RunArgs& args) const {
       parse_index(args.dst_slots, args.num_tokens, "dst_slots", "num_tokens");
   check_slots_not_written(written_ranges_, args.src_slots, "src_slots", "kvlayout");
   check_slots_not_written(written_ranges_, args.dst_slots, "dst_slots", "kvlayout");
+  if (args.skip_prefix >= args.num_tokens) return;
   const Step& s = steps_[static_cast<size_t>(step)];
   for (size_t i = 0; i < s.plans.size(); ++i) {
-    CopyPlan plan = s.plans[i];
-    plan.num_tokens = args.num_tokens;
-    plan.skip_prefix = args.skip_prefix;
-    plan.src_slots = src_slots;
-    plan.dst_slots = dst_slots;
-    if (plan.empty()) continue;
-    s.launches[i]->run(plan, args);
+    if (s.plans[i].num_segments == 0) continue;
+    s.launches[i]->run(s.plans[i], src_slots, dst_slots, args);
   }
 }
 

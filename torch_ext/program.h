@@ -76,8 +76,11 @@ struct RunArgs {
 class BoundLaunch {
  public:
   virtual ~BoundLaunch() = default;
-  // `plan`: the launch's checked plan with this run's slots and token counts.
-  virtual void run(const CopyPlan& plan, const RunArgs& args) const = 0;
+  // `plan`: the launch's checked plan as bound (identity slots, one token);
+  // this run's slots are `src_slots`/`dst_slots` (parsed from `args`, whose
+  // num_tokens/skip_prefix hold, with skip_prefix < num_tokens).
+  virtual void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
+                   const RunArgs& args) const = 0;
   // Whether what the launch derived from the tensors at bind time still
   // holds for these tensors at the same addresses (e.g. pinned host memory
   // still registered with the same device alias).
@@ -112,9 +115,11 @@ class BoundProgram {
   // device, no overlap with a written tensor).
   void run(int64_t step, const RunArgs& args) const;
 
-  // Whether `src`/`dst` are the tensors this program was bound to, at the same
-  // addresses and storage sizes (a resized or re-set tensor is not).
-  void check_still_bound(at::TensorList src, at::TensorList dst, const char* who) const;
+  // Whether the tensors step `step` uses are still the tensors this program
+  // was bound to, at the same addresses and storage sizes (a resized or
+  // re-set tensor is not).
+  void check_still_bound(int64_t step, at::TensorList src, at::TensorList dst,
+                         const char* who) const;
 
   // Whether every launch's bind-time facts still hold for these tensors.
   bool still_valid(at::TensorList src, at::TensorList dst) const;
@@ -127,6 +132,7 @@ class BoundProgram {
     std::vector<CopyPlan> plans;
     std::vector<std::unique_ptr<BoundLaunch>> launches;
     std::vector<int64_t> written;  // dst tensor indices this step writes
+    std::vector<int64_t> read;     // src tensor indices this step reads
   };
   struct Fingerprint {
     const void* data = nullptr;

@@ -100,7 +100,7 @@ class PreparedCopy {
   void run(int64_t step, const std::optional<at::Tensor>& src_slots,
            const std::optional<at::Tensor>& dst_slots, int64_t num_tokens, int64_t skip_prefix,
            int64_t max_ctas, bool validate, bool dependent_launch) const {
-    bound_->check_still_bound(src_, dst_, "kvlayout: prepared transfer");
+    bound_->check_still_bound(step, src_, dst_, "kvlayout: prepared transfer");
     RunArgs args;
     args.src_slots = src_slots;
     args.dst_slots = dst_slots;

@@ -41,9 +41,15 @@ class CpuLaunch final : public BoundLaunch {
     }
   }
 
-  void run(const CopyPlan& plan, const RunArgs& args) const override {
-    (void)args;  // the CPU checks every slot and raises; no CTA budget
-    run_plan(plan);
+  void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
+           const RunArgs& args) const override {
+    // the CPU checks every slot and raises; no CTA budget
+    CopyPlan p = plan;
+    p.num_tokens = args.num_tokens;
+    p.skip_prefix = args.skip_prefix;
+    p.src_slots = src_slots;
+    p.dst_slots = dst_slots;
+    run_plan(std::move(p));
   }
 
   // Each slot is read once into the op's own copy, checked there (range, and

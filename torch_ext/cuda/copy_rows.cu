@@ -214,10 +214,18 @@ class CudaLaunch final : public BoundLaunch {
     }
   }
 
-  void run(const CopyPlan& plan, const RunArgs& args) const override {
+  void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
+           const RunArgs& args) const override {
     const c10::cuda::CUDAGuard guard(dev_);
-    if (args.validate) validate_slots_on_host(plan, args.src_slots, args.dst_slots);
-    SlotArray ss = plan.src_slots, ds = plan.dst_slots;
+    if (args.validate) {
+      CopyPlan p = plan;
+      p.num_tokens = args.num_tokens;
+      p.skip_prefix = args.skip_prefix;
+      p.src_slots = src_slots;
+      p.dst_slots = dst_slots;
+      validate_slots_on_host(p, args.src_slots, args.dst_slots);
+    }
+    SlotArray ss = src_slots, ds = dst_slots;
     ss.data = cuda::index_address(args.src_slots, dev_, "src_slots");
     ds.data = cuda::index_address(args.dst_slots, dev_, "dst_slots");
     const bool dependent = args.dependent_launch && supports_dependent_launch(dev_.index());
@@ -226,8 +234,8 @@ class CudaLaunch final : public BoundLaunch {
       Params p = chunk;  // a bound launch may run on several threads at once
       p.src_slots = ss;
       p.dst_slots = ds;
-      p.skip_prefix = plan.skip_prefix;
-      p.tokens = plan.num_tokens - plan.skip_prefix;
+      p.skip_prefix = args.skip_prefix;
+      p.tokens = args.num_tokens - args.skip_prefix;
       p.num_tasks = p.tokens * p.num_segments;
       switch (vec_) {
         case 16: launch<16>(p, args.max_ctas, touches_host_, dependent, stream); break;
@@ -292,9 +300,11 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
   RunArgs args;
   args.src_slots = src_slots;
   args.dst_slots = dst_slots;
+  args.num_tokens = plan.num_tokens;
+  args.skip_prefix = plan.skip_prefix;
   args.max_ctas = max_ctas;
   args.validate = validate;
-  CudaLaunch(plan, src, dst, dev, status).run(plan, args);
+  CudaLaunch(plan, src, dst, dev, status).run(plan, plan.src_slots, plan.dst_slots, args);
 }
 
 }  // namespace
