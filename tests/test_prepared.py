@@ -104,8 +104,11 @@ def test_a_resized_or_reset_tensor_is_refused(device):
     _, _, src, dst = _pair(device)
     t = ops.prepare(src, dst, TC.slots([0, 1], device=device))
     src.tensors[1].set_(torch.zeros_like(src.tensors[1]))
+    t.layer(0)                                     # layer 0 reads source tensor 0 only
     with pytest.raises(RuntimeError, match="source tensor 1 was resized, re-set or freed"):
-        t.layer(0)
+        t.layer(1)
+    with pytest.raises(RuntimeError, match="source tensor 1 was resized, re-set or freed"):
+        t()
 
 
 def test_the_prepared_transfer_keeps_its_tensors_alive(device):
