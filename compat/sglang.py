@@ -743,6 +743,12 @@ def _page_locked_bytes(nbytes: int) -> torch.Tensor | None:
     return torch.from_numpy(owned)[:nbytes]
 
 
+def _layer_index(layer_id, num_layers: int) -> int:
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < num_layers:
+        raise IndexError(f"layer_id = {layer_id!r} is out of range: the pool holds {num_layers} layers")
+    return layer_id
+
+
 class HostKVPool:
     """SGLang's HiCache host pool (MHA or MLA, following the device pool) on kvlayout.
 
@@ -817,6 +823,7 @@ class HostKVPool:
         self.page_size = int(page_size or device_pool.page_size)
         self.dtype = device_pool.store_dtype
         self.max_ctas = max_ctas
+        self._prepared_load = None   # (key, what the key names, prepared transfer): see _layer_load
         self.size_per_token = self.get_size_per_token()
         size = int(host_size * 1e9 // self.size_per_token) if host_size > 0 else \
             int(device_pool.size * host_to_device_ratio)
@@ -1000,11 +1007,39 @@ class HostKVPool:
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int,
                                  io_backend: str = "kernel", *, validate=None) -> None:
-        """H2D of one layer: ``device[layer_id][device_indices] = host[layer_id][host_indices]``."""
+        """H2D of one layer: ``device[layer_id][device_indices] = host[layer_id][host_indices]``.
+
+        SGLang calls it once per layer with the same index tensors: the first
+        call of a step prepares the transfer of every layer
+        (:func:`kvlayout.ops.prepare`), the others reuse it (one launch each).
+        """
         h, d = self._slots(host_indices, device_indices, io_backend)
         validate = self._validate(io_backend, validate, torch.device(device_pool.device))
+        if io_backend == "kernel" and isinstance(h, torch.Tensor) and isinstance(d, torch.Tensor):
+            load = self._layer_load(device_pool, h, d, validate)
+            if load is not None:
+                load.layer(_layer_index(layer_id, self.layer_num))
+            return
         _go(self.cache, _bind_device_pool(device_pool), h, d, self.max_ctas, validate, self._engine(io_backend),
             src_layers=[layer_id], dst_layers=[layer_id])
+
+    def _layer_load(self, device_pool, h: torch.Tensor, d: torch.Tensor, validate):
+        """The prepared load of every layer for these index tensors (None: no tokens); kept for the next call.
+
+        Keyed by the identity and version of the pool and index tensors (held
+        here, so the identities stay theirs): indices rewritten in place, or
+        new ones, prepare again.
+        """
+        key = (id(device_pool), id(h), h._version, id(d), d._version, validate)
+        held = self._prepared_load
+        if held is not None and held[0] == key:
+            return held[2]
+        dst = _bind_device_pool(device_pool)
+        s, dd = _pair(h, d, launch_device(*self.cache.tensors, *dst.tensors))
+        load = None if s.numel() == 0 else ops.prepare(self.cache, dst, s, dd, max_ctas=self.max_ctas,
+                                                         validate=validate)
+        self._prepared_load = (key, (device_pool, h, d), load)
+        return load
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
                                      io_backend: str = "kernel", *, validate=None) -> None:

@@ -528,6 +528,8 @@ def test_validate_reaches_kvlayout(monkeypatch):
     seen = []
     real = ops.transfer
     monkeypatch.setattr(ops, "transfer", lambda *a, **k: (seen.append(k.get("validate")), real(*a, **k))[1])
+    prepare = ops.prepare     # per-layer loads prepare every layer once per index tensors
+    monkeypatch.setattr(ops, "prepare", lambda *a, **k: (seen.append(k.get("validate")), prepare(*a, **k))[1])
     gen = torch.Generator().manual_seed(27)
     pool = _device_pool("cpu", gen)
     host = S.HostKVPool(pool, 2.0, layout="page_first")

@@ -170,6 +170,9 @@ def test_direct_backend_uses_the_copy_engine(monkeypatch):
     engines = []
     real = ops.transfer
     monkeypatch.setattr(ops, "transfer", lambda *a, **k: (engines.append(k.get("engine")), real(*a, **k))[1])
+    prepare = ops.prepare     # per-layer loads prepare every layer once per index tensors
+    monkeypatch.setattr(ops, "prepare",
+                        lambda *a, **k: (engines.append(k.get("engine", "kernel")), prepare(*a, **k))[1])
     gen = torch.Generator().manual_seed(6)
     dev = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, gen)
     for layout in ("layer_first", "page_first_direct"):
@@ -285,3 +288,27 @@ def test_small_host_pool_only_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="kvlayout.compat.sglang"):
         host = S.HostKVPool(dev, 0.5, 0, P, "layer_first")
     assert host.size == (32 // P + 1) * P and "not larger than the device pool" in caplog.text
+
+
+def test_per_layer_loads_prepare_once_per_index_tensors(monkeypatch):
+    """SGLang's per-layer loads reuse one prepared transfer while the index tensors stay the same."""
+    prepared = []
+    prepare = ops.prepare
+    monkeypatch.setattr(ops, "prepare", lambda *a, **k: (prepared.append(1), prepare(*a, **k))[1])
+    gen = torch.Generator().manual_seed(8)
+    dev = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, gen)
+    host = S.HostKVPool(dev, 2.0, 0, P, "layer_first")
+    h, d = host.alloc(4), torch.arange(4, 8)
+    host.backup_from_device_all_layer(dev, h, d)
+    fresh = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, torch.Generator().manual_seed(9))
+    for layer in range(L):
+        host.load_to_device_per_layer(fresh, h, d, layer)
+    assert len(prepared) == 1
+    for layer in range(L):
+        assert torch.equal(fresh.k_buffer[layer][d], dev.k_buffer[layer][d])
+        assert torch.equal(fresh.v_buffer[layer][d], dev.v_buffer[layer][d])
+    d[:] = torch.arange(8, 12)                       # rewritten in place: prepared again
+    host.load_to_device_per_layer(fresh, h, d, 0)
+    assert len(prepared) == 2 and torch.equal(fresh.k_buffer[0][d], dev.k_buffer[0][torch.arange(4, 8)])
+    with pytest.raises(IndexError, match="layer_id = 99 is out of range"):
+        host.load_to_device_per_layer(fresh, h, d, 99)
