@@ -25,6 +25,9 @@ from kvlayout.reference import Geometry
 
 import torch_cases as TC
 
+# The reference operations under jax.jit: one compile per case instead of one per primitive (torch_cases._Jitted).
+J = TC.jitted_reference
+
 ALL_LAYOUTS = S.layout_names(include_rows=True)
 HICACHE_LAYOUTS = S.layout_names("host")
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -60,7 +63,7 @@ def run_transfer_case(case: S.TransferCase, device, *, slot_dtypes=(torch.int64,
     src_np, sentinel = case.caches()
     dst_np = sentinel if dst_fill is None else dst_fill
     ss, ds = case.slots()
-    want = R.transfer(case.src_layout, src_np, case.dst_layout, dst_np, ss, ds, **case.transfer_kwargs())
+    want = J.transfer(case.src_layout, src_np, case.dst_layout, dst_np, ss, ds, **case.transfer_kwargs())
 
     src = bind_np(case.src_layout, src_np, case.src_geom, device, pin=src_place == "pinned")
     dst = bind_np(case.dst_layout, dst_np, case.dst_geom, device, pin=dst_place == "pinned")
@@ -130,6 +133,7 @@ def test_layerwise_into_one_layer_chunks(device, src_layout, chunk):
     src = bind_np(src_layout, src_np, g, device)
     back_np = S.sentinel_cache(src_layout, g, "bfloat16")
     back = bind_np(src_layout, back_np, g, device)
+    # the eager reference here: every call has the same shapes, so its compiled primitives are reused
     for layer in range(g.L):
         chunk_np = S.sentinel_cache(chunk, cg, "bfloat16")
         want = R.transfer(src_layout, src_np, chunk, chunk_np, src_slots, None, src_layers=[layer],
@@ -180,10 +184,10 @@ def test_gather_scatter(device, case, slot_dtype, prefill):
     out_np = S.random_cache("rows", rows_geom, dtype, rng) if prefill else S.sentinel_cache("rows", rows_geom,
                                                                                             dtype, 0)
     # gather: cache -> rows (the reference's rule, positions passed as num_tokens)
-    want = R.transfer(layout, cache_np, "rows", out_np, slots, None, src_layers=layers, src_planes=planes,
+    want = J.transfer(layout, cache_np, "rows", out_np, slots, None, src_layers=layers, src_planes=planes,
                       skip_prefix=skip, num_tokens=T, src_geom=g, dst_geom=rows_geom)
     if slots is not None:
-        np.testing.assert_array_equal(S.bits(want), S.bits(R.gather(layout, cache_np, slots, out=out_np,
+        np.testing.assert_array_equal(S.bits(want), S.bits(J.gather(layout, cache_np, slots, out=out_np,
                                                                       layers=layers, planes=planes,
                                                                       skip_prefix=skip)))
     cache = bind_np(layout, cache_np, g, device)
@@ -198,9 +202,9 @@ def test_gather_scatter(device, case, slot_dtype, prefill):
     # scatter: random rows -> cache
     rows_np = S.random_cache("rows", rows_geom, dtype, rng)
     if slots is not None:
-        want = R.scatter(layout, cache_np, rows_np, slots, layers=layers, planes=planes, skip_prefix=skip)
+        want = J.scatter(layout, cache_np, rows_np, slots, layers=layers, planes=planes, skip_prefix=skip)
     else:
-        want = R.transfer("rows", rows_np, layout, cache_np, None, None, dst_layers=layers, dst_planes=planes,
+        want = J.transfer("rows", rows_np, layout, cache_np, None, None, dst_layers=layers, dst_planes=planes,
                           skip_prefix=skip, src_geom=rows_geom, dst_geom=g)
     rows = TC.tensor(rows_np, device)
     ops.scatter(cache, rows, TC.slots(slots, slot_dtype, device), layers=layers, planes=planes, skip_prefix=skip)
@@ -213,7 +217,7 @@ def test_gather_default_out_is_zeros(device):
     g = Geometry(P=2, L=2, NB=3, BS=4, H=2, E=4)
     cache_np = S.random_cache("vllm_flashinfer_hnd", g, "float16", np.random.default_rng(1))
     slots = np.array([5, -1, 0, 11], np.int64)
-    want = R.gather("vllm_flashinfer_hnd", cache_np, slots, planes=[1], layers=[1, 0])
+    want = J.gather("vllm_flashinfer_hnd", cache_np, slots, planes=[1], layers=[1, 0])
     got = ops.gather(bind_np("vllm_flashinfer_hnd", cache_np, g, device), TC.slots(slots, device=device),
                      planes=[1], layers=[1, 0])
     TC.sync(device)
@@ -258,7 +262,7 @@ def test_move_overlapping(device, layout, geom, slot_dtype):
     cache = bind_np(layout, cache_np, geom, device)
     for name, (src, dst) in move_patterns(geom.N, rng).items():
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-        cache_np = R.move(layout, cache_np, src, dst)
+        cache_np = J.move(layout, cache_np, src, dst)
         ops.move(cache, TC.slots(src, slot_dtype, device), TC.slots(dst, slot_dtype, device))
         TC.sync(device)
         TC.assert_same_bytes(cache.tensors, TC.flat(layout, cache_np), f"after move {name}")
@@ -424,7 +428,7 @@ def test_rope_reposition(device, dtype, is_neox, case, pos_dtype, cache_in_key_d
     table = cos_sin_table(max_pos, rot)
     if cache_in_key_dtype:
         table = table.astype(np_dtype)
-    want = R.rope_reposition(keys_np, old, new, table, is_neox=is_neox)
+    want = J.rope_reposition(keys_np, old, new, table, is_neox=is_neox)
     keys = TC.tensor(keys_np, device)
     out = ops.rope_reposition(keys, TC.slots(old, pos_dtype, device), TC.slots(new, pos_dtype, device),
                               TC.tensor(table, device), is_neox=is_neox)
@@ -446,7 +450,7 @@ def test_rope_on_k_half_of_packed_kv(device, dtype, is_neox):
     old[5] = -1
     table = cos_sin_table(max_pos, rot)
     keys_np = np.ascontiguousarray(packed_np[:, :, 0, :])
-    want = R.rope_reposition(keys_np, old, new, table, is_neox=is_neox)
+    want = J.rope_reposition(keys_np, old, new, table, is_neox=is_neox)
     packed = TC.tensor(packed_np, device)
     keys = packed[:, :, 0, :]
     assert not keys.is_contiguous()
@@ -474,7 +478,7 @@ def test_permuted_nhd_view_of_hnd_memory(device):
     slots = np.array([3, 22, -1, 9, 10, 11, 0, 23], np.int64)
     cg = Geometry(P=2, L=2, NB=len(slots), BS=1, H=1, E=g.H * g.E)
     chunk_np = S.sentinel_cache("lmcache_kv_2ltd", cg, "float16")
-    want = R.transfer("vllm_flash_attn_nhd", nhd_np, "lmcache_kv_2ltd", chunk_np, slots, None)
+    want = J.transfer("vllm_flash_attn_nhd", nhd_np, "lmcache_kv_2ltd", chunk_np, slots, None)
     chunk = TC.tensor(chunk_np, device)
     ops.transfer(cache, ops.bind("lmcache_kv_2ltd", chunk), TC.slots(slots, device=device))
     TC.sync(device)
@@ -482,7 +486,7 @@ def test_permuted_nhd_view_of_hnd_memory(device):
 
     # and back: scatter new rows into the view, check the HND memory itself
     new_np = S.random_cache("lmcache_kv_2ltd", cg, "float16", rng)
-    want = R.transfer("lmcache_kv_2ltd", new_np, "vllm_flash_attn_nhd", nhd_np, None, slots)
+    want = J.transfer("lmcache_kv_2ltd", new_np, "vllm_flash_attn_nhd", nhd_np, None, slots)
     ops.transfer(ops.bind("lmcache_kv_2ltd", TC.tensor(new_np, device)), cache, None, TC.slots(slots, device=device))
     TC.sync(device)
     TC.assert_same_bytes(memory, [np.asarray(x).transpose(0, 1, 3, 2, 4) for x in want], "HND memory")
@@ -585,14 +589,14 @@ def test_vector_widths(device, dtype, width, heads, src_off, dst_off, vec):
     assert {vector_width(x) for x in launches} == {vec}
     dst_before = TC.bits(dst_buf[:dst_off]).copy()
 
-    want = R.transfer("vllm_flash_attn_hnd", src_np, "lmcache_kv_2ltd", dst_np, slots, None)
+    want = J.transfer("vllm_flash_attn_hnd", src_np, "lmcache_kv_2ltd", dst_np, slots, None)
     ops.transfer(src, dst, TC.slots(slots, device=device))
     TC.sync(device)
     TC.assert_same_bytes(dst_view, want, "gathered")
     np.testing.assert_array_equal(TC.bits(dst_buf[:dst_off]), dst_before)
 
     # the other direction (scatter into the strided cache)
-    want_back = R.transfer("lmcache_kv_2ltd", dst_np, "vllm_flash_attn_hnd", src_np, None, slots)
+    want_back = J.transfer("lmcache_kv_2ltd", dst_np, "vllm_flash_attn_hnd", src_np, None, slots)
     ops.transfer(ops.bind("lmcache_kv_2ltd", TC.tensor(dst_np, device)), src, None, TC.slots(slots, device=device))
     TC.sync(device)
     TC.assert_same_bytes(list(src_views), TC.flat("vllm_flash_attn_hnd", want_back), "scattered")
@@ -631,7 +635,7 @@ def test_gather_to_and_scatter_from_pinned_rows(cuda_device, slot_place):
     slots[::9] = -1
     rows_geom = Geometry(P=2, L=3, NB=50, BS=1, H=4, E=32)
     out_np = S.random_cache("rows", rows_geom, "bfloat16", rng)
-    want = R.gather("vllm_flashinfer_hnd", cache_np, slots, out=out_np)
+    want = J.gather("vllm_flashinfer_hnd", cache_np, slots, out=out_np)
     cache = bind_np("vllm_flashinfer_hnd", cache_np, g, cuda_device)
     out = TC.tensor(out_np, pin=True)
     s = TC.slots(slots, torch.int32, cuda_device, pin=slot_place == "pinned")
@@ -639,7 +643,7 @@ def test_gather_to_and_scatter_from_pinned_rows(cuda_device, slot_place):
     TC.sync(cuda_device)
     TC.assert_same_bytes(out, want, "rows in pinned memory")
     rows_np = S.random_cache("rows", rows_geom, "bfloat16", rng)
-    want = R.scatter("vllm_flashinfer_hnd", cache_np, rows_np, slots)
+    want = J.scatter("vllm_flashinfer_hnd", cache_np, rows_np, slots)
     ops.scatter(cache, TC.tensor(rows_np, pin=True), s)
     TC.sync(cuda_device)
     TC.assert_same_bytes(cache.tensors, TC.flat("vllm_flashinfer_hnd", want), "cache after scatter from pinned")

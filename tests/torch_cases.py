@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import torch
 
@@ -30,6 +31,53 @@ def examples(default: int) -> int:
     """
     scale = float(os.environ.get("KVLAYOUT_HYPOTHESIS_EXAMPLES", "1") or 1)
     return max(1, int(round(default * scale)))
+
+
+class _Jitted:
+    """``kvlayout.reference`` operations, each call compiled as one XLA program.
+
+    Run op by op, the reference compiles every jnp primitive for every new
+    shape (tens of milliseconds each, some fifteen per transfer): the op
+    tests, whose generated cases rarely repeat a shape, spent most of their
+    time there.  Here each call is ``jax.jit`` of the same reference function:
+    arrays (numpy or jax, at any depth of the arguments) are traced, every
+    other argument (layout names, geometries, layer and plane lists,
+    ``skip_prefix``, ``is_neox``) is static.  The values are the reference's:
+    the functions copy bits, and ``test_reference.py`` checks them eagerly
+    against independent oracles and ``test_operations_under_jit`` checks that
+    jit and eager agree.  What jit leaves out is the reference's check of slot
+    values (they are not known while tracing), so only valid slots may be
+    given: the reference's errors are tested eagerly in ``test_reference.py``.
+    """
+
+    _ARRAY = object()
+
+    def __init__(self):
+        self._compiled: dict = {}
+
+    def __getattr__(self, name):
+        fn = getattr(R, name)
+
+        def call(*args, **kwargs):
+            leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+            is_array = [isinstance(x, (np.ndarray, jax.Array)) for x in leaves]
+            static = tuple(self._ARRAY if a else x for a, x in zip(is_array, leaves))
+            key = (name, tree, static)
+            jitted = self._compiled.get(key)
+            if jitted is None:
+                def run(*arrays):
+                    it = iter(arrays)
+                    a, k = jax.tree_util.tree_unflatten(tree, [next(it) if x is self._ARRAY else x for x in static])
+                    return fn(*a, **k)
+                jitted = self._compiled[key] = jax.jit(run)
+            return jitted(*[x for a, x in zip(is_array, leaves) if a])
+
+        call.__name__ = name
+        return call
+
+
+jitted_reference = _Jitted()
+"""``jitted_reference.transfer(...)`` etc.: the reference operation under ``jax.jit`` (see :class:`_Jitted`)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
