@@ -8,7 +8,7 @@
 //   run_program                    a program run on these tensors (bindings
 //                                  cached by address); False when the call
 //                                  must go through the dispatcher instead
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the at::Tensor casters (lighter than torch/extension.h)
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
