@@ -150,6 +150,8 @@ def test_layerwise_paged(device, fmt, use_gpu):
     fresh2 = zeros_like(kv)
     load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh2, memory_objs=objs, sync=False)
     assert _drive_to_gpu(load, [None] * L) == L + 2
+    if device == "cuda":
+        torch.cuda.synchronize()      # sync=False: the loads ran on the load stream, the caller waits for them
     assert same(logical(fmt, fresh2).cpu()[:, :, s_cpu], lg[:, :, s_cpu])
 
 
