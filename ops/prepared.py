@@ -50,6 +50,7 @@ class PreparedTransfer:
         self._handle = program_for(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
         # bound now: storage bounds, overlaps and kernel parameters are checked and made once
         self._native = _C.PreparedCopy(self._handle, list(src.tensors), list(dst.tensors), self._status)
+        self._set_call()
 
     @property
     def num_layers(self) -> int:
@@ -68,7 +69,10 @@ class PreparedTransfer:
         """Copy the ``i``-th chosen layer only (one launch)."""
         if type(i) is not int or not 0 <= i < len(self._args.src_layers):
             i = as_int("layer", i, lo=0, hi=len(self._args.src_layers) - 1)
-        self._run(1 + i)
+        if self._native is not None and not torch.compiler.is_compiling():
+            self._native.run(1 + i)    # the hot path of a layer-wise pipeline: straight to C++
+        else:
+            self._run(1 + i)
 
     def set_slots(self, src_slots=None, dst_slots=None, *, skip_prefix: int = 0, num_tokens: int | None = None):
         """Use these slots (and token count) from the next call on; the plan and the checks are kept."""
@@ -76,7 +80,17 @@ class PreparedTransfer:
         s, d, T, skip = check_slots(self.src, self.dst, a.device, a.engine, src_slots, dst_slots, skip_prefix,
                                     num_tokens)
         a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix = s, d, T, skip
+        self._set_call()
         return self
+
+    def _set_call(self) -> None:
+        a = self._args
+        if self._native is not None:
+            if a.src_planes:
+                self._native.set_call(a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate,
+                                      self._dependent)
+            else:   # no planes chosen: nothing to move, a run with no tokens launches nothing
+                self._native.set_call(None, None, 0, 0, a.max_ctas, a.validate, self._dependent)
 
     def _run(self, step: int) -> None:
         a = self._args
@@ -89,8 +103,7 @@ class PreparedTransfer:
                                             a.src_slots, a.dst_slots, step, a.num_tokens, a.skip_prefix,
                                             a.max_ctas, self._status, a.validate)
         else:
-            self._native.run(step, a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate,
-                             self._dependent)
+            self._native.run(step)
 
     def __repr__(self) -> str:
         a = self._args

@@ -30,6 +30,8 @@ from typing import Sequence
 
 import torch
 
+from kvlayout import _C
+
 from . import _native
 from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind
 
@@ -362,9 +364,27 @@ def _choice_key(chosen):
     raise TypeError   # checked the long way (it may be an error worth its message)
 
 
+@dataclasses.dataclass
+class CheckedChoice:
+    """The slot-independent arguments of a transfer, checked: layers, planes, CTA budget, launch device.
+
+    ``handle`` and ``status`` (the copy program and the device's status word)
+    are filled in by the first kernel call that uses the choice.
+    """
+
+    src_layers: list
+    dst_layers: list
+    src_planes: list
+    dst_planes: list
+    max_ctas: int
+    device: torch.device
+    handle: int | None = None
+    status: torch.Tensor | None = None
+
+
 def _pair_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,
-                 engine) -> tuple:
-    """``(layers and planes, max_ctas, device)``: the slot-independent arguments, checked.
+                 engine) -> CheckedChoice:
+    """The checked slot-independent arguments of a transfer from ``src`` to ``dst``.
 
     Remembered on the source cache per (destination, choice), since a layer-wise
     pipeline makes the same call many times; an entry is used only for the
@@ -386,7 +406,7 @@ def _pair_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes,
     if engine not in ENGINES:
         raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
     max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
-    out = (layers_planes, max_ctas, _launch_device(src, dst))
+    out = CheckedChoice(*layers_planes, max_ctas, _launch_device(src, dst))
     if key is not None and key[5] is not None:
         if len(src._checked_choices) >= 256:
             src._checked_choices.clear()
@@ -399,12 +419,12 @@ def transfer_args(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *,
                   num_tokens: int | None = None, max_ctas: int = 0, validate: bool | None = None,
                   engine: str = "kernel") -> TransferArgs:
     """Checks and normalizes :func:`transfer`'s arguments (errors name the argument)."""
-    layers_planes, max_ctas, device = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes,
-                                                   max_ctas, engine)
+    c = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     validate = validating(validate)
-    s_slots, d_slots, T, skip_prefix = check_slots(src, dst, device, engine, src_slots, dst_slots, skip_prefix,
+    s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
-    return TransferArgs(*layers_planes, device, s_slots, d_slots, T, skip_prefix, max_ctas, validate, engine)
+    return TransferArgs(c.src_layers, c.dst_layers, c.src_planes, c.dst_planes, c.device, s_slots, d_slots, T,
+                        skip_prefix, c.max_ctas, validate, engine)
 
 
 def copy_engine_run(launches: list[Launch], args: TransferArgs) -> None:
@@ -431,32 +451,38 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     program; calling :func:`~kvlayout.ops.prepare` instead also keeps the
     binding and the argument checks.
     """
-    args = transfer_args(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
-                         src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix,
-                         num_tokens=num_tokens, max_ctas=max_ctas, validate=validate, engine=engine)
-    if args.empty:
+    c = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
+    validate = validating(validate)
+    s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
+                                                   num_tokens)
+    if T == 0 or not c.src_layers or not c.src_planes:
         return
-    if args.engine == "copy":
-        launches = cached_plan(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+    args = TransferArgs(c.src_layers, c.dst_layers, c.src_planes, c.dst_planes, c.device, s_slots, d_slots, T,
+                        skip_prefix, c.max_ctas, validate, engine)
+    if engine == "copy":
+        launches = cached_plan(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes)
         _check_disjoint(src, dst, launches)
         copy_engine_run(launches, args)
         return
-    status = _native.status_tensor(args.device)
     if torch.compiler.is_compiling():
         # The graph keeps the launches themselves (registering a program is not traceable);
         # tensors have no addresses while tracing, so the identity check names the caches' tensors.
-        launches = plan(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+        status = _native.status_tensor(c.device)
+        launches = plan(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes)
         _check_disjoint(src, dst, launches)
         for launch in launches:
-            _native.copy_rows(launch.src_tensors, launch.dst_tensors, args.src_slots, args.dst_slots,
-                              args.num_tokens, args.skip_prefix, launch.src_segments, launch.dst_segments,
-                              launch.src_geometry, launch.dst_geometry, launch.num_pieces, launch.piece_bytes,
-                              args.max_ctas, status, args.validate)
+            _native.copy_rows(launch.src_tensors, launch.dst_tensors, s_slots, d_slots, T, skip_prefix,
+                              launch.src_segments, launch.dst_segments, launch.src_geometry, launch.dst_geometry,
+                              launch.num_pieces, launch.piece_bytes, c.max_ctas, status, validate)
         return
-    from .program import program_for, run_program   # (program imports this module)
-    handle = program_for(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
-    run_program(handle, src, dst, args.src_slots, args.dst_slots, 0, args.num_tokens, args.skip_prefix,
-                args.max_ctas, status, args.validate)
+    if c.handle is None:
+        from .program import program_for   # (program imports this module)
+        c.handle = program_for(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes)
+        c.status = _native.status_tensor(c.device)
+    if not _C.run_program(c.handle, src.tensors, dst.tensors, s_slots, d_slots, 0, T, skip_prefix, c.max_ctas,
+                          c.status, validate):
+        torch.ops.kvlayout.copy_program(c.handle, list(src.tensors), list(dst.tensors), s_slots, d_slots, 0, T,
+                                        skip_prefix, c.max_ctas, c.status, validate)
 
 
 def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layers=None, planes=None,

@@ -76,7 +76,7 @@ void bump_written(const BoundProgram& bound, int64_t step, at::TensorList dst) {
     if (!dst[j].is_inference()) dst[j].unsafeGetTensorImpl()->bump_version();
 }
 
-void run_bound(const BoundProgram& bound, int64_t step, at::TensorList dst, RunArgs args) {
+void run_bound(const BoundProgram& bound, int64_t step, at::TensorList dst, const RunArgs& args) {
   check_written(bound, step, dst);
   if (bound.device().is_cpu()) {
     py::gil_scoped_release release;  // a host copy may take a while
@@ -97,19 +97,25 @@ class PreparedCopy {
     bound_ = std::make_shared<const BoundProgram>(handle, src_, dst_, device_, status_);
   }
 
-  void run(int64_t step, const std::optional<at::Tensor>& src_slots,
-           const std::optional<at::Tensor>& dst_slots, int64_t num_tokens, int64_t skip_prefix,
-           int64_t max_ctas, bool validate, bool dependent_launch) const {
-    bound_->check_still_bound(step, src_, dst_, "kvlayout: prepared transfer");
+  // The per-call arguments, kept until the next set_call: a layer call then
+  // passes only its step.
+  void set_call(std::optional<at::Tensor> src_slots, std::optional<at::Tensor> dst_slots,
+                int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, bool validate,
+                bool dependent_launch) {
     RunArgs args;
-    args.src_slots = src_slots;
-    args.dst_slots = dst_slots;
+    args.src_slots = std::move(src_slots);
+    args.dst_slots = std::move(dst_slots);
     args.num_tokens = num_tokens;
     args.skip_prefix = skip_prefix;
     args.max_ctas = max_ctas;
     args.validate = validate;
     args.dependent_launch = dependent_launch;
-    run_bound(*bound_, step, dst_, std::move(args));
+    args_ = std::move(args);
+  }
+
+  void run(int64_t step) const {
+    bound_->check_still_bound(step, src_, dst_, "kvlayout: prepared transfer");
+    run_bound(*bound_, step, dst_, args_);
   }
 
   int64_t num_steps() const { return bound_->num_steps(); }
@@ -120,6 +126,7 @@ class PreparedCopy {
   at::Tensor status_;
   c10::Device device_{c10::kCPU};
   std::shared_ptr<const BoundProgram> bound_;
+  RunArgs args_;
 };
 
 bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
@@ -138,7 +145,7 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
   args.skip_prefix = skip_prefix;
   args.max_ctas = max_ctas;
   args.validate = validate;
-  run_bound(*bound, step, dst, std::move(args));
+  run_bound(*bound, step, dst, args);
   return true;
 }
 
@@ -193,9 +200,11 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::optional<at::Tensor>>(),
            py::arg("program"), py::arg("src"), py::arg("dst"), py::arg("status"))
-      .def("run", &PreparedCopy::run, py::arg("step"), py::arg("src_slots"),
-           py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"),
-           py::arg("max_ctas"), py::arg("validate"), py::arg("dependent_launch"))
+      .def("set_call", &PreparedCopy::set_call, py::arg("src_slots"), py::arg("dst_slots"),
+           py::arg("num_tokens"), py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("validate"),
+           py::arg("dependent_launch"), "The slots and counts of the next runs.")
+      .def("run", &PreparedCopy::run, py::arg("step"),
+           "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments.")
       .def_property_readonly("num_steps", &PreparedCopy::num_steps)
       .def_property_readonly("device", &PreparedCopy::device);
 

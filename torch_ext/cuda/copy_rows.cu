@@ -32,6 +32,11 @@ namespace {
 constexpr int kMaxSegmentsPerLaunch = 128;
 using Params = CopyRowsParams<kMaxSegmentsPerLaunch>;
 static_assert(sizeof(Params) <= 4096, "copy_rows parameters exceed 4 KiB");
+// Launches of up to 8 segments (a layer call: K and V of one layer) use a
+// parameter block of a few hundred bytes instead: a launch's host cost grows
+// with the size of its parameters.
+constexpr int kFewSegments = 8;
+using FewParams = CopyRowsParams<kFewSegments>;
 
 constexpr int kDefaultCtasPerSmHost = 1;
 
@@ -69,9 +74,9 @@ struct StreamingMem<1> {
   __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
 };
 
-template <int VEC>
+template <int VEC, class P>
 __global__ void __launch_bounds__(kCopyThreadsPerBlock)
-    copy_rows_kernel(const __grid_constant__ Params p) {
+    copy_rows_kernel(const __grid_constant__ P p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent launch (consecutive layer calls),
   // the kernel may start while the previous kernel of the stream still runs:
@@ -90,40 +95,40 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
 // CTAs of copy_rows_kernel<VEC> resident on one SM at once, from the compiled
 // kernel's registers and shared memory (same for every device of one build's
 // architecture).
-template <int VEC>
+template <int VEC, class P>
 int64_t resident_ctas_per_sm() {
   static const int64_t ctas = [] {
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, copy_rows_kernel<VEC>,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, copy_rows_kernel<VEC, P>,
                                                                  kCopyThreadsPerBlock, 0));
     return std::max(n, 1);
   }();
   return ctas;
 }
 
-// Grid size: max_ctas when given; else one CTA per SM for host memory, and for
-// device memory every CTA that is resident at once (one full wave: the work
-// is split evenly over the grid, so CTAs beyond one wave would run a second,
-// partial wave at a fraction of the occupancy).
 // Whether the device supports programmatic dependent launch (compute
 // capability 9.0 and later).
 bool supports_dependent_launch(c10::DeviceIndex dev) {
   return at::cuda::getDeviceProperties(dev)->major >= 9;
 }
 
-template <int VEC>
-void launch(const Params& p, int64_t max_ctas, bool touches_host, bool dependent,
+// Grid size: max_ctas when given; else one CTA per SM for host memory, and for
+// device memory every CTA that is resident at once (one full wave: the work
+// is split evenly over the grid, so CTAs beyond one wave would run a second,
+// partial wave at a fraction of the occupancy).
+template <int VEC, class P>
+void launch(const P& p, int64_t max_ctas, bool touches_host, bool dependent,
             cudaStream_t stream) {
   const int64_t budget =
       max_ctas > 0 ? max_ctas
                    : int64_t(cuda::num_sms()) *
-                         (touches_host ? kDefaultCtasPerSmHost : resident_ctas_per_sm<VEC>());
+                         (touches_host ? kDefaultCtasPerSmHost : resident_ctas_per_sm<VEC, P>());
   const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
   const int64_t threads_needed = p.num_tasks << p.log2_group;
   int64_t blocks = (threads_needed + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
   if (!dependent) {
-    copy_rows_kernel<VEC><<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
+    copy_rows_kernel<VEC, P><<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -137,7 +142,43 @@ void launch(const Params& p, int64_t max_ctas, bool touches_host, bool dependent
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, copy_rows_kernel<VEC>, p));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, copy_rows_kernel<VEC, P>, p));
+}
+
+template <class P>
+void launch_vec(int vec, const P& p, int64_t max_ctas, bool touches_host, bool dependent,
+                cudaStream_t stream) {
+  switch (vec) {
+    case 16: launch<16>(p, max_ctas, touches_host, dependent, stream); break;
+    case 8: launch<8>(p, max_ctas, touches_host, dependent, stream); break;
+    case 4: launch<4>(p, max_ctas, touches_host, dependent, stream); break;
+    case 2: launch<2>(p, max_ctas, touches_host, dependent, stream); break;
+    default: launch<1>(p, max_ctas, touches_host, dependent, stream); break;
+  }
+}
+
+// The same launch with the small parameter block (num_segments <= kFewSegments).
+FewParams few(const Params& p) {
+  FewParams f{};
+  for (int64_t j = 0; j < p.num_segments; ++j) {
+    f.src_base[j] = p.src_base[j];
+    f.dst_base[j] = p.dst_base[j];
+  }
+  f.src_geom = p.src_geom;
+  f.dst_geom = p.dst_geom;
+  f.src_slots = p.src_slots;
+  f.dst_slots = p.dst_slots;
+  f.skip_prefix = p.skip_prefix;
+  f.tokens = p.tokens;
+  f.num_segments = p.num_segments;
+  f.num_tasks = p.num_tasks;
+  f.num_pieces = p.num_pieces;
+  f.vecs_per_piece = p.vecs_per_piece;
+  f.vecs_per_row = p.vecs_per_row;
+  f.status = p.status;
+  f.log2_group = p.log2_group;
+  f.record_errors = p.record_errors;
+  return f;
 }
 
 // Which device runs the op: the first CUDA tensor among dst, src, slots, status.
@@ -158,7 +199,7 @@ class CudaLaunch final : public BoundLaunch {
  public:
   CudaLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst, c10::Device dev,
              const at::Tensor& status)
-      : dev_(dev) {
+      : dev_(dev), dependent_ok_(supports_dependent_launch(dev.index())) {
     check_status_tensor(status, dev);
     // Device-visible addresses of every tensor (pinned host memory through UVA).
     std::vector<const char*> src_ptr(src.size(), nullptr);
@@ -228,7 +269,7 @@ class CudaLaunch final : public BoundLaunch {
     SlotArray ss = src_slots, ds = dst_slots;
     ss.data = cuda::index_address(args.src_slots, dev_, "src_slots");
     ds.data = cuda::index_address(args.dst_slots, dev_, "dst_slots");
-    const bool dependent = args.dependent_launch && supports_dependent_launch(dev_.index());
+    const bool dependent = args.dependent_launch && dependent_ok_;
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev_.index()).stream();
     for (const Params& chunk : chunks_) {
       Params p = chunk;  // a bound launch may run on several threads at once
@@ -237,13 +278,10 @@ class CudaLaunch final : public BoundLaunch {
       p.skip_prefix = args.skip_prefix;
       p.tokens = args.num_tokens - args.skip_prefix;
       p.num_tasks = p.tokens * p.num_segments;
-      switch (vec_) {
-        case 16: launch<16>(p, args.max_ctas, touches_host_, dependent, stream); break;
-        case 8: launch<8>(p, args.max_ctas, touches_host_, dependent, stream); break;
-        case 4: launch<4>(p, args.max_ctas, touches_host_, dependent, stream); break;
-        case 2: launch<2>(p, args.max_ctas, touches_host_, dependent, stream); break;
-        default: launch<1>(p, args.max_ctas, touches_host_, dependent, stream); break;
-      }
+      if (p.num_segments <= kFewSegments)
+        launch_vec(vec_, few(p), args.max_ctas, touches_host_, dependent, stream);
+      else
+        launch_vec(vec_, p, args.max_ctas, touches_host_, dependent, stream);
     }
   }
 
@@ -270,6 +308,7 @@ class CudaLaunch final : public BoundLaunch {
   std::vector<Params> chunks_;
   std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
   bool touches_host_ = false;
+  bool dependent_ok_ = false;  // the device supports programmatic dependent launch
   int vec_ = 16;
 };
 
