@@ -45,7 +45,7 @@ def test_copy_engine_equals_the_reference(device, src_layout, dst_layout, patter
     dst = ops.bind(dst_layout, TC.to_torch(dst_layout, dst_np, "cpu", pin=pin), page_size=g.BS)
     ops.transfer(src, dst, torch.from_numpy(s), torch.from_numpy(d), engine="copy")
     TC.sync(device)
-    want = R.transfer(src_layout, src_np, dst_layout, dst_np, s, d)
+    want = TC.jitted_reference.transfer(src_layout, src_np, dst_layout, dst_np, s, d)
     for got, expected in zip(dst.tensors, R.flat_arrays(dst_layout, want)):
         assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))
 
@@ -135,6 +135,7 @@ def test_copy_engine_with_more_runs_than_one_batch(device):
     d = torch.from_numpy(rng.permutation(g.N)[:9000])
     ops.transfer(src, dst, s, d, engine="copy")
     TC.sync(device)
-    want = R.transfer("vllm_flash_attn_nhd", src_np, "hicache_page_first_direct", dst_np, s.numpy(), d.numpy())
+    want = TC.jitted_reference.transfer("vllm_flash_attn_nhd", src_np, "hicache_page_first_direct", dst_np,
+                                        s.numpy(), d.numpy())
     for got, expected in zip(dst.tensors, R.flat_arrays("hicache_page_first_direct", want)):
         assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))

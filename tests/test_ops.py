@@ -294,8 +294,10 @@ def storage_bytes(t: torch.Tensor, offset: int, length: int) -> np.ndarray:
     return raw[start:start + length].cpu().numpy()
 
 
+# Two per layout: the reference's page helpers run eagerly (a page's element masks are computed from
+# concrete values, so jit cannot take them); the NaN-payload tests and the compile tests call these ops again.
 @pytest.mark.parametrize("layout", HICACHE_LAYOUTS + ("vllm_flash_attn_hnd", "vllm_cross_layer", "sglang_mha"))
-@settings(max_examples=TC.examples(3))
+@settings(max_examples=TC.examples(2))
 @given(data=st.data())
 def test_page_helpers(device, layout, data):
     g = data.draw(S.geometries(layout, max_layers=4, max_slots=48, budget=4096))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -23,6 +24,13 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 ALL_LAYOUTS = S.layout_names(include_rows=True)
 
 
+def examples(default: int) -> int:
+    """Hypothesis examples: ``default`` times ``KVLAYOUT_HYPOTHESIS_EXAMPLES`` (as ``torch_cases.examples``,
+    which this torch-free module does not import)."""
+    scale = float(os.environ.get("KVLAYOUT_HYPOTHESIS_EXAMPLES", "1") or 1)
+    return max(1, int(round(default * scale)))
+
+
 def np_out(layout, physical):
     """The reference's output as a mutable numpy physical value."""
     return S.copy_cache(layout, R.map_arrays(layout, physical, np.asarray))
@@ -40,8 +48,11 @@ def test_every_catalog_layout_has_an_oracle():
     assert set(O.ORACLES) == set(R.CATALOG), "a layout without an independent oracle (tests/reference_oracles.py)"
 
 
+# Two per layout: to_logical is checked element by element against the oracles below (four per layout),
+# from_logical by every transfer into each layout (test_transfer_every_pair) and every dtype's bits by
+# test_every_bit_pattern_survives.
 @pytest.mark.parametrize("name", ALL_LAYOUTS)
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=examples(2), **SETTINGS)
 @given(data=st.data())
 def test_round_trip(name, data):
     g = data.draw(S.geometries(name, max_layers=5, budget=4096))
@@ -55,7 +66,7 @@ def test_round_trip(name, data):
 
 
 @pytest.mark.parametrize("name", ALL_LAYOUTS)
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=examples(4), **SETTINGS)
 @given(data=st.data())
 def test_oracle_matches_to_logical(name, data):
     g = data.draw(S.geometries(name, max_layers=5, budget=4096))
@@ -104,7 +115,8 @@ def run_case(case: S.TransferCase):
     assert S.same_bytes(case.dst_layout, got, want), case.to_python()
 
 
-@settings(max_examples=30, **SETTINGS)
+# Every ordered layout pair also runs, at fixed sizes, in test_transfer_every_pair.
+@settings(max_examples=examples(20), **SETTINGS)
 @given(case=S.transfer_cases())
 def test_transfer_generated(case):
     run_case(case)
@@ -193,7 +205,8 @@ def test_empty_transfer_is_a_no_op():
     assert S.same_bytes(a, R.scatter(a, src, jnp.zeros((2, 3, 0, 2, 6), jnp.float32), empty), src)
 
 
-@settings(max_examples=12, **SETTINGS)
+# gather and scatter are transfers to and from "rows": the transfer tests above cover their rule as well.
+@settings(max_examples=examples(8), **SETTINGS)
 @given(data=st.data())
 def test_gather_then_scatter_matches_oracle(data):
     name = data.draw(S.layouts())
@@ -299,8 +312,10 @@ def test_move_rejects_duplicates_and_length_mismatch():
 HICACHE = S.layout_names("host")
 
 
+# Two per host layout (each example checks get_page, page_spans, set_page and zero_page); the NaN-payload
+# tests and the op tests call the same helpers again.
 @pytest.mark.parametrize("name", HICACHE)
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=examples(2), **SETTINGS)
 @given(data=st.data())
 def test_page_helpers(name, data):
     g = data.draw(S.geometries(name, max_layers=3, budget=2048, min_slots=2))
@@ -407,8 +422,10 @@ def np_rotate(keys, pos, cache, is_neox):
     return out
 
 
+# Five per pairing (the shapes only change which elements are paired; the rotation rule is one expression);
+# test_operations_under_jit and test_rope_pairings_differ_and_bf16 call it again with fixed values.
 @pytest.mark.parametrize("is_neox", [True, False])
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=examples(5), **SETTINGS)
 @given(data=st.data())
 def test_rope_reposition(is_neox, data):
     T = data.draw(st.integers(1, 12))

@@ -4,7 +4,8 @@ The cases come from ``kvlayout.conformance.strategies`` as numpy physical
 values (the reference's convention); these helpers turn them into torch
 tensors on a device (optionally pinned host memory) and read tensors back as
 unsigned bits, so every comparison is byte-exact whatever the dtype (NaN
-payloads included).
+payloads included).  ``jitted_reference`` runs the reference operations
+under ``jax.jit``, one compile per call (see :class:`_Jitted`).
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ class _Jitted:
     arrays (numpy or jax, at any depth of the arguments) are traced, every
     other argument (layout names, geometries, layer and plane lists,
     ``skip_prefix``, ``is_neox``) is static.  The values are the reference's:
-    the functions copy bits, and ``test_reference.py`` checks them eagerly
-    against independent oracles and ``test_operations_under_jit`` checks that
-    jit and eager agree.  What jit leaves out is the reference's check of slot
-    values (they are not known while tracing), so only valid slots may be
-    given: the reference's errors are tested eagerly in ``test_reference.py``.
+    the byte-moving operations copy bits either way, RoPE may differ by the
+    FMA contractions its tolerance allows (see test_ops.py), and
+    ``test_reference.py`` checks the reference eagerly against independent
+    oracles, with ``test_operations_under_jit`` checking that jit and eager
+    agree.  What jit leaves out is the reference's check of slot values (they
+    are not known while tracing), so only valid slots may be given: the
+    reference's errors are tested eagerly in ``test_reference.py``.
     """
 
     _ARRAY = object()
+    _KEEP = 512          # compiled calls kept; cases rarely repeat a shape, so older ones are dropped
 
     def __init__(self):
         self._compiled: dict = {}
@@ -62,13 +66,15 @@ class _Jitted:
             leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
             is_array = [isinstance(x, (np.ndarray, jax.Array)) for x in leaves]
             static = tuple(self._ARRAY if a else x for a, x in zip(is_array, leaves))
-            key = (name, tree, static)
+            key = (name, tree, static, tuple(type(x) for x in static))     # 1 and True must not share
             jitted = self._compiled.get(key)
             if jitted is None:
                 def run(*arrays):
                     it = iter(arrays)
                     a, k = jax.tree_util.tree_unflatten(tree, [next(it) if x is self._ARRAY else x for x in static])
                     return fn(*a, **k)
+                if len(self._compiled) >= self._KEEP:
+                    self._compiled.clear()
                 jitted = self._compiled[key] = jax.jit(run)
             return jitted(*[x for a, x in zip(is_array, leaves) if a])
 
