@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 
-import torch
 
 from kvlayout import _C
 
@@ -72,19 +71,3 @@ def program_for(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, 
                  for step in program_steps(src, dst, src_layers, dst_layers, src_planes, dst_planes)]
         handle = _HANDLES.setdefault(key, _C.register_program(steps, len(src.tensors), len(dst.tensors)))
     return handle
-
-
-def run_program(handle: int, src: KVCache, dst: KVCache, src_slots, dst_slots, step: int, num_tokens: int,
-                skip_prefix: int, max_ctas: int, status: torch.Tensor, validate: bool) -> None:
-    """Step ``step`` of program ``handle`` on the caches' tensors.
-
-    Eager calls on plain tensors go straight to C++ (bindings cached there by
-    the tensors' addresses); compiled code, fake or meta tensors and dispatch
-    modes go through the op ``torch.ops.kvlayout.copy_program``.
-    """
-    if not torch.compiler.is_compiling() and _C.run_program(
-            handle, src.tensors, dst.tensors, src_slots, dst_slots, step, num_tokens, skip_prefix, max_ctas,
-            status, validate):
-        return
-    torch.ops.kvlayout.copy_program(handle, list(src.tensors), list(dst.tensors), src_slots, dst_slots, step,
-                                    num_tokens, skip_prefix, max_ctas, status, validate)

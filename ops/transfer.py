@@ -300,10 +300,6 @@ class TransferArgs:
     validate: bool
     engine: str
 
-    @property
-    def empty(self) -> bool:
-        return self.num_tokens == 0 or not self.src_layers or not self.src_planes
-
 
 ENGINES = ("kernel", "copy")
 
