@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 
-
 from kvlayout import _C
 
 from .transfer import Launch
