@@ -68,12 +68,12 @@ def test_mha_pool_constructor_getters_and_set_kv_buffer():
 
 
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no fp8 dtype in this torch")
-def test_fp8_pool_casts_and_scales():
-    pool = S.MHATokenToKVPool(8, P, torch.float8_e4m3fn, H, D, L, device="cpu")
+def test_fp8_pool_casts_and_scales(device):
+    pool = S.MHATokenToKVPool(8, P, torch.float8_e4m3fn, H, D, L, device=device)
     assert pool.store_dtype == torch.uint8
-    k = torch.full((2, H, D), 3.0, dtype=torch.bfloat16)
-    v = torch.full((2, H, D), -1.5, dtype=torch.bfloat16)
-    pool.set_kv_buffer(_layer(0), torch.tensor([5, 6]), k, v, k_scale=2.0, v_scale=0.5)
+    k = torch.full((2, H, D), 3.0, dtype=torch.bfloat16, device=device)
+    v = torch.full((2, H, D), -1.5, dtype=torch.bfloat16, device=device)
+    pool.set_kv_buffer(_layer(0), torch.tensor([5, 6], device=device), k, v, k_scale=2.0, v_scale=0.5)
     want_k = (k / 2.0).to(torch.float8_e4m3fn).view(torch.uint8)
     want_v = (v / 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
     assert same(pool.k_buffer[0][5:7], want_k) and same(pool.v_buffer[0][5:7], want_v)
