@@ -343,7 +343,7 @@ def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, s
                              f"uses position t; num_tokens = {T} must be <= {geom.N})")
     if not 0 <= skip_prefix <= T:
         raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
-    if not torch.compiler.is_compiling() and device.type != "cpu" and engine == "copy":
+    if engine == "copy" and device.type != "cpu" and not torch.compiler.is_compiling():
         # the kernel op checks every slot itself (CPU always, devices with validate=True, inside the
         # op so compiled code keeps it); the copy engine reads the slots on the host but does not
         # look for repeats
@@ -453,12 +453,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
                                                    num_tokens)
     if T == 0 or not c.src_layers or not c.src_planes:
         return
-    args = TransferArgs(c.src_layers, c.dst_layers, c.src_planes, c.dst_planes, c.device, s_slots, d_slots, T,
-                        skip_prefix, c.max_ctas, validate, engine)
     if engine == "copy":
         launches = cached_plan(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes)
         _check_disjoint(src, dst, launches)
-        copy_engine_run(launches, args)
+        copy_engine_run(launches, TransferArgs(c.src_layers, c.dst_layers, c.src_planes, c.dst_planes, c.device,
+                                               s_slots, d_slots, T, skip_prefix, c.max_ctas, validate, engine))
         return
     if torch.compiler.is_compiling():
         # The graph keeps the launches themselves (registering a program is not traceable);
