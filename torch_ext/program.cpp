@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 #include <string>
