@@ -278,14 +278,7 @@ void copy_program(int64_t handle, at::TensorList src, at::TensorList dst,
                   bool validate) {
   const c10::Device device = program_device(src, dst, src_slots, dst_slots);
   const auto bound = bound_program(handle, src, dst, device, status);
-  RunArgs args;
-  args.src_slots = src_slots;
-  args.dst_slots = dst_slots;
-  args.num_tokens = num_tokens;
-  args.skip_prefix = skip_prefix;
-  args.max_ctas = max_ctas;
-  args.validate = validate;
-  bound->run(step, args);
+  bound->run(step, RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate});
 }
 
 TORCH_LIBRARY_IMPL(kvlayout, CPU, m) { m.impl("copy_program", &copy_program); }

@@ -62,7 +62,8 @@ int64_t register_program(CopyProgram program);
 // The program of a handle (IndexError for an unknown handle).
 const CopyProgram& registered_program(int64_t handle);
 
-// Slot arguments of one run, as the caller gave them.
+// Slot arguments of one run, as the caller gave them (an aggregate:
+// RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate}).
 struct RunArgs {
   std::optional<at::Tensor> src_slots, dst_slots;
   int64_t num_tokens = 0;
@@ -71,6 +72,17 @@ struct RunArgs {
   bool validate = false;
   bool dependent_launch = false;  // CUDA: may start before the previous kernel on the stream ends
 };
+
+// `plan` (a bound launch's plan) with this run's token counts and slots.
+inline CopyPlan plan_for_run(const CopyPlan& plan, const SlotArray& src_slots,
+                             const SlotArray& dst_slots, const RunArgs& args) {
+  CopyPlan p = plan;
+  p.num_tokens = args.num_tokens;
+  p.skip_prefix = args.skip_prefix;
+  p.src_slots = src_slots;
+  p.dst_slots = dst_slots;
+  return p;
+}
 
 // One launch bound to tensors, in a backend's own form.
 class BoundLaunch {

@@ -102,15 +102,8 @@ class PreparedCopy {
   void set_call(std::optional<at::Tensor> src_slots, std::optional<at::Tensor> dst_slots,
                 int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, bool validate,
                 bool dependent_launch) {
-    RunArgs args;
-    args.src_slots = std::move(src_slots);
-    args.dst_slots = std::move(dst_slots);
-    args.num_tokens = num_tokens;
-    args.skip_prefix = skip_prefix;
-    args.max_ctas = max_ctas;
-    args.validate = validate;
-    args.dependent_launch = dependent_launch;
-    args_ = std::move(args);
+    args_ = RunArgs{std::move(src_slots), std::move(dst_slots), num_tokens, skip_prefix, max_ctas,
+                    validate, dependent_launch};
   }
 
   void run(int64_t step) const {
@@ -138,14 +131,8 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
     return false;
   const c10::Device device = program_device(src, dst, src_slots, dst_slots);
   const auto bound = bound_program(handle, src, dst, device, status);
-  RunArgs args;
-  args.src_slots = src_slots;
-  args.dst_slots = dst_slots;
-  args.num_tokens = num_tokens;
-  args.skip_prefix = skip_prefix;
-  args.max_ctas = max_ctas;
-  args.validate = validate;
-  run_bound(*bound, step, dst, args);
+  run_bound(*bound, step, dst,
+            RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate});
   return true;
 }
 

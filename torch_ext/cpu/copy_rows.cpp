@@ -30,9 +30,8 @@ void check_on_cpu(at::TensorList ts, const char* name) {
 // A launch bound to CPU tensors: base pointers resolved once.
 class CpuLaunch final : public BoundLaunch {
  public:
+  // `src`/`dst`: CPU tensors (checked by the caller).
   CpuLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst) {
-    check_on_cpu(src, "src");
-    check_on_cpu(dst, "dst");
     src_base_.resize(plan.num_segments);
     dst_base_.resize(plan.num_segments);
     for (int64_t g = 0; g < plan.num_segments; ++g) {
@@ -44,12 +43,7 @@ class CpuLaunch final : public BoundLaunch {
   void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
            const RunArgs& args) const override {
     // the CPU checks every slot and raises; no CTA budget
-    CopyPlan p = plan;
-    p.num_tokens = args.num_tokens;
-    p.skip_prefix = args.skip_prefix;
-    p.src_slots = src_slots;
-    p.dst_slots = dst_slots;
-    run_plan(std::move(p));
+    run_plan(plan_for_run(plan, src_slots, dst_slots, args));
   }
 
   // Each slot is read once into the op's own copy, checked there (range, and
@@ -78,6 +72,8 @@ std::unique_ptr<BoundLaunch> make_cpu_launch(const CopyPlan& plan, at::TensorLis
                                              const at::Tensor& status) {
   (void)device;
   (void)status;  // CPU raises instead of recording
+  check_on_cpu(src, "src");
+  check_on_cpu(dst, "dst");
   return std::make_unique<CpuLaunch>(plan, src, dst);
 }
 

@@ -259,12 +259,8 @@ class CudaLaunch final : public BoundLaunch {
            const RunArgs& args) const override {
     const c10::cuda::CUDAGuard guard(dev_);
     if (args.validate) {
-      CopyPlan p = plan;
-      p.num_tokens = args.num_tokens;
-      p.skip_prefix = args.skip_prefix;
-      p.src_slots = src_slots;
-      p.dst_slots = dst_slots;
-      validate_slots_on_host(p, args.src_slots, args.dst_slots);
+      validate_slots_on_host(plan_for_run(plan, src_slots, dst_slots, args), args.src_slots,
+                             args.dst_slots);
     }
     SlotArray ss = src_slots, ds = dst_slots;
     ss.data = cuda::index_address(args.src_slots, dev_, "src_slots");
@@ -336,13 +332,7 @@ void copy_rows_cuda(at::TensorList src, at::TensorList dst,
   const c10::cuda::CUDAGuard guard(dev);
   check_status_tensor(status, dev);
   if (plan.empty()) return;
-  RunArgs args;
-  args.src_slots = src_slots;
-  args.dst_slots = dst_slots;
-  args.num_tokens = plan.num_tokens;
-  args.skip_prefix = plan.skip_prefix;
-  args.max_ctas = max_ctas;
-  args.validate = validate;
+  const RunArgs args{src_slots, dst_slots, plan.num_tokens, plan.skip_prefix, max_ctas, validate};
   CudaLaunch(plan, src, dst, dev, status).run(plan, plan.src_slots, plan.dst_slots, args);
 }
 
