@@ -2,7 +2,9 @@
 
 Read top to bottom: ``layouts`` (the catalog, as data), ``logical`` (physical
 caches <-> ``[P, L, N, H, E]``), ``operations`` (transfer, gather, scatter,
-skip_prefix, move), ``pages`` (page helpers), ``rope`` (key repositioning).
+skip_prefix, move), ``pages`` (page helpers), ``rope`` (key repositioning),
+``resharding`` (KV heads across tensor-parallel sizes: who sends which head
+to whom).
 This package never imports torch: it is the oracle the kernels are checked
 against.  ``layouts`` does not import jax either, so the op library can read
 the catalog without it; the other modules load on first use.
@@ -20,6 +22,7 @@ _LAZY = {
                    "from_bits", "concrete"),
     "pages": ("get_page", "set_page", "zero_page", "page_spans", "slot_map"),
     "rope": ("rope_reposition",),
+    "resharding": ("kv_heads", "kv_routes", "source_rank", "replicas", "Route", "reshard"),
 }
 _OWNER = {name: module for module, names in _LAZY.items() for name in names}
 
