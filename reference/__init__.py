@@ -1,19 +1,23 @@
 """kvlayout's executable specification: every KV-cache layout and transfer, in JAX + einops.
 
-Read top to bottom: ``layouts`` (the catalog, as data), ``logical`` (physical
+Read top to bottom: ``semantics`` (the decided rules, each named once, with
+the exception it raises), ``layouts`` (the catalog, as data), ``logical`` (physical
 caches <-> ``[P, L, N, H, E]``), ``operations`` (transfer, gather, scatter,
 skip_prefix, move), ``pages`` (page helpers), ``rope`` (key repositioning),
 ``resharding`` (KV heads across tensor-parallel sizes: who sends which head
 to whom).
 This package never imports torch: it is the oracle the kernels are checked
-against.  ``layouts`` does not import jax either, so the op library can read
-the catalog without it; the other modules load on first use.
+against.  ``semantics`` and ``layouts`` do not import jax either, so the op
+library can read the rules and the catalog without it; the other modules load
+on first use.
 """
 
 import importlib
 
+from . import semantics
 from .layouts import AXES, CATALOG, Geometry, Layout, Part, catalog_table, describe_pattern, \
     element_location, get, infer_geometry, make_geometry, register
+from .semantics import RULES, Rule
 
 _LAZY = {
     "logical": ("to_logical", "from_logical", "geometry_of", "parts_of", "from_parts", "flat_arrays",
@@ -34,5 +38,5 @@ def __getattr__(name):
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
-__all__ = ["AXES", "CATALOG", "Geometry", "Layout", "Part", "catalog_table", "describe_pattern",
-           "element_location", "get", "infer_geometry", "make_geometry", "register", *_OWNER]
+__all__ = ["AXES", "CATALOG", "Geometry", "Layout", "Part", "RULES", "Rule", "catalog_table", "describe_pattern",
+           "element_location", "get", "infer_geometry", "make_geometry", "register", "semantics", *_OWNER]

@@ -36,6 +36,8 @@ import dataclasses
 import re
 from typing import Mapping, Sequence
 
+from . import semantics as rules
+
 AXES = ("p", "l", "nb", "bs", "h", "e")
 """The canonical axis order of one part: ``[P, L, NB, BS, H, E_part]``."""
 
@@ -282,40 +284,41 @@ def infer_geometry(layout: Layout | str, shapes: Sequence[Sequence[int]] | Seque
     ``shapes`` has one entry per part: the shape of the tensor, or for a
     per-layer part the list of per-layer shapes (all equal).  ``page_size`` is
     needed only when the slot axis is flat and pages matter (SGLang pools,
-    HiCache page_first); it defaults to 1 there.  Raises ``ValueError`` when a
-    shape contradicts the layout.
+    HiCache page_first); it defaults to 1 there.  A shape that contradicts the
+    layout breaks rule ``layout_shape``.
     """
     layout = get(layout)
     if len(shapes) != len(layout.parts):
-        raise ValueError(f"{layout.name}: expected {len(layout.parts)} parts, got {len(shapes)}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: expected {len(layout.parts)} parts, got {len(shapes)}")
     found: dict[str, int] = {}
     columns: dict[int, int] = {}
 
     def bind(axis: str, size: int, where: str) -> None:
         if axis in found and found[axis] != size:
-            raise ValueError(f"{layout.name}: {where} has {axis} = {size}, elsewhere {found[axis]}")
+            rules.LAYOUT_SHAPE.fail(f"{layout.name}: {where} has {axis} = {size}, elsewhere {found[axis]}")
         found[axis] = size
 
     for part, shape in zip(layout.parts, shapes):
         if part.per_layer:
             layer_shapes = [tuple(s) for s in shape]
             if not layer_shapes:
-                raise ValueError(f"{layout.name}: part {part.name!r} is an empty list of layers")
+                rules.LAYOUT_SHAPE.fail(f"{layout.name}: part {part.name!r} is an empty list of layers")
             if any(s != layer_shapes[0] for s in layer_shapes):
-                raise ValueError(f"{layout.name}: part {part.name!r} has layers of different shapes {layer_shapes}")
+                rules.LAYOUT_SHAPE.fail(f"{layout.name}: part {part.name!r} has layers of different shapes "
+                                        f"{layer_shapes}")
             bind("l", len(layer_shapes), f"part {part.name!r} list length")
             shape = layer_shapes[0]
         shape = tuple(shape)
         toks = part.pattern.split()
         if len(shape) != len(toks):
-            raise ValueError(f"{layout.name}: part {part.name!r} must have {len(toks)} dims "
-                             f"[{', '.join(_DIM_NAMES.get(t, t) for t in toks)}], got shape {list(shape)}")
+            rules.LAYOUT_SHAPE.fail(f"{layout.name}: part {part.name!r} must have {len(toks)} dims "
+                                    f"[{', '.join(_DIM_NAMES.get(t, t) for t in toks)}], got shape {list(shape)}")
         for tok, size in zip(toks, shape):
             where = f"part {part.name!r} shape {list(shape)}"
             if tok == "n":
                 bs = page_size or 1
                 if size % bs:
-                    raise ValueError(f"{layout.name}: {size} slots is not a multiple of page_size {bs}")
+                    rules.LAYOUT_SHAPE.fail(f"{layout.name}: {size} slots is not a multiple of page_size {bs}")
                 bind("bs", bs, where)
                 bind("nb", size // bs, where)
             elif tok == "e" and part.column is not None:
@@ -323,17 +326,18 @@ def infer_geometry(layout: Layout | str, shapes: Sequence[Sequence[int]] | Seque
             else:
                 bind(tok, size, where)
     if page_size is not None and found.get("bs", page_size) != page_size:
-        raise ValueError(f"{layout.name}: page_size={page_size} but the tensors have pages of {found['bs']}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: page_size={page_size} but the tensors have pages of "
+                                f"{found['bs']}")
     P = found.get("p", layout.planes or 1)
     if any(p.plane is not None for p in layout.parts):
         P = layout.planes
     if planes is not None and P != planes:
-        raise ValueError(f"{layout.name}: has {P} planes, expected {planes}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: has {P} planes, expected {planes}")
     if layout.planes is not None and P != layout.planes:
-        raise ValueError(f"{layout.name}: the plane axis must have size {layout.planes}, got {P}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: the plane axis must have size {layout.planes}, got {P}")
     L = found.get("l", 1)
     if num_layers is not None and L != num_layers:
-        raise ValueError(f"{layout.name}: has {L} layers, expected {num_layers}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: has {L} layers, expected {num_layers}")
     cols = tuple(columns[i] for i in sorted(columns))
     E = sum(cols) if cols else found["e"]
     return Geometry(P=P, L=L, NB=found.get("nb", 1), BS=found.get("bs", 1), H=found.get("h", 1), E=E,

@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Slots, byte offsets and uint64 elements need 64-bit integers.
-jax.config.update("jax_enable_x64", True)
-
+from . import semantics as rules
 from .layouts import Geometry, Layout, get, infer_geometry, part_axis_lengths, part_from_logical_pattern, \
     part_to_logical_pattern
+
+# Slots, byte offsets and uint64 elements need 64-bit integers.
+jax.config.update("jax_enable_x64", True)
 
 Physical = Any
 
@@ -51,7 +52,7 @@ def parts_of(layout: Layout | str, physical: Physical) -> tuple:
     if layout.single_part:
         return (physical,)
     if not isinstance(physical, (tuple, list)) or len(physical) != len(layout.parts):
-        raise ValueError(f"{layout.name}: expected {len(layout.parts)} parts "
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: expected {len(layout.parts)} parts "
                          f"({', '.join(p.name for p in layout.parts)})")
     return tuple(physical)
 
@@ -112,7 +113,7 @@ def from_logical(layout: Layout | str, logical: jax.Array, geom: Geometry) -> Ph
     layout = get(layout)
     expected = (geom.P, geom.L, geom.N, geom.H, geom.E)
     if tuple(logical.shape) != expected:
-        raise ValueError(f"{layout.name}: logical array has shape {tuple(logical.shape)}, expected {expected}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name}: logical array has shape {tuple(logical.shape)}, expected {expected}")
     dtype = logical.dtype
     bits = as_bits(logical)
     parts = []

@@ -5,33 +5,26 @@ Every operation is defined on the logical array ``[P, L, N, H, E]``:
     transfer = for each token t with both slots valid:
                    dst[plane, dst_layer, dst_slots[t], :] = src[plane, src_layer, src_slots[t], :]
 
-with the row ``(h e)`` flattened, so source and destination need the same row
-width ``H * E`` and element size, not the same head split.  Copies are
-byte-exact: arrays are bitcast to unsigned integers of their width first.
+with the row ``(h e)`` flattened.  Copies are byte-exact: arrays are bitcast
+to unsigned integers of their width first.
 
-Decided semantics:
-
-* a negative slot means "no token here": nothing is read or written for it
-  (JAX's ``.at[-1]`` would wrap to the last row, so negatives are dropped by
-  hand);
-* a slot >= the cache's slot count raises ``ValueError`` naming the argument,
-  the value and the bound (checked whenever the slots are concrete values);
-* duplicate destination slots raise ``ValueError``;
-* an empty transfer is a no-op.
+The rules these functions decide (negative slots, out-of-range and repeated
+slots, empty transfers, ``skip_prefix``, overlap in ``move``, ...) are the
+named items of :mod:`kvlayout.reference.semantics`; every check here raises
+through its rule.  Slot values are checked whenever they are concrete (not
+traced under ``jit``).
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layouts import Geometry, Layout, get, make_geometry
-from .logical import Physical, as_bits, dtype_of, from_bits, from_logical, geometry_of, map_arrays, \
-    to_logical
+from . import semantics as rules
+from .layouts import Geometry, Layout, get
+from .logical import Physical, as_bits, dtype_of, from_bits, from_logical, geometry_of, to_logical
 
 
 def concrete(x) -> np.ndarray | None:
@@ -42,23 +35,28 @@ def concrete(x) -> np.ndarray | None:
 
 
 def check_slots(name: str, slots, bound: int, *, unique: bool = False) -> None:
-    """Raise ``ValueError`` for a slot >= ``bound`` (or a repeated slot with ``unique``)."""
+    """Check concrete slot values against the rules (nothing to check while traced).
+
+    ``index_shape`` (1-D), ``index_dtype`` (integers), ``slot_out_of_range``
+    (every slot ``< bound``) and, with ``unique``,
+    ``duplicate_destination_slot``.
+    """
     values = concrete(slots)
     if values is None:
         return
     if values.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {values.shape}")
+        rules.INDEX_SHAPE.fail(f"{name} must be 1-D, got shape {values.shape}")
     if not np.issubdtype(values.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got {values.dtype}")
+        rules.INDEX_DTYPE.fail(f"{name} must hold integers, got {values.dtype}")
     bad = np.nonzero(values >= bound)[0]
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {int(values[i])} is out of range: the cache holds {bound} slots")
+        rules.SLOT_OUT_OF_RANGE.fail(f"{name}[{i}] = {int(values[i])} is out of range: the cache holds {bound} slots")
     if unique:
         valid = values[values >= 0]
         uniq, counts = np.unique(valid, return_counts=True)
         if (counts > 1).any():
-            raise ValueError(f"{name} repeats slot {int(uniq[counts > 1][0])}")
+            rules.DUPLICATE_DESTINATION_SLOT.fail(f"{name} repeats slot {int(uniq[counts > 1][0])}")
 
 
 def skip_prefix(slots, n: int, num_tokens: int | None = None) -> jax.Array:
@@ -70,21 +68,45 @@ def skip_prefix(slots, n: int, num_tokens: int | None = None) -> jax.Array:
     """
     if slots is None:
         if num_tokens is None:
-            raise ValueError("skip_prefix needs num_tokens when slots is None")
+            rules.SKIP_PREFIX.fail("skip_prefix needs num_tokens when slots is None")
+        num_tokens = _as_int("num_tokens", num_tokens)
         slots = jnp.arange(num_tokens, dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
     slots = jnp.asarray(slots)
+    n = _as_int("skip_prefix", n)
     if n < 0:
-        raise ValueError(f"skip_prefix = {n} must be >= 0")
+        rules.SKIP_PREFIX.fail(f"skip_prefix = {n} must be >= 0")
     return jnp.where(jnp.arange(slots.shape[0]) < n, -1, slots).astype(slots.dtype)
 
 
-def _select(count: int, chosen, what: str) -> np.ndarray:
+def _as_int(name: str, value) -> int:
+    """``value`` as an int (``integer_argument``: bools and floats are refused, not truncated)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        rules.INTEGER_ARGUMENT.fail(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _select(count: int, chosen, what: str, *, unique: bool = False) -> np.ndarray:
+    """Chosen layers or planes (``None``: all) as an index array, checked against the rules."""
     if chosen is None:
         return np.arange(count)
-    chosen = np.atleast_1d(np.asarray(chosen, dtype=np.int64))
+    items = [chosen] if np.ndim(chosen) == 0 else list(chosen)
+    chosen = np.array([_as_int(f"{what}[{i}]", c) for i, c in enumerate(items)], dtype=np.int64)
     if chosen.size and (chosen.min() < 0 or chosen.max() >= count):
-        raise ValueError(f"{what} {chosen.tolist()} out of range: there are {count}")
+        rules.LAYER_PLANE_OUT_OF_RANGE.fail(f"{what} {chosen.tolist()} out of range: there are {count}")
+    if unique and np.unique(chosen).size != chosen.size:
+        rules.LAYER_PLANE_PAIRING.fail(f"{what} {chosen.tolist()} repeats an index: a destination layer or "
+                                       "plane may be written once")
     return chosen
+
+
+def check_element_types(src_dtype, dst_dtype) -> None:
+    """``element_type``: the same element type, or raw integer storage of the same size on one side."""
+    src_dtype, dst_dtype = np.dtype(src_dtype), np.dtype(dst_dtype)
+    raw = np.issubdtype(src_dtype, np.integer) or np.issubdtype(dst_dtype, np.integer)
+    if src_dtype.itemsize != dst_dtype.itemsize or (src_dtype != dst_dtype and not raw):
+        rules.ELEMENT_TYPE.fail(f"dtypes differ: source {src_dtype} ({src_dtype.itemsize} B), destination "
+                                f"{dst_dtype} ({dst_dtype.itemsize} B) (a copy is byte-exact: the element types "
+                                "must match, or one side must be raw integer storage of the same size)")
 
 
 def transfer(src_layout: Layout | str, src: Physical, dst_layout: Layout | str, dst: Physical,
@@ -111,28 +133,32 @@ def transfer(src_layout: Layout | str, src: Physical, dst_layout: Layout | str, 
     sg = src_geom or geometry_of(src_layout, src)
     dg = dst_geom or geometry_of(dst_layout, dst)
     src_dtype, dst_dtype = dtype_of(src_layout, src), dtype_of(dst_layout, dst)
-    if src_dtype.itemsize != dst_dtype.itemsize:
-        raise ValueError(f"element sizes differ: source {src_dtype} ({src_dtype.itemsize} B), "
-                         f"destination {dst_dtype} ({dst_dtype.itemsize} B)")
+    check_element_types(src_dtype, dst_dtype)
     if sg.H * sg.E != dg.H * dg.E:
-        raise ValueError(f"row widths differ: source H*E = {sg.H}*{sg.E}, destination H*E = {dg.H}*{dg.E}")
+        rules.ROW_WIDTH.fail(f"row widths differ: source H*E = {sg.H}*{sg.E}, destination H*E = {dg.H}*{dg.E}")
     src_p = _select(sg.P, src_planes, "src_planes")
-    dst_p = _select(dg.P, dst_planes, "dst_planes")
+    dst_p = _select(dg.P, dst_planes, "dst_planes", unique=True)
     if len(src_p) != len(dst_p):
-        raise ValueError(f"planes differ: source copies {len(src_p)} planes, destination {len(dst_p)}")
+        rules.LAYER_PLANE_PAIRING.fail(f"planes differ: source copies {len(src_p)} planes, "
+                                       f"destination {len(dst_p)}")
     src_l = _select(sg.L, src_layers, "src_layers")
-    dst_l = _select(dg.L, dst_layers, "dst_layers")
+    dst_l = _select(dg.L, dst_layers, "dst_layers", unique=True)
     if len(src_l) != len(dst_l):
-        raise ValueError(f"src_layers has {len(src_l)} layers, dst_layers {len(dst_l)}")
+        rules.LAYER_PLANE_PAIRING.fail(f"src_layers has {len(src_l)} layers, dst_layers {len(dst_l)}")
 
     lengths = {len(s) for s in (src_slots, dst_slots) if s is not None}
     if len(lengths) > 1:
-        raise ValueError(f"src_slots and dst_slots differ in length: {sorted(lengths)}")
+        rules.INDEX_SHAPE.fail(f"src_slots and dst_slots differ in length: {sorted(lengths)}")
+    if num_tokens is not None:
+        num_tokens = _as_int("num_tokens", num_tokens)
+        if num_tokens < 0:
+            rules.ARGUMENT_RANGE.fail(f"num_tokens = {num_tokens} must be >= 0")
     T = lengths.pop() if lengths else (num_tokens if num_tokens is not None else sg.N)
     if num_tokens is not None and num_tokens != T:
-        raise ValueError(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
+        rules.INDEX_SHAPE.fail(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
+    skip_prefix = _as_int("skip_prefix", skip_prefix)
     if not 0 <= skip_prefix <= T:
-        raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
+        rules.SKIP_PREFIX.fail(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
     s = jnp.arange(T) if src_slots is None else jnp.asarray(src_slots)
     d = jnp.arange(T) if dst_slots is None else jnp.asarray(dst_slots)
     check_slots("src_slots", s, sg.N)
@@ -194,7 +220,7 @@ def move(layout: Layout | str, cache: Physical, src_slots, dst_slots) -> Physica
     geom = geometry_of(layout, cache)
     src_slots, dst_slots = jnp.asarray(src_slots), jnp.asarray(dst_slots)
     if src_slots.shape != dst_slots.shape:
-        raise ValueError(f"src_slots {src_slots.shape} and dst_slots {dst_slots.shape} differ in length")
+        rules.INDEX_SHAPE.fail(f"src_slots {src_slots.shape} and dst_slots {dst_slots.shape} differ in length")
     check_slots("src_slots", src_slots, geom.N)
     check_slots("dst_slots", dst_slots, geom.N, unique=True)
     dtype = dtype_of(layout, cache)

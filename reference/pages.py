@@ -16,8 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from . import semantics as rules
 from .layouts import Geometry, Layout, get
-from .logical import Physical, flat_arrays, from_logical, geometry_of, map_arrays, parts_of, from_parts
+from .logical import Physical, flat_arrays, from_logical, from_parts, geometry_of, parts_of
 from .operations import as_bits, from_bits
 
 
@@ -28,9 +29,17 @@ def slot_map(layout: Layout | str, geom: Geometry) -> list[np.ndarray]:
     return [np.asarray(x) for x in flat_arrays(layout, physical)]
 
 
-def _page_masks(layout, geom: Geometry, page: int) -> list[np.ndarray]:
+def _check_page(page, geom: Geometry) -> int:
+    """``page`` as an int in ``[0, NB)`` (rules ``integer_argument`` and ``page_out_of_range``)."""
+    if isinstance(page, (bool, np.bool_)) or not isinstance(page, (int, np.integer)):
+        rules.INTEGER_ARGUMENT.fail(f"page must be an integer, got {type(page).__name__} {page!r}")
     if not 0 <= page < geom.NB:
-        raise ValueError(f"page = {page} is out of range: the cache holds {geom.NB} pages")
+        rules.PAGE_OUT_OF_RANGE.fail(f"page = {page} is out of range: the cache holds {geom.NB} pages")
+    return int(page)
+
+
+def _page_masks(layout, geom: Geometry, page: int) -> list[np.ndarray]:
+    page = _check_page(page, geom)
     return [(m // geom.BS) == page for m in slot_map(layout, geom)]
 
 
@@ -53,13 +62,13 @@ def set_page(layout: Layout | str, cache: Physical, page: int, flat, *, page_siz
     # dtype) may rewrite NaN payloads, and the page's bytes must land as given.
     flat_bits = as_bits(flat).reshape(-1)
     need = sum(int(m.sum()) for m in masks)
-    if flat_bits.shape[0] != need:
-        raise ValueError(f"flat page has {flat_bits.shape[0]} elements, the page holds {need}")
+    if jnp.ndim(flat) != 1 or flat_bits.shape[0] != need:
+        rules.FLAT_PAGE_SIZE.fail(f"flat must be 1-D with {need} elements (one page), got shape {jnp.shape(flat)}")
     out, start = [], 0
     for x, m in zip(flat_arrays(layout, cache), masks):
         x = jnp.asarray(x)
         if jnp.dtype(flat_bits.dtype).itemsize != x.dtype.itemsize:
-            raise ValueError(f"flat page has {flat_bits.dtype.itemsize}-byte elements, the cache {x.dtype}")
+            rules.ELEMENT_TYPE.fail(f"flat has {flat_bits.dtype.itemsize}-byte elements, the cache {x.dtype}")
         idx = np.flatnonzero(m)
         bits = as_bits(x).reshape(-1).at[idx].set(flat_bits[start:start + idx.size])
         out.append(from_bits(bits, x.dtype).reshape(x.shape))
@@ -87,8 +96,7 @@ def page_spans(layout: Layout | str, geom: Geometry, pages, itemsize: int) -> li
     maps = slot_map(layout, geom)
     spans = []
     for page in pages:
-        if not 0 <= page < geom.NB:
-            raise ValueError(f"page = {page} is out of range: the cache holds {geom.NB} pages")
+        page = _check_page(page, geom)
         for index, m in enumerate(maps):
             inside = np.concatenate([[False], (m.reshape(-1) // geom.BS) == page, [False]])
             edges = np.flatnonzero(np.diff(inside.astype(np.int8)))

@@ -11,6 +11,7 @@ import einops
 import jax.numpy as jnp
 import numpy as np
 
+from . import semantics as rules
 from .operations import concrete
 
 # The two pairings differ only in where the halves of a rotary pair sit:
@@ -29,22 +30,33 @@ def rope_reposition(keys, old_positions, new_positions, cos_sin_cache, *, is_neo
         x" = x'*cn - y'*sn, y" = y'*cn + x'*sn    (apply new)
 
     Dimensions ``>= rot`` are unchanged.  A token with a negative position is
-    unchanged.  A position ``>= max_pos`` raises ``ValueError``.  Result in the
-    keys' dtype (fp32 math, rounded once).
+    unchanged (rule ``negative_slot``); a position ``>= max_pos`` breaks rule
+    ``position_out_of_range``.  Result in the keys' dtype (fp32 math, rounded
+    once).
     """
     keys = jnp.asarray(keys)
     old_positions, new_positions = jnp.asarray(old_positions), jnp.asarray(new_positions)
+    if keys.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        rules.ELEMENT_TYPE.fail(f"keys must be float32, float16 or bfloat16, got {keys.dtype}")
+    if keys.ndim != 3:
+        rules.ROPE_GEOMETRY.fail(f"keys must be [T, H, D], got shape {keys.shape}")
+    if jnp.ndim(cos_sin_cache) != 2:
+        rules.ROPE_GEOMETRY.fail(f"cos_sin_cache must be [max_pos, rot], got shape {jnp.shape(cos_sin_cache)}")
     cache = jnp.asarray(cos_sin_cache, jnp.float32)
     max_pos, rot = cache.shape
     if rot % 2 or rot > keys.shape[-1]:
-        raise ValueError(f"rotary dim {rot} must be even and <= head size {keys.shape[-1]}")
+        rules.ROPE_GEOMETRY.fail(f"cos_sin_cache must be [max_pos, rot] with rot even and <= {keys.shape[-1]}: "
+                                 f"rotary dim {rot}")
     for name, pos in (("old_positions", old_positions), ("new_positions", new_positions)):
+        if not jnp.issubdtype(pos.dtype, jnp.integer):
+            rules.INDEX_DTYPE.fail(f"{name} must be int32/int64, got {pos.dtype}")
         if pos.shape != keys.shape[:1]:
-            raise ValueError(f"{name} has shape {pos.shape}, expected ({keys.shape[0]},)")
+            rules.INDEX_SHAPE.fail(f"{name} has shape {pos.shape}, expected ({keys.shape[0]},)")
         values = concrete(pos)  # None under jit: no check there
         if values is not None and values.size and values.max() >= max_pos:
             i = int(np.argmax(values >= max_pos))
-            raise ValueError(f"{name}[{i}] = {int(values[i])} is out of range: cos_sin_cache holds {max_pos} positions")
+            rules.POSITION_OUT_OF_RANGE.fail(f"{name}[{i}] = {int(values[i])} is out of range: cos_sin_cache "
+                                             f"holds {max_pos} positions")
 
     valid = (old_positions >= 0) & (new_positions >= 0)
     cos, sin = jnp.split(cache, 2, axis=1)                          # [max_pos, rot/2] each

@@ -170,13 +170,13 @@ def _simple_pair():
 
 def test_out_of_range_slots_raise_naming_the_argument():
     a, ga, src, b, gb, dst = _simple_pair()
-    with pytest.raises(ValueError, match=r"src_slots\[1\] = 16 .*16 slots"):
+    with pytest.raises(IndexError, match=r"src_slots\[1\] = 16 .*16 slots"):
         R.transfer(a, src, b, dst, np.array([0, 16]), np.array([0, 1]))
-    with pytest.raises(ValueError, match=r"dst_slots\[0\] = 99"):
+    with pytest.raises(IndexError, match=r"dst_slots\[0\] = 99"):
         R.transfer(a, src, b, dst, np.array([0, 1]), np.array([99, 1]))
-    with pytest.raises(ValueError, match="slots"):
+    with pytest.raises(IndexError, match="slots"):
         R.gather(a, src, np.array([3, 40]))
-    with pytest.raises(ValueError, match="slots"):
+    with pytest.raises(IndexError, match="slots"):
         R.move(a, src, np.array([0]), np.array([16]))
 
 
@@ -361,9 +361,9 @@ def test_page_helpers_reject_bad_page():
     name = "hicache_page_head"
     g = _sweep_geometry(name)
     cache = S.random_cache(name, g, "uint8", np.random.default_rng(0))
-    with pytest.raises(ValueError, match="page = 4 is out of range"):
+    with pytest.raises(IndexError, match="page = 4 is out of range"):
         R.get_page(name, cache, 4)
-    with pytest.raises(ValueError, match="page"):
+    with pytest.raises(IndexError, match="page"):
         R.page_spans(name, g, [0, 9], 1)
 
 
@@ -471,9 +471,9 @@ def test_rope_pairings_differ_and_bf16():
 def test_rope_out_of_range_raises():
     cache = cos_sin_cache(16, 8)
     keys = np.zeros((2, 1, 8), np.float32)
-    with pytest.raises(ValueError, match=r"new_positions\[1\] = 16 is out of range"):
+    with pytest.raises(IndexError, match=r"new_positions\[1\] = 16 is out of range"):
         R.rope_reposition(keys, np.array([0, 1]), np.array([0, 16]), cache, is_neox=True)
-    with pytest.raises(ValueError, match="old_positions"):
+    with pytest.raises(IndexError, match="old_positions"):
         R.rope_reposition(keys, np.array([99, 1]), np.array([0, 1]), cache, is_neox=False)
     with pytest.raises(ValueError, match="rotary dim"):
         R.rope_reposition(keys, np.array([0, 1]), np.array([0, 1]), cos_sin_cache(16, 10), is_neox=True)
