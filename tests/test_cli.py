@@ -61,3 +61,23 @@ def test_every_command_module_has_the_interface():
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(module)
         assert callable(mod.add_arguments) and callable(mod.run) and help_text, name
+
+
+def test_spec_check_exit_status(tmp_path, capsys):
+    fresh, stale = tmp_path / "fresh.md", tmp_path / "stale.md"
+    assert main(["spec", "--out", str(fresh)]) == 0
+    stale.write_text(fresh.read_text(encoding="utf-8").replace("slot_out_of_range", "slot_oob"), encoding="utf-8")
+    assert main(["spec", "--check", str(fresh)]) == 0
+    assert main(["spec", "--check", str(stale)]) == 1
+    assert "is stale" in capsys.readouterr().err
+    assert main(["spec", "--check", str(tmp_path / "missing.md")]) == 1
+
+
+def test_spec_renders_every_rule(capsys):
+    assert main(["spec"]) == 0
+    text = capsys.readouterr().out
+    for rule in R.RULES.values():
+        line = f"* **`{rule.name}`**: {rule.statement}"
+        assert line in text, rule.name
+        if rule.error is not None:
+            assert f"Raises `{rule.error.__name__}`" in text.split(line, 1)[1].splitlines()[0], rule.name
