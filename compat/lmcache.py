@@ -20,9 +20,10 @@ Direction names follow LMCache: ``H2D`` = memory object -> paged engine cache
 (retrieve), ``D2H`` = paged engine cache -> memory object (store), wherever
 the memory object actually lives.
 
-Semantics are kvlayout's: a negative slot means "no token" (nothing read or
-written), a slot beyond the cache is an error (never an out-of-bounds access),
-an empty transfer is a no-op, copies are byte-exact.
+Semantics are kvlayout's decided rules (:mod:`kvlayout.reference.semantics`,
+``docs/spec.md``): ``negative_slot``, ``slot_out_of_range``, ``empty``,
+``byte_exact``, ...; where LMCache leaves a case open, the rule decides, with
+the rule's exception type.
 
 Out-of-range slots: on CPU they raise at once.  A CUDA kernel cannot raise:
 it skips the row and records it, and :func:`kvlayout.ops.check_errors`
@@ -43,6 +44,7 @@ import torch
 
 from kvlayout import ops
 from kvlayout.ops.transfer import validating
+from kvlayout.reference import semantics as rules
 
 from ._device import indices_on, launch_device
 
@@ -383,7 +385,7 @@ def rotary_embedding_k_fused(old_positions: torch.Tensor, new_positions: torch.T
     """
     keys = key if key.dim() == 3 else key.view(key.shape[0], -1, int(head_size))
     if keys.shape[-1] != head_size:
-        raise ValueError(f"key heads have {keys.shape[-1]} elements, head_size = {head_size}")
+        rules.ROPE_GEOMETRY.fail(f"key heads have {keys.shape[-1]} elements, head_size = {head_size}")
     dev = keys.device
     old, new = indices_on(old_positions, dev), indices_on(new_positions, dev)
     if validating(validate):
@@ -391,8 +393,8 @@ def rotary_embedding_k_fused(old_positions: torch.Tensor, new_positions: torch.T
             bad = torch.nonzero(pos.detach().cpu() >= cos_sin_cache.shape[0])
             if bad.numel():
                 i = int(bad[0, 0])
-                raise IndexError(f"{name}[{i}] = {int(pos[i])} is out of range: cos_sin_cache holds "
-                                 f"{cos_sin_cache.shape[0]} positions")
+                rules.POSITION_OUT_OF_RANGE.fail(f"{name}[{i}] = {int(pos[i])} is out of range: cos_sin_cache "
+                                                 f"holds {cos_sin_cache.shape[0]} positions")
     ops.rope_reposition(keys, old, new, cos_sin_cache.to(dev), is_neox=bool(is_neox))
 
 

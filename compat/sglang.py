@@ -18,9 +18,10 @@
   (``engine="copy"``: no SMs), as SGLang uses them to keep the SMs for the
   forward pass.
 
-Semantics are kvlayout's where SGLang leaves them open: a negative index means
-"no token" (nothing read or written), ``N = 0`` is a no-op, an index beyond
-the cache raises instead of touching memory.  ``block_quota`` maps to
+Semantics are kvlayout's decided rules where SGLang leaves them open
+(:mod:`kvlayout.reference.semantics`): a negative index means "no token"
+(``negative_slot``), ``N = 0`` is a no-op (``empty``), an index beyond the
+cache raises ``IndexError`` instead of touching memory (``slot_out_of_range``).  ``block_quota`` maps to
 kvlayout's ``max_ctas`` (how many CTAs a transfer may occupy beside the
 forward pass); ``num_warps_per_block`` is accepted and ignored (kvlayout picks
 its own block shape).

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvlayout.reference import semantics as rules
+
 from .views import KVCache, as_int
 
 
@@ -19,7 +21,7 @@ def _page_views(cache: KVCache, page: int) -> list[torch.Tensor]:
     g = cache.geometry
     page = as_int("page", page)
     if not 0 <= page < g.NB:
-        raise IndexError(f"page = {page} is out of range: the cache holds {g.NB} pages")
+        rules.PAGE_OUT_OF_RANGE.fail(f"page = {page} is out of range: the cache holds {g.NB} pages")
     views = []
     for pv in cache.parts:
         toks = pv.part.pattern.split()
@@ -33,7 +35,7 @@ def _page_views(cache: KVCache, page: int) -> list[torch.Tensor]:
             if "nb" in names:
                 t = t.select(names.index("nb"), page)
             elif page != 0:
-                raise IndexError(f"page = {page}: {cache.layout.name} has no page axis")
+                rules.PAGE_OUT_OF_RANGE.fail(f"page = {page}: {cache.layout.name} has no page axis")
             views.append(t.permute(_memory_order(t)))
     return views
 
@@ -73,9 +75,9 @@ def set_page(cache: KVCache, page: int, flat: torch.Tensor) -> None:
     views = _page_views(cache, page)
     need = sum(v.numel() for v in views)
     if flat.dim() != 1 or flat.numel() != need:
-        raise ValueError(f"flat must be 1-D with {need} elements (one page), got shape {tuple(flat.shape)}")
+        rules.FLAT_PAGE_SIZE.fail(f"flat must be 1-D with {need} elements (one page), got shape {tuple(flat.shape)}")
     if flat.element_size() != cache.itemsize:
-        raise TypeError(f"flat has {flat.dtype}, the cache {cache.dtype}")
+        rules.ELEMENT_TYPE.fail(f"flat has {flat.dtype}, the cache {cache.dtype}")
     flat = flat.view(cache.dtype) if flat.dtype != cache.dtype else flat
     start = 0
     for v in views:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Sequence
-
 import torch
 
+from kvlayout.reference import semantics as rules
 from kvlayout.reference.layouts import AXES, Geometry, Layout, Part, get, infer_geometry
 
 INTEGER_STORAGE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
@@ -86,9 +85,10 @@ class KVCache:
         first = flat[0]
         for i, t in enumerate(flat):
             if t.dtype != first.dtype:
-                raise TypeError(f"{self.layout.name}: tensor {i} has dtype {t.dtype}, tensor 0 has {first.dtype}")
+                rules.ELEMENT_TYPE.fail(f"{self.layout.name}: tensor {i} has dtype {t.dtype}, tensor 0 has "
+                                        f"{first.dtype}")
             if t.device != first.device:
-                raise ValueError(f"{self.layout.name}: tensor {i} is on {t.device}, tensor 0 on {first.device}")
+                rules.DEVICES.fail(f"{self.layout.name}: tensor {i} is on {t.device}, tensor 0 on {first.device}")
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
         self.itemsize: int = first.element_size()
@@ -105,7 +105,7 @@ class KVCache:
             return (list(tensors) if self.layout.parts[0].per_layer else tensors,)
         if not isinstance(tensors, (tuple, list)) or len(tensors) != len(self.layout.parts):
             names = ", ".join(p.name for p in self.layout.parts)
-            raise ValueError(f"{self.layout.name}: expected {len(self.layout.parts)} parts ({names})")
+            rules.LAYOUT_SHAPE.fail(f"{self.layout.name}: expected {len(self.layout.parts)} parts ({names})")
         return tuple(list(v) if p.per_layer else v for p, v in zip(self.layout.parts, tensors))
 
     def _part_view(self, part: Part, value) -> PartView:
@@ -122,14 +122,15 @@ class KVCache:
                 strides[tok] = ref.stride(dim)
         for i, t in enumerate(tensors):
             if t.stride() != ref.stride():
-                raise ValueError(f"{self.layout.name}: part {part.name!r} layer {i} has strides {t.stride()}, "
-                                 f"layer 0 has {ref.stride()}")
+                rules.LAYOUT_SHAPE.fail(f"{self.layout.name}: part {part.name!r} layer {i} has strides "
+                                        f"{t.stride()}, layer 0 has {ref.stride()}")
         if sizes["e"] > 1 and strides["e"] != 1 and ref.numel():   # (an empty tensor has no layout)
-            raise ValueError(f"{self.layout.name}: part {part.name!r} needs contiguous elements "
-                             f"(stride 1 on the last axis), got strides {ref.stride()}")
+            rules.LAYOUT_SHAPE.fail(f"{self.layout.name}: part {part.name!r} needs contiguous elements "
+                                    f"(stride 1 on the last axis), got strides {ref.stride()}")
         start = sum(geom.columns[:part.column]) if part.column is not None else 0
         if part.column is not None and sizes["h"] != 1:
-            raise ValueError(f"{self.layout.name}: a row split into column parts must have one head, got H = {sizes['h']}")
+            rules.LAYOUT_SHAPE.fail(f"{self.layout.name}: a row split into column parts must have one head, "
+                                    f"got H = {sizes['h']}")
         return PartView(part, tensors, strides, sizes["h"], sizes["e"], start)
 
     # -- queries ------------------------------------------------------------------------
@@ -172,20 +173,23 @@ def as_int(name: str, value, lo: int | None = None, hi: int | None = None) -> in
     if type(value) is int and (lo if lo is not None else INT64_MIN) <= value <= (hi if hi is not None else INT64_MAX):
         return value   # the common case, kept cheap: this runs several times per layer-wise call
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+        rules.INTEGER_ARGUMENT.fail(f"{name} must be an integer, got the bool {value!r}")
     if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point()
                                             or value.is_complex()):
-        raise TypeError(f"{name} must be an integer, got a tensor of {value.dtype} and shape {tuple(value.shape)}")
+        rules.INTEGER_ARGUMENT.fail(f"{name} must be an integer, got a tensor of {value.dtype} and shape "
+                                    f"{tuple(value.shape)}")
     try:
         out = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+        out = None   # raised below, outside the handler: the message says all there is
+    if out is None:
+        rules.INTEGER_ARGUMENT.fail(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     low = INT64_MIN if lo is None else lo
     high = INT64_MAX if hi is None else hi
     if out < low:
-        raise ValueError(f"{name} = {out} must be >= {low}" + (" (it must fit in int64)" if lo is None else ""))
+        rules.ARGUMENT_RANGE.fail(f"{name} = {out} must be >= {low}" + (" (it must fit in int64)" * (lo is None)))
     if out > high:
-        raise ValueError(f"{name} = {out} must be <= {high}" + (" (it must fit in int64)" if hi is None else ""))
+        rules.ARGUMENT_RANGE.fail(f"{name} = {out} must be <= {high}" + (" (it must fit in int64)" * (hi is None)))
     return out
 
 
@@ -202,9 +206,9 @@ def as_index_list(count: int, chosen, name: str, *, unique: bool = False) -> lis
     for i, c in enumerate(chosen):
         v = as_int(f"{name}[{i}]", c)
         if not 0 <= v < count:
-            raise IndexError(f"{name} contains {v}, out of range: there are {count}")
+            rules.LAYER_PLANE_OUT_OF_RANGE.fail(f"{name} contains {v}, out of range: there are {count}")
         out.append(v)
     if unique and len(set(out)) != len(out):
         v = next(v for i, v in enumerate(out) if v in out[:i])
-        raise ValueError(f"{name} repeats {v}: a destination layer or plane may be written once")
+        rules.LAYER_PLANE_PAIRING.fail(f"{name} repeats {v}: a destination layer or plane may be written once")
     return out

@@ -407,9 +407,10 @@ def test_rope_positions_out_of_range(device, name):
 @pytest.mark.parametrize("name", ["old_positions", "new_positions"])
 def test_rope_positions_of_wrong_dtype_or_shape(device, name):
     keys, old, new, cache = rope_args(device)
-    for bad in (old.float(), old[:4], old.view(5, 1), old.to(torch.int16)):
+    for bad, error in ((old.float(), TypeError), (old[:4], ValueError), (old.view(5, 1), ValueError),
+                       (old.to(torch.int16), TypeError)):
         pos = {"old_positions": old, "new_positions": new, name: bad}
-        with rejects(ValueError, rf"{name} must be int32/int64 of shape \(5,\)", keys, device=device):
+        with rejects(error, rf"{name} must be int32/int64 of shape \(5,\)", keys, device=device):
             ops.rope_reposition(keys, pos["old_positions"], pos["new_positions"], cache, is_neox=False)
 
 
