@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from kvlayout import ops
-from kvlayout.reference.layouts import Layout, Part
+from kvlayout.reference import layouts as catalog
 
 from ._device import indices_on, launch_device
 
@@ -71,14 +71,8 @@ __all__ = [
 ]
 
 # SGLang's kernels take the K and V halves of a host buffer as two separate
-# tensors.  These are the catalog's host layouts with the plane axis split into
-# two single-plane parts (as ``sglang_mha`` splits it): the same patterns, data only.
-_HALVES = {
-    name: Layout(f"hicache_{name}_kv_halves", f"HiCache {name} host buffer given as separate K and V halves", 2,
-                 (Part("k", pattern, plane=0), Part("v", pattern, plane=1)), "hicache")
-    for name, pattern in (("page_first", "n l h e"), ("page_first_direct", "nb l bs h e"),
-                          ("page_head", "nb h bs l e"))
-}
+# tensors: the catalog's ``*_kv_halves`` layouts of the MHA host layouts.
+_HALVES = {name: f"hicache_{name}_kv_halves" for name in ("page_first", "page_first_direct", "page_head")}
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 
@@ -659,12 +653,11 @@ class MLATokenToKVPool(_DevicePool):
 # ---------------------------------------------------------------------------------------
 
 HOST_LAYOUTS = {
-    "mha": {"layer_first": "hicache_layer_first", "page_first": "hicache_page_first",
-            "page_first_direct": "hicache_page_first_direct", "page_head": "hicache_page_head"},
-    "mla": {"layer_first": "hicache_mla_layer_first", "page_first": "hicache_mla_page_first",
-            "page_first_direct": "hicache_mla_page_first_direct",
-            "page_first_kv_split": "hicache_mla_page_first_kv_split"},
+    kind: {lay.engine_name: lay.name for lay in catalog.CATALOG.values()
+           if lay.family == "hicache" and lay.engine_name and lay.planes == planes}
+    for kind, planes in (("mha", 2), ("mla", 1))
 }
+"""SGLang's host ``layout`` names -> catalog layouts, for MHA and MLA pools (read from the catalog)."""
 IO_BACKENDS = ("kernel", "direct")
 HOST_MEMORY_RESERVE_BYTES = 10 * (1 << 30)
 
@@ -817,6 +810,7 @@ class HostKVPool:
         if layout not in table:
             raise ValueError(f"unsupported layout {layout!r} for a {'MLA' if self.is_mla else 'MHA'} pool; "
                              f"supported: {sorted(table)}")
+        self.host_layout = catalog.get(table[layout])
         if torch.device(device).type != "cpu":
             raise ValueError(f"device = {device!r}: the host pool lives in host memory ('cpu')")
         self.layout = layout
@@ -851,7 +845,7 @@ class HostKVPool:
             torch.empty((), dtype=self.dtype).element_size()
         self.layout_dim = self.token_stride_size * self.layer_num
         self._alloc_buffers()
-        self.cache = ops.bind(table[layout], self._physical(), page_size=self.page_size)
+        self.cache = ops.bind(self.host_layout, self._physical(), page_size=self.page_size)
         self._data_tables()
         self.lock = threading.RLock()
         self.clear()
@@ -900,33 +894,32 @@ class HostKVPool:
         self.v_data_ptrs = _ptr_table(self.v_data_refs, dev)
         self.data_ptrs = torch.cat([self.k_data_ptrs, self.v_data_ptrs])
 
-    def _alloc_buffers(self) -> None:
-        L, N, P, NP = self.layer_num, self.size, self.page_size, self.page_num
+    def _catalog_geometry(self, slots: int) -> catalog.Geometry:
+        """The geometry of ``slots`` host slots (whole pages) in the pool's catalog layout."""
         if self.is_mla:
-            kd = self.kv_cache_dim
-            if self.layout == "page_first_kv_split":
-                self.k_buffer = self._empty((NP, L, P, 1, self.device_pool.kv_lora_rank))
-                self.v_buffer = self._empty((NP, L, P, 1, self.device_pool.qk_rope_head_dim))
-                self.kv_buffer = self.k_buffer
-                return
-            shape = {"layer_first": (L, N, 1, kd), "page_first": (N, L, 1, kd),
-                     "page_first_direct": (NP, L, P, 1, kd)}[self.layout]
-            self.kv_buffer = self._empty(shape)
-            return
-        H, D = self.head_num, self.head_dim
-        shape = {"layer_first": (2, L, N, H, D), "page_first": (2, N, L, H, D),
-                 "page_first_direct": (2, NP, L, P, H, D), "page_head": (2, NP, H, P, L, D)}[self.layout]
-        self.kv_buffer = self._empty(shape)
-        self.k_buffer, self.v_buffer = self.kv_buffer[0], self.kv_buffer[1]
+            columns = (self.kv_lora_rank, self.qk_rope_head_dim) if self.host_layout.parts[0].column is not None \
+                else ()
+            return catalog.make_geometry(self.host_layout, L=self.layer_num, N=slots, H=1, E=self.kv_cache_dim,
+                                         page_size=self.page_size, columns=columns)
+        return catalog.make_geometry(self.host_layout, L=self.layer_num, N=slots, H=self.head_num, E=self.head_dim,
+                                     page_size=self.page_size)
+
+    def _alloc_buffers(self) -> None:
+        """One buffer per part of the catalog layout, shaped as the catalog says (SGLang's shapes)."""
+        geom = self._catalog_geometry(self.size)
+        buffers = [self._empty(geom.part_shape(part)) for part in self.host_layout.parts]
+        if len(buffers) > 1:                  # MLA page_first_kv_split: the nope and rope buffers
+            self.k_buffer, self.v_buffer = buffers
+            self.kv_buffer = self.k_buffer
+        else:
+            self.kv_buffer = buffers[0]
+            if not self.is_mla:
+                self.k_buffer, self.v_buffer = self.kv_buffer[0], self.kv_buffer[1]
+        self._buffers = tuple(buffers)
 
     def _physical(self):
-        if self.is_mla and self.layout == "page_first_kv_split":
-            return (self.k_buffer, self.v_buffer)
-        return self.kv_buffer
-
-    def _physical_list(self) -> list:
-        phys = self._physical()
-        return list(phys) if isinstance(phys, tuple) else [phys]
+        """The buffers in the catalog's convention: one tensor, or a tuple with one per part."""
+        return self._buffers if len(self._buffers) > 1 else self._buffers[0]
 
     # -- allocator ------------------------------------------------------------------------
     def clear(self) -> None:
@@ -1057,14 +1050,11 @@ class HostKVPool:
         return index // self.page_size
 
     def _page_shape(self) -> tuple:
-        L, P = self.layer_num, self.page_size
-        if self.is_mla:
-            kd = self.kv_cache_dim
-            return {"layer_first": (L, P, 1, kd), "page_first": (P, L, 1, kd),
-                    "page_first_direct": (1, L, P, 1, kd), "page_first_kv_split": (-1,)}[self.layout]
-        H, D = self.head_num, self.head_dim
-        return {"layer_first": (2, L, P, H, D), "page_first": (2, P, L, H, D),
-                "page_first_direct": (2, 1, L, P, H, D), "page_head": (2, 1, H, P, L, D)}[self.layout]
+        """The shape of one page as :meth:`get_data_page` (``flat=False``) gives it: the catalog shape of one
+        page's slots (``(-1,)`` for a layout of several buffers, which has no single view)."""
+        if len(self.host_layout.parts) > 1:
+            return (-1,)
+        return self._catalog_geometry(self.page_size).part_shape(self.host_layout.parts[0])
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         """The page starting at slot ``index``.
@@ -1078,17 +1068,13 @@ class HostKVPool:
         page = self._page(index)
         if flat:
             return ops.get_page(self.cache, page)
-        if self.is_mla and self.layout == "page_first_kv_split":
-            raise ValueError("get_data_page(flat=False) is not defined for page_first_kv_split (two buffers)")
-        start = page * self.page_size
-        # the page's slot range on the layout's slot axis (pages for the page-major layouts)
-        if self.layout == "layer_first":
-            return self.kv_buffer[:, start:start + self.page_size] if self.is_mla else \
-                self.kv_buffer[:, :, start:start + self.page_size]
-        if self.layout == "page_first":
-            return self.kv_buffer[start:start + self.page_size] if self.is_mla else \
-                self.kv_buffer[:, start:start + self.page_size]
-        return self.kv_buffer[page:page + 1] if self.is_mla else self.kv_buffer[:, page:page + 1]
+        if len(self.host_layout.parts) > 1:
+            raise ValueError(f"get_data_page(flat=False) is not defined for {self.layout} (two buffers)")
+        # the page on the catalog pattern's slot axis: its slots on a flat one, the page itself on a paged one
+        axes = self.host_layout.parts[0].pattern.split()
+        if "n" in axes:
+            return self.kv_buffer.narrow(axes.index("n"), page * self.page_size, self.page_size)
+        return self.kv_buffer.narrow(axes.index("nb"), page, 1)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         """A zero flat page (pinned when the pool is)."""

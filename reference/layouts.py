@@ -88,6 +88,9 @@ class Layout:
     (``nb`` and ``bs`` are separate axes); otherwise the slot axis is flat and
     the page size only matters to page helpers.  ``chunk``: the layout is a
     contiguous chunk of T tokens where slot = position (no slot tensor needed).
+    ``engine_name``: what the source engine calls the layout where it names
+    it by a string (SGLang HiCache's ``layout=`` argument), so adapters look
+    layouts up here instead of keeping tables of their own.
     """
 
     name: str
@@ -97,6 +100,7 @@ class Layout:
     family: str
     chunk: bool = False
     notes: str = ""
+    engine_name: str = ""
 
     @property
     def is_mla(self) -> bool:
@@ -135,6 +139,32 @@ def _mha(name, origin, pattern, family, per_layer=False, chunk=False, notes=""):
 
 def _mla(name, origin, pattern, family, per_layer=False, chunk=False, notes=""):
     return Layout(name, origin, 1, (Part("latent", pattern, per_layer),), family, chunk, notes)
+
+
+def _hicache(name, engine_name, pattern, planes=2, notes=""):
+    """A SGLang HiCache host pool layout: one tensor, named ``engine_name`` by SGLang."""
+    kind = "MHA" if planes == 2 else "MLA"
+    part = Part("kv" if planes == 2 else "latent", pattern)
+    return Layout(name, f"SGLang HiCache host pool, {engine_name} ({kind})", planes, (part,), "hicache",
+                  notes=notes, engine_name=engine_name)
+
+
+def kv_halves(layout: Layout) -> Layout:
+    """``layout`` (one MHA tensor with a plane axis) given as two tensors, its K and V halves.
+
+    SGLang's transfer kernels take a host buffer's halves (``kv_buffer[0]``,
+    ``kv_buffer[1]``) as separate tensors, as ``sglang_mha`` keeps K and V in
+    separate lists: the same pattern without ``p``, one single-plane part per
+    plane.
+    """
+    (part,) = layout.parts
+    if layout.planes != 2 or part.per_layer or part.pattern.split()[0] != "p":
+        raise ValueError(f"{layout.name}: only one MHA tensor with a leading plane axis splits into K and V halves")
+    pattern = " ".join(part.pattern.split()[1:])
+    return Layout(f"{layout.name}_kv_halves", f"{layout.origin}, given as separate K and V halves", 2,
+                  (Part("k", pattern, plane=0), Part("v", pattern, plane=1)), layout.family,
+                  notes=f"The two halves of a `{layout.name}` buffer (`kv_buffer[0]`, `kv_buffer[1]`) as two "
+                        "tensors, the form SGLang's transfer kernels take them in.")
 
 
 CATALOG: dict[str, Layout] = {}
@@ -205,25 +235,29 @@ for _layout in (
     _mla("lmcache_kv_mla_layer", "LMCache MemoryFormat.KV_MLA_FMT, layer-wise form: [T, D]",
          "n e", "lmcache", chunk=True),
     # ---- SGLang HiCache host pools --------------------------------------------------
-    _mha("hicache_layer_first", "SGLang HiCache host pool, layer_first (MHA)", "p l n h e", "hicache"),
-    _mha("hicache_page_first", "SGLang HiCache host pool, page_first (MHA)", "p n l h e", "hicache"),
-    _mha("hicache_page_first_direct", "SGLang HiCache host pool, page_first_direct (MHA)",
-         "p nb l bs h e", "hicache"),
-    _mha("hicache_page_head", "SGLang HiCache host pool, page_head (MHA)", "p nb h bs l e", "hicache"),
-    _mla("hicache_mla_layer_first", "SGLang HiCache host pool, layer_first (MLA)", "l n h e", "hicache"),
-    _mla("hicache_mla_page_first", "SGLang HiCache host pool, page_first (MLA)", "n l h e", "hicache"),
-    _mla("hicache_mla_page_first_direct", "SGLang HiCache host pool, page_first_direct (MLA)",
-         "nb l bs h e", "hicache"),
+    _hicache("hicache_layer_first", "layer_first", "p l n h e"),
+    _hicache("hicache_page_first", "page_first", "p n l h e"),
+    _hicache("hicache_page_first_direct", "page_first_direct", "p nb l bs h e"),
+    _hicache("hicache_page_head", "page_head", "p nb h bs l e"),
+    _hicache("hicache_mla_layer_first", "layer_first", "l n h e", planes=1),
+    _hicache("hicache_mla_page_first", "page_first", "n l h e", planes=1),
+    _hicache("hicache_mla_page_first_direct", "page_first_direct", "nb l bs h e", planes=1),
     Layout("hicache_mla_page_first_kv_split",
            "SGLang HiCache host pool, page_first_kv_split (MLA nope and rope parts apart)", 1,
            (Part("nope", "nb l bs h e", column=0), Part("rope", "nb l bs h e", column=1)), "hicache",
-           notes="The latent row is nope columns then rope columns; each part holds one block."),
-    # ---- kvlayout's own row buffer ----------------------------------------------------
-    Layout("rows", "kvlayout logical rows [P, L, T, H, E] (what gather returns)", None,
-           (Part("rows", "p l n h e"),), "kvlayout", chunk=True,
-           notes="Plane count follows the tensor: P = 1 or 2."),
+           notes="The latent row is nope columns then rope columns; each part holds one block.",
+           engine_name="page_first_kv_split"),
 ):
     register(_layout)
+
+# The host buffers SGLang's transfer kernels take as K and V halves.
+for _name in ("hicache_page_first", "hicache_page_first_direct", "hicache_page_head"):
+    register(kv_halves(CATALOG[_name]))
+
+# ---- kvlayout's own row buffer ----------------------------------------------------------
+register(Layout("rows", "kvlayout logical rows [P, L, T, H, E] (what gather returns)", None,
+                (Part("rows", "p l n h e"),), "kvlayout", chunk=True,
+                notes="Plane count follows the tensor: P = 1 or 2."))
 
 
 def get(name: str | Layout) -> Layout:

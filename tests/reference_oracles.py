@@ -135,6 +135,20 @@ def _hc_mla_kv_split(g, p, l, s, h, e):
     return "rope", (), (nb, l, bs, h, e - nope)
 
 
+def _hc_page_first_halves(g, p, l, s, h, e):
+    return ("k" if p == 0 else "v"), (), (s, l, h, e)          # K [N, L, H, D] + V [N, L, H, D]
+
+
+def _hc_page_first_direct_halves(g, p, l, s, h, e):
+    nb, bs = _pg(g, s)
+    return ("k" if p == 0 else "v"), (), (nb, l, bs, h, e)     # K [NP, L, P, H, D] + V [NP, L, P, H, D]
+
+
+def _hc_page_head_halves(g, p, l, s, h, e):
+    nb, bs = _pg(g, s)
+    return ("k" if p == 0 else "v"), (), (nb, h, bs, l, e)     # K [NP, H, P, L, D] + V [NP, H, P, L, D]
+
+
 def _rows(g, p, l, s, h, e):
     return "rows", (), (p, l, s, h, e)              # [P, L, T, H, E]
 
@@ -164,6 +178,9 @@ ORACLES = {
     "hicache_mla_page_first": _hc_mla_page_first,
     "hicache_mla_page_first_direct": _hc_mla_page_first_direct,
     "hicache_mla_page_first_kv_split": _hc_mla_kv_split,
+    "hicache_page_first_kv_halves": _hc_page_first_halves,
+    "hicache_page_first_direct_kv_halves": _hc_page_first_direct_halves,
+    "hicache_page_head_kv_halves": _hc_page_head_halves,
     "rows": _rows,
 }
 
