@@ -51,7 +51,8 @@ EXPLAIN = (
     "is the calls' host cost); x torch = torch time / kvlayout time on the same data; best peer = the best "
     "LMCache / SGLang / torch figure recorded for the same job in `bench/peers.json`, ahead/behind by % of each "
     "run's own limit, end to end (and kernel only: the peers were timed with L2 flushed by a memset queued "
-    "just before the call, which hides host issue time shorter than that memset). Every row was checked bit-exact against the torch baseline first; L2 is flushed by reading "
+    "just before the call, which hides host issue time shorter than that memset). Every row was checked "
+    "bit-exact against the torch baseline first; L2 is flushed by reading "
     "a buffer larger than L2 before each timed call.")
 
 

@@ -121,7 +121,8 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         row.update(kernel_gbps=kernel.gbps(nbytes), kernel_us=kernel.median * 1e6)
     host = case.direction in ("to_host", "from_host") and timer.cuda
     limit_name = f"{host_key(case.direction)}_256MiB" if host else "D2D"
-    row.update(limit_name=limit_name, limit_gbps=limits[limit_name], pct_of_limit=100 * row["gbps"] / limits[limit_name])
+    row.update(limit_name=limit_name, limit_gbps=limits[limit_name],
+               pct_of_limit=100 * row["gbps"] / limits[limit_name])
     if host and same_size is not None:
         row["same_size_gbps"] = same_size.gbps(case.direction, nbytes)
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]

@@ -41,19 +41,31 @@ Conventions shared by all connectors:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import logging
-from typing import Any, Generator, Mapping, Sequence
+from typing import Any, Generator, Mapping
 
 import torch
 
 from kvlayout import ops
+
 from ._device import current_stream, new_stream, on_stream, synchronize_stream, wait_stream
-from .lmcache import (CROSS_LAYER_FORMATS, MLA_FORMATS, GPUKVFormat, MemoryFormat, TransferDirection,
-                      as_memory_format, bind_kv_caches, discover_gpu_kv_format, ensure_contiguous_kv_caches,
-                      multi_layer_kv_transfer, multi_layer_kv_transfer_unilateral, rotary_embedding_k_fused,
-                      single_layer_kv_transfer, single_layer_kv_transfer_sgl)
+from .lmcache import (
+    CROSS_LAYER_FORMATS,
+    MLA_FORMATS,
+    GPUKVFormat,
+    MemoryFormat,
+    TransferDirection,
+    as_memory_format,
+    bind_kv_caches,
+    discover_gpu_kv_format,
+    ensure_contiguous_kv_caches,
+    multi_layer_kv_transfer,
+    multi_layer_kv_transfer_unilateral,
+    rotary_embedding_k_fused,
+    single_layer_kv_transfer,
+    single_layer_kv_transfer_sgl,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -288,7 +288,8 @@ def _sglang_kv_lists(k_caches_and_v_caches):
         if len(items) % 2:
             raise ValueError(f"expected 2*L tensors [K_0..K_L-1, V_0..V_L-1], got {len(items)}")
         k, v = items[:len(items) // 2], items[len(items) // 2:]
-    as3 = lambda t: t.unsqueeze(1) if t.dim() == 2 else t   # [PBS, D] is one head of D
+    def as3(t):
+        return t.unsqueeze(1) if t.dim() == 2 else t   # [PBS, D] is one head of D
     return [as3(t) for t in k], [as3(t) for t in v]
 
 

@@ -361,7 +361,8 @@ class TransferCase:
 
     def slots(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The slot arrays as int64 numpy (or ``None``)."""
-        conv = (lambda s: None if s is None else np.asarray(s, np.int64).reshape(-1))
+        def conv(s):
+            return None if s is None else np.asarray(s, np.int64).reshape(-1)
         return conv(self.src_slots), conv(self.dst_slots)
 
     def caches(self) -> tuple[object, object]:
@@ -472,11 +473,12 @@ def transfer_cases(draw, src_layout: str | None = None, dst_layout: str | None =
     num_tokens = None
     use_src_pos = allow_positions and src.chunk and draw(st.booleans())
     use_dst_pos = allow_positions and dst.chunk and draw(st.booleans())
+    not_empty = [p for p in SLOT_PATTERNS if p not in ("empty", "one")]
     if not use_src_pos:
-        src_slots = draw(slot_patterns(sg.N, sg.BS, T, patterns=[p for p in SLOT_PATTERNS if p not in ("empty", "one")]))
+        src_slots = draw(slot_patterns(sg.N, sg.BS, T, patterns=not_empty))
         T = len(src_slots)
     if not use_dst_pos:
-        dst_slots = draw(slot_patterns(dg.N, dg.BS, T, patterns=[p for p in SLOT_PATTERNS if p not in ("empty", "one")]))
+        dst_slots = draw(slot_patterns(dg.N, dg.BS, T, patterns=not_empty))
         if src_slots is not None:
             # Same length on both sides (a pattern may be shorter when the cache is small).
             T = min(len(src_slots), len(dst_slots))
@@ -484,7 +486,8 @@ def transfer_cases(draw, src_layout: str | None = None, dst_layout: str | None =
     if src_slots is None and dst_slots is None:
         num_tokens = T
     skip = draw(st.integers(0, T)) if allow_skip and T and draw(st.booleans()) else 0
-    tup = (lambda s: None if s is None else tuple(int(v) for v in s))
+    def tup(s):
+        return None if s is None else tuple(int(v) for v in s)
     return TransferCase(src.name, sg, dst.name, dg, dtype, tup(src_slots), tup(dst_slots), src_layers,
                         dst_layers, skip, num_tokens, draw(st.integers(0, 2**32 - 1)))
 

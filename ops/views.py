@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+
 import torch
 
 from kvlayout.reference import semantics as rules

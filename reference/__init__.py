@@ -15,8 +15,20 @@ on first use.
 import importlib
 
 from . import semantics
-from .layouts import AXES, CATALOG, Geometry, Layout, Part, catalog_table, describe_pattern, \
-    element_location, get, infer_geometry, make_geometry, register
+from .layouts import (
+    AXES,
+    CATALOG,
+    Geometry,
+    Layout,
+    Part,
+    catalog_table,
+    describe_pattern,
+    element_location,
+    get,
+    infer_geometry,
+    make_geometry,
+    register,
+)
 from .semantics import RULES, Rule
 
 _LAZY = {

@@ -16,8 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import semantics as rules
-from .layouts import Geometry, Layout, get, infer_geometry, part_axis_lengths, part_from_logical_pattern, \
-    part_to_logical_pattern
+from .layouts import (
+    Geometry,
+    Layout,
+    get,
+    infer_geometry,
+    part_axis_lengths,
+    part_from_logical_pattern,
+    part_to_logical_pattern,
+)
 
 # Slots, byte offsets and uint64 elements need 64-bit integers.
 jax.config.update("jax_enable_x64", True)

@@ -10,7 +10,6 @@ comparing logical arrays compares whole caches.
 from __future__ import annotations
 
 import enum
-import math
 import types
 
 import torch
@@ -27,7 +26,8 @@ def rand(shape, dtype, device, gen):
 
 def make_cache(fmt: int, L, NB, BS, H, D, dtype, device, gen):
     N = NB * BS
-    r = lambda *s: rand(s, dtype, device, gen)
+    def r(*shape):
+        return rand(shape, dtype, device, gen)
     return {
         0: lambda: r(NB, L, 2, BS, H, D),
         1: lambda: [r(2, NB, BS, H, D) for _ in range(L)],

@@ -5,11 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat_oracles import (LMCacheFormat, LMCacheLikeObj, Metadata, clear_device_status, cos_sin_cache, devices,
-                            distinct_slots, host_zeros, logical,
-                            make_cache, rand, record_skipped_row, rope_oracle, rows, same, zeros_like)
 from kvlayout.compat import connectors as C
 from kvlayout.compat.lmcache import MemoryFormat as MF
+
+from compat_oracles import (
+    LMCacheFormat,
+    LMCacheLikeObj,
+    Metadata,
+    clear_device_status,
+    cos_sin_cache,
+    devices,
+    distinct_slots,
+    host_zeros,
+    logical,
+    make_cache,
+    rand,
+    record_skipped_row,
+    rope_oracle,
+    same,
+    zeros_like,
+)
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
 N = NB * BS

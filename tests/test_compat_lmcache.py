@@ -6,10 +6,23 @@ import numpy as np
 import pytest
 import torch
 
-from compat_oracles import (clone, cos_sin_cache, devices, distinct_slots, gather_chunk, logical, make_cache,
-                            planes, rand, rope_oracle, rows, same, scatter_chunk)
 from kvlayout.compat import lmcache as lm
-from kvlayout.compat.lmcache import GPUKVFormat as F, TransferDirection as Dir
+from kvlayout.compat.lmcache import GPUKVFormat as F
+from kvlayout.compat.lmcache import TransferDirection as Dir
+
+from compat_oracles import (
+    cos_sin_cache,
+    devices,
+    distinct_slots,
+    gather_chunk,
+    logical,
+    make_cache,
+    planes,
+    rand,
+    rope_oracle,
+    same,
+    scatter_chunk,
+)
 
 L, NB, BS, H, D = 2, 5, 4, 2, 8
 N = NB * BS

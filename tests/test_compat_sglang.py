@@ -7,8 +7,9 @@ import ctypes
 import pytest
 import torch
 
-from compat_oracles import clear_device_status, devices, host_zeros, rand, record_skipped_row, same
 from kvlayout.compat import sglang as S
+
+from compat_oracles import clear_device_status, devices, host_zeros, rand, record_skipped_row, same
 
 L, H, D, P = 3, 2, 8, 4
 POOL = 64                                   # device pool size (tokens), + one padding page
@@ -60,7 +61,8 @@ def test_per_layer_and_all_layer(device):
     want_v0 = _oracle_copy(dst_v[0], src_v[0], d, s)
     S.transfer_kv_per_layer(src_k[0], dst_k[0], src_v[0], dst_v[0], s, d, ITEM, block_quota=2)
     assert same(dst_k[0], want_k0) and same(dst_v[0], want_v0)
-    wants = [(_oracle_copy(dk, sk, d, s), _oracle_copy(dv, sv, d, s)) for sk, sv, dk, dv in zip(src_k, src_v, dst_k, dst_v)]
+    wants = [(_oracle_copy(dk, sk, d, s), _oracle_copy(dv, sv, d, s))
+             for sk, sv, dk, dv in zip(src_k, src_v, dst_k, dst_v)]
     S.transfer_kv_all_layer(src_k, dst_k, src_v, dst_v, s, d, ITEM, L)
     assert all(same(dk, wk) and same(dv, wv) for dk, dv, (wk, wv) in zip(dst_k, dst_v, wants))
     # N = 0 is a no-op

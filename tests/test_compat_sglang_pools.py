@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from compat_oracles import SGLangLikeMHAPool, SGLangLikeMLAPool, rand, same
 from kvlayout import ops
 from kvlayout.compat import sglang as S
+
+from compat_oracles import SGLangLikeMHAPool, SGLangLikeMLAPool, rand, same
 
 L, H, D, P = 3, 2, 8, 4
 

@@ -7,10 +7,20 @@ import enum
 import pytest
 import torch
 
-from compat_oracles import (LMCacheFormat, LMCacheLikeObj, Metadata, distinct_slots, logical, make_cache, rand, same,
-                            zeros_like)
 from kvlayout.compat import connectors as C
 from kvlayout.compat import lmcache as lm
+
+from compat_oracles import (
+    LMCacheFormat,
+    LMCacheLikeObj,
+    Metadata,
+    distinct_slots,
+    logical,
+    make_cache,
+    rand,
+    same,
+    zeros_like,
+)
 
 L, NB, BS, H, D = 3, 6, 4, 2, 8
 N = NB * BS
@@ -198,6 +208,7 @@ class _Streams:
 
     def __init__(self, monkeypatch):
         import contextlib
+
         from kvlayout import ops
         self.log, self.current, made = [], "cur", iter(["load", "store"] * 8)
         real = ops.transfer

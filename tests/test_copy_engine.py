@@ -9,13 +9,14 @@ must still be right.
 import numpy as np
 import pytest
 import torch
+from test_ops_compile import copy_rows_samples
 
-from kvlayout import ops, reference as R
+from kvlayout import ops
+from kvlayout import reference as R
 from kvlayout.conformance import strategies as S
 from kvlayout.reference import Geometry
 
 import torch_cases as TC
-from test_ops_compile import copy_rows_samples
 
 PAIRS = [("vllm_flash_attn_nhd", "hicache_page_first_direct"), ("hicache_page_first", "vllm_flash_attn_hnd"),
          ("sglang_mha", "hicache_page_head"), ("vllm_mla", "hicache_mla_page_first")]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvlayout import ops, reference as R
+from kvlayout import ops
+from kvlayout import reference as R
 from kvlayout.conformance import strategies as S
 from kvlayout.reference import Geometry
 

@@ -8,8 +8,6 @@ s % page] with numpy indexing. The whole destination buffer, padding
 included, is compared byte for byte.
 """
 
-import itertools
-
 import numpy as np
 import pytest
 import torch

@@ -318,7 +318,8 @@ def test_duplicate_destination_slots(device):
 
 def test_overlapping_source_and_destination(device):
     cache = make_cache("vllm_flash_attn_nhd", device)
-    with rejects(ValueError, r"(source tensor 0 and destination tensor 0|src\[0\] and dst\[0\]) overlap in memory.*use move\(\)",
+    overlap = r"(source tensor 0 and destination tensor 0|src\[0\] and dst\[0\]) overlap in memory.*use move\(\)"
+    with rejects(ValueError, overlap,
                  cache, device=device):
         ops.transfer(cache, cache, slots([0, 1], device), slots([2, 3], device))
     # two views of one buffer that intersect

@@ -15,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from kvlayout import ops, reference as R
+from kvlayout import ops
+from kvlayout import reference as R
 from kvlayout.conformance import strategies as S
 from kvlayout.reference import Geometry
 

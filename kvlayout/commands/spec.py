@@ -84,6 +84,12 @@ def _geometry_text(layout, geom) -> str:
     return text
 
 
+def _kind(layout) -> str:
+    if layout.chunk:
+        return "contiguous chunk (slot = position, no slot tensor needed)"
+    return "paged" if layout.paged else "flat slot axis"
+
+
 def _layout_section(layout) -> list[str]:
     from kvlayout.reference import describe_pattern, element_location
 
@@ -92,12 +98,13 @@ def _layout_section(layout) -> list[str]:
              f"* family: {layout.family}",
              f"* planes: {layout.planes if layout.planes is not None else 'follows the tensor (1 or 2)'}",
              f"* physical structure: `{layout.structure()}`",
-             f"* kind: {'contiguous chunk (slot = position, no slot tensor needed)' if layout.chunk else ('paged' if layout.paged else 'flat slot axis')}"]
+             f"* kind: {_kind(layout)}"]
     if layout.notes:
         lines.append(f"* notes: {layout.notes}")
     lines += ["", "Pattern (physical, stacked over layers for a per-layer list, to logical):", "", "```"]
     lines += describe_pattern(layout)
-    lines += ["```", "", f"Worked example: {_geometry_text(layout, geom)}; physical shapes {_shapes(layout, geom)}.", "",
+    lines += ["```", "",
+              f"Worked example: {_geometry_text(layout, geom)}; physical shapes {_shapes(layout, geom)}.", "",
               "| plane | layer | slot | head | e | part | list index | index in tensor |",
               "|---|---|---|---|---|---|---|---|"]
     seen = []
