@@ -1,7 +1,7 @@
 """kvlayout.dist on the CPU: real processes over gloo, checked bit for bit against the reference.
 
-Two process launches (torch.multiprocessing, spawn, a FileStore in a temporary
-folder) serve the whole file; each scenario gets its own subgroup:
+Two process launches (torch.multiprocessing from a fork server, a FileStore in
+a temporary folder) serve the whole file; each scenario gets its own subgroup:
 
 * transfers (6 processes): TP 1->1, 2->1, 1->2, 4->2, replicated heads
   (4->2 and 2->4 with 2 KV heads), MLA 2->1 (fp8), each with other layouts and
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import multiprocessing
 import os
 import pickle
 import time
@@ -34,7 +35,7 @@ import torch
 
 WORLD = 6
 TIMEOUT_S = 30.0            # any one wait in a transfer scenario (they take well under a second)
-FAIL_TIMEOUT_S = 1.5        # any one wait in a failure scenario: the survivor must give up this fast
+FAIL_TIMEOUT_S = 1.0        # any one wait in a failure scenario: the survivor must give up this fast
 LAUNCH_LIMIT_S = 120.0      # the parent kills what is still running after this
 
 
@@ -341,8 +342,11 @@ def _launch(worker, job, tmp_path) -> dict[int, dict]:
     os.makedirs(out_dir)
     with open(job_path, "wb") as f:
         pickle.dump(job, f)
+    # forkserver: one clean process imports torch once, every worker is forked from it (a spawned worker
+    # would import torch again, seconds each on a small machine); the test process itself is never forked
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "numpy", "kvlayout.dist"])
     ctx = mp.start_processes(worker, args=(str(tmp_path / "store"), job_path, out_dir), nprocs=WORLD,
-                             join=False, start_method="spawn")
+                             join=False, start_method="forkserver")
     deadline = time.monotonic() + LAUNCH_LIMIT_S
     for p in ctx.processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -377,10 +381,12 @@ def _results_of(results: dict, sc: Scenario) -> tuple[list[dict], list[dict]]:
 
 
 def _expected(job: dict) -> list:
-    from kvlayout.reference import reshard
+    """The receivers' caches by ``reference.reshard``, compiled (the slots are valid, see torch_cases)."""
+    import kvlayout.reference.operations  # noqa: F401 - 64-bit slots before anything is traced
+    from torch_cases import jitted_reference
 
     sc: Scenario = job["scenario"]
-    return reshard(sc.src.layout, job["src"], job["src_slots"], sc.dst.layout, job["dst"], job["dst_slots"],
+    return jitted_reference.reshard(sc.src.layout, job["src"], job["src_slots"], sc.dst.layout, job["dst"], job["dst_slots"],
                    num_kv_heads=sc.num_kv_heads)
 
 
