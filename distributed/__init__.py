@@ -32,7 +32,7 @@ only once every layer has landed.
 
 from kvlayout.reference.resharding import Route, kv_heads, kv_routes
 
-from .endpoints import Peers, ReceiveStream, Receiver, Sender, SendStream
+from .endpoints import Peers, Receiver, ReceiveStream, Sender, SendStream
 from .handshake import HandshakeError, PeerError, TransferError
 from .heads import head_view
 

@@ -40,8 +40,17 @@ from kvlayout import ops
 from kvlayout.ops import KVCache, bind
 from kvlayout.reference.resharding import Route, kv_heads, kv_routes
 
-from .handshake import ROLES, Descriptor, HandshakeError, PeerError, TransferError, ack, dtype_code, \
-    mismatches, request_header
+from .handshake import (
+    ROLES,
+    Descriptor,
+    HandshakeError,
+    PeerError,
+    TransferError,
+    ack,
+    dtype_code,
+    mismatches,
+    request_header,
+)
 from .heads import head_size_of, head_view
 
 
@@ -226,7 +235,8 @@ class _Endpoint:
             raise TypeError(f"{what}: the request's slots are needed (a 1-D int tensor or a list of ints)")
         t = torch.as_tensor(slots, device=self.device)
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{what} must be a 1-D int32/int64 tensor or a list of ints, got {t.dtype} {tuple(t.shape)}")
+            raise TypeError(f"{what} must be a 1-D int32/int64 tensor or a list of ints, "
+                            f"got {t.dtype} {tuple(t.shape)}")
         return t.to(torch.int64)
 
 

@@ -202,7 +202,8 @@ def _init(rank: int, store_path: str) -> None:
 
 def _endpoint(job: dict, rank: int, group, timeout: float):
     """This rank's Sender or Receiver of the job (and its torch cache)."""
-    from kvlayout import dist as kvdist, ops
+    from kvlayout import dist as kvdist
+    from kvlayout import ops
 
     sc: Scenario = job["scenario"]
     peers = kvdist.Peers.split(sc.src.tp, sc.dst.tp)
@@ -383,11 +384,12 @@ def _results_of(results: dict, sc: Scenario) -> tuple[list[dict], list[dict]]:
 def _expected(job: dict) -> list:
     """The receivers' caches by ``reference.reshard``, compiled (the slots are valid, see torch_cases)."""
     import kvlayout.reference.operations  # noqa: F401 - 64-bit slots before anything is traced
+
     from torch_cases import jitted_reference
 
     sc: Scenario = job["scenario"]
-    return jitted_reference.reshard(sc.src.layout, job["src"], job["src_slots"], sc.dst.layout, job["dst"], job["dst_slots"],
-                   num_kv_heads=sc.num_kv_heads)
+    return jitted_reference.reshard(sc.src.layout, job["src"], job["src_slots"], sc.dst.layout, job["dst"],
+                                    job["dst_slots"], num_kv_heads=sc.num_kv_heads)
 
 
 def _assert_same_bits(got, want, what: str) -> None:
@@ -483,3 +485,47 @@ def test_a_dead_or_silent_peer_ends_the_survivor_with_an_error_in_bounded_time(f
     if name == "sender_killed":
         assert res["layers"] < FAIL_JOB.layers
     assert seconds < 60
+
+
+# ---------------------------------------------------------------------------------------
+# The rule itself (pure Python: reference.resharding)
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads, src_tp, dst_tp", [(8, 4, 2), (8, 2, 4), (8, 1, 8), (8, 8, 1), (2, 4, 2),
+                                                   (2, 2, 8), (2, 8, 4), (1, 4, 2), (4, 4, 4)])
+def test_routes_cover_every_receiver_head_once_from_a_sender_that_holds_it(heads, src_tp, dst_tp):
+    from kvlayout.reference import kv_heads, kv_routes
+
+    routes = kv_routes(heads, src_tp, dst_tp)
+    for d in range(dst_tp):
+        lo, hi = kv_heads(d, dst_tp, heads)
+        covered = sorted(h for r in routes if r.dst_rank == d for h in range(r.head_start, r.head_stop))
+        assert covered == list(range(lo, hi))
+    for r in routes:
+        s_lo, s_hi = kv_heads(r.src_rank, src_tp, heads)
+        assert s_lo <= r.head_start < r.head_stop <= s_hi
+        assert r.src_head == r.head_start - s_lo and r.dst_head == r.head_start - kv_heads(r.dst_rank, dst_tp, heads)[0]
+    pairs = [(r.src_rank, r.dst_rank) for r in routes]
+    assert len(pairs) == len(set(pairs)), "one route per (sender, receiver) pair"
+    if src_tp > heads:      # replicated senders: the receivers of one head spread over its replicas
+        for h in range(heads):
+            using = [r for r in routes if r.head_start <= h < r.head_stop]
+            assert len({r.src_rank for r in using}) == min(src_tp // heads, len(using))
+
+
+def test_head_splits_follow_vllm_and_refuse_uneven_ones():
+    from kvlayout.reference import kv_heads
+
+    assert [kv_heads(r, 4, 8) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [kv_heads(r, 8, 2) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4     # tp_rank // replicas
+    for tp, heads in ((3, 8), (12, 8)):
+        with pytest.raises(ValueError, match="cannot be"):
+            kv_heads(0, tp, heads)
+
+
+def test_spec_renders_the_resharding_rule():
+    from kvlayout.commands.spec import render
+
+    text = render()
+    assert "## Resharding across tensor-parallel sizes" in text
+    assert "| 8 | 4 | 2 | [0, 2), [2, 4), [4, 6), [6, 8) | [0, 4), [4, 8) |" in text

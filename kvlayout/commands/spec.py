@@ -20,6 +20,10 @@ OPERATIONS = (
     ("RoPE", ("rope_reposition",)),
 )
 
+# (KV heads, sender TP, receiver TP) whose routes the resharding section tabulates: heads split both
+# ways, replicated on either side, and an MLA latent (one head on every rank).
+RESHARDING_EXAMPLES = ((8, 4, 2), (8, 2, 4), (8, 1, 2), (2, 4, 2), (2, 2, 4), (1, 2, 1))
+
 # Logical coordinates (plane, layer, slot, head, e) shown for every layout,
 # clipped to the example geometry.
 EXAMPLE_COORDS = ((0, 0, 0, 0, 0), (1, 0, 5, 1, 2), (0, 1, 6, 0, 1), (1, 1, 3, 1, 0), (0, 1, 7, 1, 2))
@@ -121,6 +125,28 @@ def _layout_section(layout) -> list[str]:
     return lines
 
 
+def _resharding_section() -> list[str]:
+    """Heads per rank and the routes of a few TP pairs, computed by ``reference.resharding``."""
+    from kvlayout.reference import resharding
+
+    lines = ["## Resharding across tensor-parallel sizes", "", inspect.cleandoc(resharding.__doc__), "",
+             "Routes of a few pairs of TP groups (computed by `kv_routes`; heads are global, `[start, stop)`):", "",
+             "| KV heads | sender TP | receiver TP | heads per sender rank | heads per receiver rank | "
+             "routes: sender -> receiver: heads |", "|---|---|---|---|---|---|"]
+    for heads, src_tp, dst_tp in RESHARDING_EXAMPLES:
+        def held(tp):
+            return ", ".join("[{}, {})".format(*resharding.kv_heads(r, tp, heads)) for r in range(tp))
+
+        routes = ", ".join(f"{r.src_rank} -> {r.dst_rank}: [{r.head_start}, {r.head_stop})"
+                           for r in resharding.kv_routes(heads, src_tp, dst_tp))
+        lines.append(f"| {heads} | {src_tp} | {dst_tp} | {held(src_tp)} | {held(dst_tp)} | {routes} |")
+    lines.append("")
+    for name in ("kv_heads", "source_rank", "kv_routes", "reshard"):
+        fn = getattr(resharding, name)
+        lines += [f"### `{name}`", "", "```python", _signature(fn), "```", "", inspect.getdoc(fn) or "", ""]
+    return lines
+
+
 def _signature(fn) -> str:
     return f"{fn.__name__}{inspect.signature(fn)}".replace("'", "")
 
@@ -139,7 +165,8 @@ def render() -> str:
              "2. [Decided semantics](#decided-semantics)",
              "3. [Catalog](#catalog)",
              "4. [Layouts](#layouts)",
-             "5. [Operations](#operations)", "",
+             "5. [Operations](#operations)",
+             "6. [Resharding across tensor-parallel sizes](#resharding-across-tensor-parallel-sizes)", "",
              "## The logical space", "",
              inspect.cleandoc(layouts_module.__doc__), "",
              "Axes:", "", AXES_TABLE,
@@ -169,6 +196,7 @@ def render() -> str:
             fn = getattr(R, name)
             lines += [f"#### `{name}`", "", "```python", _signature(fn), "```", "",
                       inspect.getdoc(fn) or "", ""]
+    lines += _resharding_section()
     return "\n".join(lines).rstrip() + "\n"
 
 
