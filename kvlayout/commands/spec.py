@@ -103,6 +103,8 @@ def _layout_section(layout) -> list[str]:
              f"* planes: {layout.planes if layout.planes is not None else 'follows the tensor (1 or 2)'}",
              f"* physical structure: `{layout.structure()}`",
              f"* kind: {_kind(layout)}"]
+    if layout.engine_name:
+        lines.append(f"* the engine calls it: `{layout.engine_name}`")
     if layout.notes:
         lines.append(f"* notes: {layout.notes}")
     lines += ["", "Pattern (physical, stacked over layers for a per-layer list, to logical):", "", "```"]
