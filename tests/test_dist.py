@@ -529,3 +529,30 @@ def test_spec_renders_the_resharding_rule():
     text = render()
     assert "## Resharding across tensor-parallel sizes" in text
     assert "| 8 | 4 | 2 | [0, 2), [2, 4), [4, 6), [6, 8) | [0, 4), [4, 8) |" in text
+
+
+# ---------------------------------------------------------------------------------------
+# kvlayout bench --dist
+# ---------------------------------------------------------------------------------------
+
+def test_bench_dist_without_two_gpus_says_so_and_measures_nothing(tmp_path, capsys):
+    from kvlayout.cli import main
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs: the bench would run")
+    assert main(["bench", "--dist", "--out", str(tmp_path)]) == 2
+    assert "needs 2 CUDA GPUs" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "no report may be written"
+
+
+def test_bench_dist_cpu_smoke_run_moves_bit_exact_kv_over_gloo(tmp_path, capsys):
+    import json
+
+    from kvlayout.cli import main
+
+    assert main(["bench", "--dist", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "dist_cpu.json").read_text())
+    assert doc["environment"]["backend"] == "gloo" and len(doc["results"]) == 2
+    for row in doc["results"]:
+        assert row["bit_exact"] is True and row["gbps"] > 0 and row["sendrecv_gbps"] > 0
+    assert "kvlayout.dist GB/s" in (tmp_path / "dist_cpu.md").read_text()
