@@ -6,16 +6,16 @@ import datetime
 import json
 import os
 
-from .checks import FAMILIES, ROPE_TOLERANCE
+from .families import FAMILIES
+from .families.rope import FP32_PAIR_TOLERANCE
 
 RULES = {
     "copies": "every output tensor of the op equals the reference's, bit for bit (compared as unsigned "
               "integers; sources hold random bytes, destinations a sentinel byte or random bytes, so rows that "
               "must stay untouched are checked too); sources must not change",
-    "rope": "rotated dims: |got - want| <= tol * (1 + |want|) in fp32 with tol " +
-            ", ".join(f"{k} {v:.3g}" for k, v in ROPE_TOLERANCE.items()) +
-            "; dims past the rotary part, tokens with a negative position and the V half of packed rows "
-            "bit for bit",
+    "rope": f"rotated dims: |got - want| <= {FP32_PAIR_TOLERANCE:g} * (|x| + |y|) of the element's rotary pair "
+            "(fp32 keys), plus one unit in the last place of the result for fp16/bf16 keys; dims past the "
+            "rotary part, tokens with a negative position and the V half of packed rows bit for bit",
     "out of range": "a slot >= the cache's slot count in a token that would be copied raises IndexError naming "
                     "the argument: on CPU before anything is written; on CUDA from ops.check_errors() after the "
                     "default path (that token's rows untouched, the rest copied) or before launching with "
@@ -126,7 +126,8 @@ def terminal(data: dict) -> str:
                       f"{f['description']}", f"  {first[:300]}"]
     if data["sanitizer"] is not None:
         s = data["sanitizer"]
-        lines += ["", f"sanitizer (compute-sanitizer memcheck): {s['status']}" + (f" - {s['detail']}" if s.get("detail") else "")]
+        detail = f" - {s['detail']}" if s.get("detail") else ""
+        lines += ["", f"sanitizer (compute-sanitizer memcheck): {s['status']}{detail}"]
     return "\n".join(lines)
 
 
@@ -167,8 +168,9 @@ def markdown(data: dict) -> str:
         lines += [f"### {f['family']} / {f['layouts']} / {f['device']}", "",
                   f"{f['failed_cases']} failing case(s). "
                   + ("Minimal case (shrunk by hypothesis):" if f["reduced"] else "First failing case (not shrunk):")
-                  + f" `{f['description']}`", "", "```", f["message"], "```", "", "Reproducer:", "",
-                  "```python", f["reproducer"].rstrip(), "```", ""]
+                  + f" `{f['description']}`", "", "```", f["message"], "```", "",
+                  "Reproducer (the sample's repr and the one replay driver):", "",
+                  "```bash", f["reproducer"].rstrip(), "```", ""]
         if f["failed_cases"] > 1:
             lines += ["First failing cases as drawn:", ""] + [f"* `{d}`" for d in f["first_failures"]] + [""]
     lines += ["", "## Sanitizer", ""]

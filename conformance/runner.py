@@ -1,10 +1,11 @@
 """``kvlayout conformance``: every op on every requested device against the reference.
 
-For each operation family (:data:`kvlayout.conformance.checks.FAMILIES`) and
-device, hypothesis draws ``--examples`` cases (seeded by ``--seed``, the
-family and the device: the same command draws the same cases) and each case is
-checked by running its own reproducer script.  Failures are then shrunk, per
-layout family, to a minimal failing case whose script goes into the report.
+For each operation family of the case database
+(:data:`kvlayout.conformance.families.FAMILIES`) and device, hypothesis draws
+``--examples`` samples (seeded by ``--seed``, the family and the device: the
+same command draws the same cases) and runs each one.  Failures are then
+shrunk, per layout family, to a minimal failing sample whose replay command
+(``kvlayout conformance --device D --replay '<repr>'``) goes into the report.
 
 Exit status: 0 when every case passed; 1 when a case failed (or the sanitizer
 found errors); 2 when none of the requested devices could be tested; 3 when
@@ -61,11 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices to test: comma-separated cpu, cuda, xpu, or 'all' (default: cpu)")
     parser.add_argument("--examples", type=_examples, default=DEFAULT_EXAMPLES, metavar="N",
                         help=f"cases per operation family and device, or {'/'.join(EXAMPLE_PRESETS)} "
-                             f"({', '.join(f'{k} = {v}' for k, v in EXAMPLE_PRESETS.items())}; default {DEFAULT_EXAMPLES})")
+                             f"({', '.join(f'{k} = {v}' for k, v in EXAMPLE_PRESETS.items())}; "
+                             f"default {DEFAULT_EXAMPLES})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case generation (default 0)")
     parser.add_argument("--only", metavar="PATTERN",
                         help="comma-separated shell patterns over family names "
-                             "(transfer, gather, scatter, move, pages, rope, fuzz_index, bad_input)")
+                             "(transfer, gather, scatter, move, pages, rope, fuzz_index, bad_input, hostile)")
+    parser.add_argument("--replay", metavar="SAMPLE",
+                        help="run one sample, given as its repr (the reproducer of a report), on --device and "
+                             "print the outcome with the traceback")
     parser.add_argument("--report", metavar="DIR",
                         help="write DIR/<name>.json and DIR/<name>.md (name: cpu, h200, or the device kind)")
     parser.add_argument("--sanitize", action="store_true",
@@ -130,25 +135,25 @@ def _settings(n: int, phases):
 
 
 _CRASH_FILE: str | None = None
-"""Where a worker writes the script of the case it is about to run, so that a case that kills the
-process (a segmentation fault in a native op) can still be reported."""
+"""Where a worker writes the sample it is about to run (description, then repr), so that a sample that
+kills the process (a segmentation fault in a native op) can still be reported."""
+
+
+def replay_command(case, device: str) -> str:
+    """The reproducer of a sample: its repr and the one fixed driver."""
+    return f"kvlayout conformance --device {device} --replay {shlex.quote(repr(case))}"
 
 
 def check(case, device: str) -> str | None:
-    """Run the case's reproducer on ``device``: ``None`` if it passes, else what went wrong."""
-    if device != "cpu":
-        from kvlayout import ops
+    """Run the sample on ``device``: ``None`` if it passes, else what went wrong."""
+    from .families.core import clear_errors
 
-        try:   # a previous case may have left an error behind
-            ops.check_errors(device)
-        except IndexError:
-            pass
-    code = case.to_python(device)
+    clear_errors(device)   # a previous case may have left an error behind
     if _CRASH_FILE:
         with open(_CRASH_FILE, "w", encoding="utf-8") as f:
-            f.write(f"# {case.describe()}\n{code}")
+            f.write(f"{case.describe()}\n{repr(case)}\n")
     try:
-        exec(compile(code, "<reproducer>", "exec"), {"__name__": "__kvlayout_reproducer__"})
+        case.run(device)
     except Exception as e:  # noqa: BLE001 - every failure is a finding
         text = f"{type(e).__name__}: {e}"
         return text if len(text) <= 2000 else text[:2000] + " ..."
@@ -156,7 +161,7 @@ def check(case, device: str) -> str | None:
 
 
 def _planned(family: str, device: str, examples: int) -> list[tuple[str | None, int]]:
-    from .checks import FAMILIES
+    from .families import FAMILIES
 
     groups = FAMILIES[family].groups(device)
     if groups is None:
@@ -174,7 +179,7 @@ def _shrink(family: str, device: str, group: str, seed: int, examples: int, seco
     from hypothesis import Phase, given
     from hypothesis import seed as hseed
 
-    from .checks import FAMILIES
+    from .families import FAMILIES
 
     memo: dict[str, str | None] = {}
     deadline = time.monotonic() + seconds
@@ -207,7 +212,7 @@ def run_task(family: str, device: str, examples: int, seed: int, shrink_seconds:
     from hypothesis import Phase, given
     from hypothesis import seed as hseed
 
-    from .checks import FAMILIES
+    from .families import FAMILIES
 
     progress = progress or (lambda n, label: None)
     fam = FAMILIES[family]
@@ -251,7 +256,7 @@ def run_task(family: str, device: str, examples: int, seed: int, shrink_seconds:
                 reduced = True
         reports.append({"family": family, "layouts": g, "device": device, "failed_cases": len(items),
                         "reduced": reduced, "description": case.describe(), "message": message,
-                        "reproducer": case.to_python(device),
+                        "reproducer": replay_command(case, device),
                         "first_failures": [c.describe() for c, _ in items[:5]]})
     for rec in groups.values():
         rec["variants"] = dict(sorted(rec["variants"].items()))
@@ -332,11 +337,11 @@ def _worker_task(family, device, examples, seed, shrink_seconds, crash_file) -> 
 def _died(task: tuple, error: BaseException, crash_file: str) -> dict:
     """The result of a task whose worker process died (or whose pool broke while it ran)."""
     family, device = task[0], task[1]
-    script = ""
+    lines = []
     if os.path.exists(crash_file):
         with open(crash_file, encoding="utf-8") as f:
-            script = f.read()
-    description = script.splitlines()[0][2:] if script else "(no case had started)"
+            lines = f.read().splitlines()
+    description = lines[0] if lines else "(no case had started)"
     message = (f"{type(error).__name__}: {error}. A worker process died (e.g. a segmentation fault in a native "
                "op) while this family ran; the case shown was running in this task at that moment. "
                f"Rerun with --jobs 1 --only {family} for the traceback.")
@@ -344,7 +349,8 @@ def _died(task: tuple, error: BaseException, crash_file: str) -> dict:
             "groups": {"(process died)": {"cases": 1, "passed": 0, "failed": 1, "seconds": 0.0, "variants": {}}},
             "failures": [{"family": family, "layouts": "(process died)", "device": device, "failed_cases": 1,
                           "reduced": False, "description": description, "message": message,
-                          "reproducer": script.split("\n", 1)[1] if script else "", "first_failures": []}]}
+                          "reproducer": f"kvlayout conformance --device {device} --replay {shlex.quote(lines[1])}"
+                          if len(lines) > 1 else "", "first_failures": []}]}
 
 
 def _run_tasks(tasks: list[tuple], jobs: int, progress: Progress) -> list[dict]:
@@ -459,7 +465,7 @@ def sanitize(args, cuda_ran: bool) -> dict:
 # ---------------------------------------------------------------------------------------
 
 def select_families(only: str | None) -> list[str]:
-    from .checks import FAMILIES
+    from .families import FAMILIES
 
     if not only:
         return list(FAMILIES)
@@ -470,9 +476,38 @@ def select_families(only: str | None) -> list[str]:
     return chosen
 
 
+def replay(text: str, devices: list[str]) -> int:
+    """``--replay``: run one sample on each requested device that is present; 0 if it passed everywhere."""
+    import traceback
+
+    from . import environment
+    from .families import parse_sample
+    from .families.core import clear_errors
+
+    sample = parse_sample(text)
+    print(f"{sample.family}: {sample.describe()}")
+    code, ran = 0, 0
+    for status in environment.devices(devices):
+        if status.status != "run":
+            print(f"{status.device}: {status.status}" + (f" - {status.reason}" if status.reason else ""))
+            continue
+        ran += 1
+        clear_errors(status.device)
+        try:
+            sample.run(status.device)
+            print(f"{status.device}: PASS")
+        except Exception:  # noqa: BLE001 - the outcome is the report
+            print(f"{status.device}: FAIL")
+            traceback.print_exc(file=sys.stdout)
+            code = 1
+    return code if ran else 2
+
+
 def run(args) -> int:
     from . import environment, report
 
+    if args.replay:
+        return replay(args.replay, environment.parse_devices(args.device))
     requested = environment.parse_devices(args.device)
     if not requested:
         raise SystemExit("kvlayout conformance: --device names no device")

@@ -383,12 +383,15 @@ class Sender(_Endpoint):
         self._request_header(request_id, int(slots.shape[0]))
         stream = self._open = SendStream(self, request_id, slots)
         if stream.num_tokens:
-            # a token without a slot here must not be written there: each receiver gets the mask of valid tokens
-            mask = (slots >= 0).to(torch.uint8)
-            works = [(r, self._isend(mask, r)) for r in self._routed_peers()]
-            for r, work in works:
-                self._order(work, f"sending the token mask of request {request_id} to group rank {r}")
+            stream._guard(self._send_mask, stream)
         return stream
+
+    def _send_mask(self, stream: SendStream) -> None:
+        """A token without a slot here must not be written there: each receiver gets the mask of valid tokens."""
+        mask = (stream.slots >= 0).to(torch.uint8)
+        works = [(r, self._isend(mask, r)) for r in self._routed_peers()]
+        for r, work in works:
+            self._order(work, f"sending the token mask of request {stream.request_id} to group rank {r}")
 
     def send(self, request_id: int, slots) -> SendStream:
         """Send the whole request (layer ``l`` on the wire while ``l + 1`` is gathered); returns the finished
@@ -481,16 +484,17 @@ class ReceiveStream:
             for rank, work in self._done_works:
                 r._wait(work, f"receiving request {self.request_id} from group rank {rank}")
         self._done_works = []
-        # every byte is in the cache: the request is complete here, whatever happens to the acknowledgement
-        self.state = "complete"
+        # Every byte is in the cache; the request counts as complete once the senders were told, so that
+        # both sides agree: a sender that misses the acknowledgement fails the request, and so does this side.
         peers = r._routed_peers()
         try:
             works = [(p, r._isend(ack(self.request_id, 0, r.device), p)) for p in peers]
             for p, work in works:
                 r._wait(work, f"acknowledging request {self.request_id} to group rank {p}")
         except PeerError as e:
-            raise PeerError(f"request {self.request_id} is complete in this cache, but a sender did not take the "
-                            f"acknowledgement: {e}") from e
+            raise PeerError(f"request {self.request_id}: every layer landed, but a sender did not take the "
+                            f"acknowledgement, so the request failed on both sides: {e}") from e
+        self.state = "complete"
 
     def __iter__(self) -> Iterator[int]:
         while self.state == "open" and self.layers_received < self.num_layers:

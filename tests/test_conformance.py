@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import shlex
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def _swap_first_two_destination_segments(plan):
     return broken
 
 
-def test_runner_catches_a_broken_op_and_reduces_it(tmp_path, monkeypatch):
+def test_runner_catches_a_broken_op_and_reduces_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(transfer_module, "plan", _swap_first_two_destination_segments(transfer_module.plan))
     monkeypatch.setattr(runner, "MAX_SHRUNK_GROUPS", 1)
     code, _, data, markdown = _run(tmp_path, "--device", "cpu", "--only", "transfer", "--examples", "12",
@@ -60,14 +61,26 @@ def test_runner_catches_a_broken_op_and_reduces_it(tmp_path, monkeypatch):
     assert data["summary"]["failed"] > 0 and data["summary"]["status"] == "FAIL"
     reduced = [f for f in data["failures"] if f["reduced"]]
     assert reduced, "no failure was shrunk"
-    snippet = reduced[0]["reproducer"]
-    assert "from kvlayout import ops" in snippet and "ops.transfer(" in snippet
-    assert "```python" in markdown and "Minimal case" in markdown
-    # The reproducer fails with the fault in place and passes without it.
-    with pytest.raises(AssertionError):
-        exec(compile(snippet, "<reproducer>", "exec"), {})
+    command = reduced[0]["reproducer"]
+    assert command.startswith("kvlayout conformance --device cpu --replay ")
+    assert "```bash" in markdown and "Minimal case" in markdown
+    # The reproducer is the sample's repr and the one replay driver: it fails with the fault in place and
+    # passes without it.
+    sample = shlex.split(command)[-1]
+    assert sample.startswith("TransferSample(")
+    assert runner.main(["--device", "cpu", "--replay", sample]) == 1
     monkeypatch.undo()
-    exec(compile(snippet, "<reproducer>", "exec"), {})
+    assert runner.main(["--device", "cpu", "--replay", sample]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_replay_takes_only_a_sample():
+    from kvlayout.conformance.families import parse_sample
+
+    with pytest.raises(ValueError):
+        parse_sample("__import__('os').system('true')")
+    with pytest.raises(ValueError):
+        parse_sample("Geometry(P=1, L=1, NB=1, BS=1, H=1, E=1)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")

@@ -1,0 +1,149 @@
+"""The ``pages`` family: a page as flat data, and its contiguous spans for zero-copy I/O.
+
+``get_page`` (and ``dummy_flat_page``), ``set_page`` from random flat bytes,
+``zero_page``, and ``page_spans`` / ``page_buffer_meta``: the spans name
+exactly the bytes of the pages in the layout's byte order (read back through
+the tensors' storage, and through the raw pointer on the CPU).
+
+References: ``kvlayout.reference.get_page`` / ``set_page`` / ``zero_page`` /
+``page_spans``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from kvlayout import ops
+from kvlayout.reference.layouts import Geometry, get
+
+from .. import strategies as S
+from . import core
+from .core import OnOneCache, OpFamily, assert_same, bind, flat, random_array, reference, sync, tensor
+from .rows import layouts_of
+
+PAGE_OPS = ("get_page", "set_page", "zero_page", "page_spans")
+
+
+def storage_bytes(t: torch.Tensor, offset: int, length: int) -> np.ndarray:
+    """``length`` bytes at ``offset`` from ``t.data_ptr()``, read through the storage (any device)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    start = t.data_ptr() - t.untyped_storage().data_ptr() + offset
+    return raw[start:start + length].cpu().numpy()
+
+
+@dataclasses.dataclass(frozen=True)
+class PageSample(OnOneCache):
+    """One page helper (``op``) on a cache holding random bytes; ``pages`` has one page except for spans."""
+
+    layout: str
+    geom: Geometry
+    dtype: str
+    op: str
+    pages: tuple[int, ...]
+    seed: int = 0
+    family = "pages"
+
+    def describe(self) -> str:
+        return f"{self.op} {self.layout}[{S.geometry_label(self.geom)}] {self.dtype} pages={list(self.pages)}"
+
+    def run(self, device: str) -> None:
+        g, layout = self.geom, self.layout
+        page_size = None if get(layout).paged else g.BS
+        cache_np = S.random_cache(layout, g, self.dtype, np.random.default_rng(self.seed))
+        cache = bind(layout, cache_np, g, device)
+        p = self.pages[0]
+        if self.op == "get_page":
+            want = reference.get_page(layout, cache_np, p, page_size=page_size)
+            assert_same(ops.get_page(cache, p), want, "page data")
+            dummy = ops.dummy_flat_page(cache)
+            assert dummy.shape == (want.size,) and dummy.dtype == cache.dtype and not dummy.view(torch.uint8).any()
+        elif self.op == "set_page":
+            flat_np = random_array((g.P * g.L * g.BS * g.H * g.E,), self.dtype, self.seed + 1)
+            ops.set_page(cache, p, tensor(flat_np, device))
+            sync(device)
+            want = reference.set_page(layout, cache_np, p, flat_np, page_size=page_size)
+            assert_same(cache.tensors, flat(layout, want), "cache")
+        elif self.op == "zero_page":
+            ops.zero_page(cache, p)
+            sync(device)
+            assert_same(cache.tensors, flat(layout, reference.zero_page(layout, cache_np, p, page_size=page_size)),
+                        "cache")
+        else:
+            self._check_spans(cache, cache_np, page_size)
+
+    def _check_spans(self, cache, cache_np, page_size) -> None:
+        got = ops.page_spans(cache, list(self.pages))
+        want = [tuple(int(v) for v in s) for s in reference.page_spans(self.layout, self.geom, list(self.pages),
+                                                                       cache.itemsize)]
+        assert got == want, f"page_spans: got {got}, expected {want}"
+        pointers, lengths = ops.page_buffer_meta(cache, list(self.pages))
+        assert pointers == [cache.tensors[i].data_ptr() + o for i, o, _ in want], "page_buffer_meta pointers"
+        assert lengths == [n for _, _, n in want], "page_buffer_meta lengths"
+        # the spans hold exactly the pages' bytes, in order
+        spans = [storage_bytes(cache.tensors[i], o, n) for i, o, n in want]
+        for (i, o, n), ptr, data in zip(want, pointers, spans):
+            if cache.tensors[i].device.type == "cpu":
+                assert ctypes.string_at(ptr, n) == data.tobytes(), "bytes at the span's pointer"
+        pages = b"".join(np.ascontiguousarray(reference.get_page(self.layout, cache_np, q, page_size=page_size))
+                         .tobytes() for q in self.pages)
+        assert b"".join(d.tobytes() for d in spans) == pages, "the spans do not hold the pages' bytes"
+
+
+@st.composite
+def page_samples(draw, device: str, group: str | None = None, *, layout: str | None = None, op: str | None = None):
+    """Page samples: any layout (of ``group``) and helper, or the given ``layout`` and ``op``."""
+    layout = layout or draw(st.sampled_from(layouts_of(group)))
+    geom = draw(S.geometries(layout, max_layers=8, max_slots=64, budget=1 << 13))
+    op = op or draw(st.sampled_from(PAGE_OPS))
+    if op == "page_spans":
+        pages = tuple(draw(st.lists(st.integers(0, geom.NB - 1), min_size=1, max_size=3)))
+    else:
+        pages = (draw(st.integers(0, geom.NB - 1)),)
+    return PageSample(layout, geom, draw(S.dtypes()), op, pages, draw(st.integers(0, 2**32 - 1)))
+
+
+PAGES = OpFamily("pages", "page helpers: get_page, set_page, zero_page, page_spans/page_buffer_meta",
+                 page_samples, "get_page, set_page, zero_page, page_spans")
+SAMPLES = (PageSample,)
+
+
+# ---------------------------------------------------------------------------------------
+# Error inputs, as data (on the destination of a valid transfer case)
+# ---------------------------------------------------------------------------------------
+
+def _page_call(make_call):
+    """A page helper on the case's destination: ``make_call(ops, dst, sample, device)`` -> the invalid call."""
+    def build(b, device, validate):
+        s = core.BadSetup.of(b.case, device, validate)
+        return core.Invalid(make_call(ops, s.dst, b, device), s.dst_unchanged())
+    return build
+
+
+def _page_out_of_range(ops, dst, b, device):
+    page = b.case.dst_geom.NB + b.offset
+    return (lambda: ops.get_page(dst, page), lambda: ops.zero_page(dst, page),
+            lambda: ops.set_page(dst, page, ops.dummy_flat_page(dst)))[b.token % 3]
+
+
+def _flat_of_wrong_size(ops, dst, b, device):
+    flat_page = torch.zeros(ops.dummy_flat_page(dst).numel() + 1 + b.offset, dtype=dst.dtype, device=device)
+    return lambda: ops.set_page(dst, 0, flat_page)
+
+
+def _flat_of_other_element_size(ops, dst, b, device):
+    other = torch.float32 if dst.itemsize != 4 else torch.float16
+    flat_page = torch.zeros(ops.dummy_flat_page(dst).numel(), dtype=other, device=device)
+    return lambda: ops.set_page(dst, 0, flat_page)
+
+
+PAGES = dataclasses.replace(PAGES, errors=(
+    core.ErrorKind("pages: page out of range", "page_out_of_range", r"page", _page_call(_page_out_of_range)),
+    core.ErrorKind("pages: flat page of the wrong size", "flat_page_size", r"flat", _page_call(_flat_of_wrong_size)),
+    core.ErrorKind("pages: flat page of another element size", "element_type", r"flat|dtype",
+              _page_call(_flat_of_other_element_size)),
+))
