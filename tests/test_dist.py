@@ -15,8 +15,10 @@ a temporary folder) serve the whole file; each scenario gets its own subgroup:
   mid-request, a receiver that stops answering -- the survivor raises
   ``PeerError`` within its timeout, and its stream is not complete.
 
-The worker functions live here and run in the child processes, which import
-this module but never jax (the parent computes the reference).
+Where every rank can have a GPU of its own (6 or more), the transfer and
+handshake scenarios run again over NCCL with the caches on the GPUs.  The
+worker functions live here and run in the child processes, which import this
+module but never jax (the parent computes the reference).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+import torch.distributed
 
 WORLD = 6
 TIMEOUT_S = 30.0            # any one wait in a transfer scenario (they take well under a second)
@@ -182,22 +185,38 @@ def _to_torch(physical, dtype: str):
     return one(physical)
 
 
+def _to(value):
+    """A tensor or a list of tensors on the rank's GPU."""
+    if isinstance(value, list):
+        return [t.cuda() for t in value]
+    return value.cuda()
+
+
 def _to_bits(physical):
     if isinstance(physical, tuple):
         return tuple(_to_bits(p) for p in physical)
     if isinstance(physical, list):
         return [_to_bits(t) for t in physical]
-    t = physical.contiguous()
+    t = physical.cpu().contiguous()
     return t.view(_TORCH_BITS[t.element_size()]).numpy().copy()
 
 
-def _init(rank: int, store_path: str) -> None:
+def _init(rank: int, store_path: str, device: str = "cpu") -> None:
+    """Join the world: gloo on the CPU; NCCL with one GPU per rank."""
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
     store = tdist.FileStore(store_path, WORLD)
-    tdist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                             timeout=datetime.timedelta(seconds=60))
+    kwargs = {}
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    tdist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=WORLD,
+                             timeout=datetime.timedelta(seconds=60), **kwargs)
+
+
+def _device(job: dict) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if job.get("device") == "cuda" else torch.device("cpu")
 
 
 def _endpoint(job: dict, rank: int, group, timeout: float):
@@ -210,6 +229,8 @@ def _endpoint(job: dict, rank: int, group, timeout: float):
     which, index = ("src", rank) if rank < sc.src.tp else ("dst", rank - sc.src.tp)
     side = sc.side(which)
     tensors = _to_torch(job[which][index], side.dtype)
+    if _device(job).type == "cuda":
+        tensors = tuple(_to(t) for t in tensors) if isinstance(tensors, tuple) else _to(tensors)
     cache = ops.bind(side.layout, tensors, page_size=side.page)
     cls = kvdist.Sender if which == "src" else kvdist.Receiver
     endpoint = cls(cache, num_kv_heads=sc.geometry_of(which)[0], peers=peers, group=group, timeout=timeout)
@@ -221,7 +242,7 @@ def _run_transfer(job: dict, rank: int, group) -> dict:
     sc: Scenario = job["scenario"]
     which, tensors, ep = _endpoint(job, rank, group, TIMEOUT_S)
     out: dict = {"which": which}
-    slots = torch.from_numpy(job[f"{which}_slots"])
+    slots = torch.from_numpy(job[f"{which}_slots"]).to(_device(job))
     rid = job["request_id"]
 
     def one_request(request_id, slots):
@@ -258,9 +279,9 @@ def transfer_worker(rank: int, store_path: str, job_path: str, out_dir: str) -> 
 
     result = {}
     try:
-        _init(rank, store_path)
         with open(job_path, "rb") as f:
             jobs = pickle.load(f)
+        _init(rank, store_path, jobs[0].get("device", "cpu"))
         groups = [tdist.new_group(job["scenario"].ranks) for job in jobs]   # every rank creates every group
         for job, group in zip(jobs, groups):
             if rank in job["scenario"].ranks:
@@ -364,9 +385,13 @@ def _launch(worker, job, tmp_path) -> dict[int, dict]:
     return results
 
 
-@pytest.fixture(scope="module")
-def transfers(tmp_path_factory):
-    jobs = [make_job(sc, seed) for seed, sc in enumerate(TRANSFERS + HANDSHAKES)]
+# NCCL runs the same scenarios where every rank has a GPU of its own
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= WORLD and torch.distributed.is_nccl_available() else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def transfers(tmp_path_factory, request):
+    jobs = [dict(make_job(sc, seed), device=request.param) for seed, sc in enumerate(TRANSFERS + HANDSHAKES)]
     started = time.monotonic()
     results = _launch(transfer_worker, jobs, tmp_path_factory.mktemp("dist"))
     crashes = {r: res["crash"] for r, res in results.items() if "crash" in res}
