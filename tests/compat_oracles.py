@@ -14,6 +14,9 @@ import types
 
 import torch
 
+from kvlayout.conformance.families.core import tensor
+from kvlayout.conformance.families.rope import cos_sin_table, expected_keys
+
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -126,28 +129,13 @@ def scatter_chunk(logical_cache: torch.Tensor, chunk: torch.Tensor, slots, skip=
 
 
 def rope_oracle(keys: torch.Tensor, old, new, cos_sin, is_neox: bool) -> torch.Tensor:
-    """keys [T, H, D] float -> rotated copy (fp32 math), written out elementwise from the formula."""
-    k = keys.detach().cpu().float().clone()
-    cs = cos_sin.detach().cpu().float()
-    rot = cs.shape[1]
-    half = rot // 2
-    for t in range(k.shape[0]):
-        o, n = int(old[t]), int(new[t])
-        if o < 0 or n < 0:
-            continue
-        for i in range(half):
-            a, b = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
-            co, so, cn, sn = cs[o, i], cs[o, half + i], cs[n, i], cs[n, half + i]
-            x, y = k[t, :, a].clone(), k[t, :, b].clone()
-            x1, y1 = x * co + y * so, y * co - x * so
-            k[t, :, a], k[t, :, b] = x1 * cn - y1 * sn, y1 * cn + x1 * sn
-    return k
+    """keys [T, H, D] -> the reference's rotated keys on the host (the one RoPE oracle of the project)."""
+    return tensor(expected_keys(keys, old, new, cos_sin, is_neox=is_neox))
 
 
 def cos_sin_cache(max_pos: int, rot: int) -> torch.Tensor:
-    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None]
-    return torch.cat([ang.cos(), ang.sin()], dim=1)
+    """The case database's float32 cos/sin table ``[max_pos, rot]`` as a host tensor."""
+    return torch.from_numpy(cos_sin_table(max_pos, rot))
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

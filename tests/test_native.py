@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvlayout.conformance.families.rope import assert_rope, cos_sin_table, expected_keys
 from kvlayout.ops import _native as nat
 
 DEVICES = ["cpu"] + (["cuda"] if nat.cuda_available() else [])
@@ -404,30 +405,9 @@ def test_copy_rows_cuda_graph_replay():
 # ----------------------------------------------------------------------------- rope_reposition
 
 
-def rope_oracle(key, old, new, cache, is_neox):
-    k = key.double().cpu().numpy().copy()
-    c = cache.double().cpu().numpy()
-    half = c.shape[1] // 2
-    for t in range(k.shape[0]):
-        o, n = int(old[t]), int(new[t])
-        if o < 0 or n < 0:
-            continue
-        for i in range(half):
-            dx, dy = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
-            co, so, cn, sn = c[o, i], c[o, half + i], c[n, i], c[n, half + i]
-            x, y = k[t, :, dx].copy(), k[t, :, dy].copy()
-            xu, yu = x * co + y * so, y * co - x * so
-            k[t, :, dx], k[t, :, dy] = xu * cn - yu * sn, yu * cn + xu * sn
-    return torch.from_numpy(k)
-
-
 def make_cos_sin(max_pos, rot_dim, dtype):
-    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=1).to(dtype)
-
-
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+    """The database's cos/sin table as a host tensor of ``dtype``."""
+    return torch.from_numpy(cos_sin_table(max_pos, rot_dim)).to(dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -446,17 +426,14 @@ def test_rope_matches_oracle(device, dtype, is_neox, packed):
     old = torch.tensor([0, 5, 17, -1, 3, 99, 40, 2, 7])
     new = torch.tensor([4, 5, 0, 3, -1, 1, 63, 50, 7], dtype=torch.int32)
     cache = make_cos_sin(100, rot, torch.float32 if dtype == torch.float32 or packed else dtype)
-    expected = rope_oracle(key_host, old, new, cache, is_neox)
+    expected = expected_keys(key_host, old, new, cache, is_neox=is_neox)   # the reference's RoPE
     kv_dev = kv.to(device)
     key = kv_dev[:, :, 0, :] if packed else kv_dev
     nat.rope_reposition(key, old.to(device), new.to(device), cache.to(device), is_neox)
     sync(device)
-    got = key.cpu().double()
-    assert torch.allclose(got, expected, atol=TOL[dtype] * 4, rtol=TOL[dtype])
-    # dims >= rot_dim, negative-position tokens and the V half are untouched
-    assert torch.equal(key.cpu()[:, :, rot:], key_host[:, :, rot:])
-    assert torch.equal(key.cpu()[3], key_host[3]) and torch.equal(key.cpu()[4], key_host[4])
-    if packed:
+    # rotated dims within the database's tolerance; dims >= rot_dim and negative-position tokens bit for bit
+    assert_rope(key, expected, key_host, old, new, rot=rot, is_neox=is_neox)
+    if packed:   # the V half is untouched
         assert torch.equal(kv_dev[:, :, 1, :].cpu(), kv[:, :, 1, :])
 
 
