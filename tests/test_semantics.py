@@ -329,3 +329,24 @@ def test_rules_are_stated_once():
     text = spec.render()
     for rule in semantics.RULES.values():
         assert text.count(f"**`{rule.name}`**") == 1, rule.name
+
+
+# ---------------------------------------------------------------------------------------
+# conformance cites the rules by name
+# ---------------------------------------------------------------------------------------
+
+COVERED_HERE_ONLY = {"argument_range", "in_place", "integer_argument", "layout_shape"}
+"""Refusal rules no conformance error kind draws (their samples: above, tests/test_ops_errors.py, test_hardening.py)."""
+
+
+def test_conformance_error_kinds_cite_rules():
+    from kvlayout.conformance.families import FAMILIES
+
+    cited = set()
+    for family in FAMILIES.values():
+        for kind in family.errors:
+            rule = semantics.get(kind.rule)          # an unknown name raises KeyError
+            assert rule.error is not None, f"{kind.name}: rule {rule.name} refuses nothing"
+            assert kind.error_type is rule.error, kind.name
+            cited.add(rule.name)
+    assert cited | COVERED_HERE_ONLY == {r.name for r in semantics.refusals()}

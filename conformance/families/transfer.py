@@ -389,7 +389,7 @@ TRANSFER_ERRORS = (
               _spoiled(lambda s, b: None, src_layers=lambda s, b: [0], dst_layers=lambda s, b: [0, 0])),
     ErrorKind("transfer: slots not integers", "index_dtype", r"src_slots", _float_slots),
     ErrorKind("transfer: slots not 1-D", "index_shape", r"dst_slots", _two_d_slots),
-    ErrorKind("transfer: skip_prefix out of range", "argument_range", r"skip_prefix",
+    ErrorKind("transfer: skip_prefix out of range", "skip_prefix", r"skip_prefix",
               _spoiled(lambda s, b: None, skip_prefix=lambda s, b: b.case.T + 1 + b.offset)),
 )
 TRANSFER = dataclasses.replace(TRANSFER, errors=TRANSFER_ERRORS)
