@@ -20,9 +20,9 @@ RULES = {
                     "the argument: on CPU before anything is written; on CUDA from ops.check_errors() after the "
                     "default path (that token's rows untouched, the rest copied) or before launching with "
                     "validate=True",
-    "bad input": "every other invalid argument raises the documented exception (TypeError for dtypes, "
-                 "ValueError for shapes/lengths/duplicates/overlap, IndexError for indices, RuntimeError for "
-                 "unpinned host memory facing CUDA) naming the argument, with the destination unchanged",
+    "bad input": "every error kind of every family raises the one exception type of the decided rule it "
+                 "breaks (kvlayout.reference.semantics; the kinds and their rules are listed below), with a "
+                 "message that names the argument, and the destination unchanged",
 }
 
 
@@ -55,6 +55,7 @@ def build(*, command, settings, statuses, results, environment, seconds, sanitiz
         "devices": [s.as_dict() for s in statuses],
         "rules": RULES,
         "families": {f: FAMILIES[f].doc for f in settings["families"]},
+        "error_kinds": _error_kinds() if "bad_input" in settings["families"] else {},
         "summary": {"cases": cases, "passed": cases - failed, "failed": failed,
                     "status": "FAIL" if failed or (sanitizer and sanitizer.get("errors")) else
                     ("NO DEVICE" if not rows and not any(s.status == "run" for s in statuses) else "PASS")},
@@ -63,6 +64,14 @@ def build(*, command, settings, statuses, results, environment, seconds, sanitiz
         "failures": failures,
         "sanitizer": sanitizer,
     }
+
+
+def _error_kinds() -> dict:
+    """Each error kind of the bad_input family: the rule it cites, that rule's exception, the message regex."""
+    from .families.errors import ERROR_KINDS
+
+    return {name: {"rule": k.rule, "error": k.error_type.__name__, "regex": k.error_regex}
+            for name, k in ERROR_KINDS.items()}
 
 
 HOSTILE_FAMILIES = ("bad_input", "fuzz_index", "hostile")
@@ -151,6 +160,10 @@ def markdown(data: dict) -> str:
     lines += [f"* **{k}**: {v}" for k, v in data["rules"].items()]
     lines += ["", "Families:", ""]
     lines += [f"* `{k}`: {v}" for k, v in data["families"].items()]
+    if data.get("error_kinds"):
+        lines += ["", "Error kinds (`bad_input`): rule cited, exception, message pattern:", "",
+                  "| kind | rule | exception | message matches |", "|---|---|---|---|"]
+        lines += [f"| {k} | `{v['rule']}` | {v['error']} | `{v['regex']}` |" for k, v in data["error_kinds"].items()]
     lines += ["", "## Results", "", "| family | device | cases | passed | failed | time |", "|---|---|--:|--:|--:|--:|"]
     for r in data["per_family"]:
         lines.append(f"| {r['family']} | {r['device']} | {r['cases']} | {r['passed']} | {r['failed']} | "

@@ -2,9 +2,9 @@
 
 Device-generic: each test takes the ``device`` fixture (``cpu``, and
 ``cuda`` where present).  The default run draws a few samples per family
-(:data:`EXAMPLES`, seeded by hypothesis' derandomized profile so every run
-draws the same ones); ``KVLAYOUT_HYPOTHESIS_EXAMPLES=k`` multiplies them,
-and the tests marked ``slow`` draw more of the costly families.  Long runs
+(:data:`EXAMPLES`, and the counts in each test; new ones each run, under the
+suite's hypothesis profile); ``KVLAYOUT_HYPOTHESIS_EXAMPLES=k`` multiplies
+them, and the tests marked ``slow`` draw more of them.  Long runs
 belong to ``kvlayout conformance --examples N`` (the same samples).  A
 failing example prints its sample; ``kvlayout conformance --device D
 --replay '<sample>'`` runs it again.
