@@ -142,8 +142,11 @@ def _flat_of_other_element_size(ops, dst, b, device):
 
 
 PAGES = dataclasses.replace(PAGES, errors=(
-    core.ErrorKind("pages: page out of range", "page_out_of_range", r"page", _page_call(_page_out_of_range)),
-    core.ErrorKind("pages: flat page of the wrong size", "flat_page_size", r"flat", _page_call(_flat_of_wrong_size)),
-    core.ErrorKind("pages: flat page of another element size", "element_type", r"flat|dtype",
+    core.ErrorKind("pages: page out of range", "page_out_of_range",
+              r"page = \d+ is out of range: the cache holds \d+ pages", _page_call(_page_out_of_range)),
+    core.ErrorKind("pages: flat page of the wrong size", "flat_page_size",
+              r"flat must be 1-D with \d+ elements \(one page\), got shape \(\d+,\)", _page_call(_flat_of_wrong_size)),
+    core.ErrorKind("pages: flat page of another element size", "element_type",
+              r"flat has torch\.\w+, the cache torch\.\w+",
               _page_call(_flat_of_other_element_size)),
 ))

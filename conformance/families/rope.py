@@ -218,13 +218,18 @@ def _int_keys(args, b):
 
 
 ROPE = dataclasses.replace(ROPE, errors=(
-    ErrorKind("rope: old_positions out of range", "position_out_of_range", r"old_positions",
+    ErrorKind("rope: old_positions out of range", "position_out_of_range",
+              r"old_positions\[\d+\] = \d+ is out of range: cos_sin_cache holds \d+ positions",
               _rope_call(_position_out_of_range("old")), deferrable=True),
-    ErrorKind("rope: new_positions out of range", "position_out_of_range", r"new_positions",
+    ErrorKind("rope: new_positions out of range", "position_out_of_range",
+              r"new_positions\[\d+\] = \d+ is out of range: cos_sin_cache holds \d+ positions",
               _rope_call(_position_out_of_range("new")), deferrable=True),
-    ErrorKind("rope: keys not floating point", "element_type", r"keys", _rope_call(_int_keys)),
-    ErrorKind("rope: rotary dim larger than the head", "rope_geometry", r"cos_sin_cache",
+    ErrorKind("rope: keys not floating point", "element_type",
+              r"keys must be float32, float16 or bfloat16, got torch\.int32", _rope_call(_int_keys)),
+    ErrorKind("rope: rotary dim larger than the head", "rope_geometry",
+              r"cos_sin_cache must be \[max_pos, rot\] with rot even and <= \d+, got \(\d+, \d+\)",
               _rope_call(lambda args, b: args.update(cos_sin=cos_sin_table(ERROR_MAX_POS, 10)))),
-    ErrorKind("rope: positions of the wrong length", "index_shape", r"old_positions",
+    ErrorKind("rope: positions of the wrong length", "index_shape",
+              r"old_positions must be int32/int64 of shape \(\d+,\)",
               _rope_call(lambda args, b: args["old"].append(0))),
 ))
