@@ -150,7 +150,11 @@ def reshard(src_layout: Layout | str, src_caches: Sequence, src_slots, dst_layou
     src_tp, dst_tp = len(src_caches), len(dst_caches)
 
     def per_rank(slots, count):
-        if slots is not None and len(slots) == count and all(hasattr(s, "__len__") for s in slots):
+        """One ``[T]`` array per rank: ``slots`` is one list per rank (2-D), or one list shared by all."""
+        rows = list(slots) if isinstance(slots, (list, tuple)) else None
+        if (rows and jnp.ndim(rows[0]) == 1) or jnp.ndim(slots) == 2:
+            if len(slots) != count:
+                raise ValueError(f"{len(slots)} slot lists for {count} ranks")
             return [jnp.asarray(s) for s in slots]
         return [jnp.asarray(slots)] * count
 

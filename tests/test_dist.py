@@ -1,7 +1,7 @@
 """kvlayout.dist on the CPU: real processes over gloo, checked bit for bit against the reference.
 
 Two process launches (torch.multiprocessing from a fork server, a FileStore in
-a temporary folder) serve the whole file; each scenario gets its own subgroup:
+a temporary folder) serve the scenarios, each in its own subgroup:
 
 * transfers (6 processes): TP 1->1, 2->1, 1->2, 4->2, replicated heads
   (4->2 and 2->4 with 2 KV heads), MLA 2->1 (fp8), each with other layouts and
@@ -14,6 +14,10 @@ a temporary folder) serve the whole file; each scenario gets its own subgroup:
 * failures (6 processes): a sender killed mid-request, a receiver killed
   mid-request, a receiver that stops answering -- the survivor raises
   ``PeerError`` within its timeout, and its stream is not complete.
+
+Also here: the resharding rule itself (pure Python) and its rendering in the
+spec, and ``kvlayout bench --dist`` (its gloo smoke run between two spawned
+processes; its refusal to measure without two GPUs).
 
 Where every rank can have a GPU of its own (6 or more), the transfer and
 handshake scenarios run again over NCCL with the caches on the GPUs.  The
@@ -581,3 +585,36 @@ def test_bench_dist_cpu_smoke_run_moves_bit_exact_kv_over_gloo(tmp_path, capsys)
     for row in doc["results"]:
         assert row["bit_exact"] is True and row["gbps"] > 0 and row["sendrecv_gbps"] > 0
     assert "kvlayout.dist GB/s" in (tmp_path / "dist_cpu.md").read_text()
+
+
+@pytest.mark.parametrize("heads, src_tp, dst_tp", [(4, 2, 1), (4, 1, 2), (2, 4, 2), (2, 1, 4)])
+def test_reshard_matches_an_index_oracle(heads, src_tp, dst_tp):
+    """``reference.reshard`` (compiled, as in the op tests: see torch_cases) against plain index loops over a
+    ``[P, L, N, H, D]`` layout, -1 slots included."""
+    import kvlayout.reference.operations  # noqa: F401 - 64-bit slots
+    from kvlayout.reference import kv_heads
+
+    from torch_cases import jitted_reference
+
+    rng = np.random.default_rng(heads * 100 + src_tp * 10 + dst_tp)
+    L, N, D = 2, 12, 3
+
+    def caches(tp):
+        return [rng.integers(0, 2 ** 16, (2, L, N, np.subtract(*kv_heads(r, tp, heads)[::-1]), D), dtype=np.uint16)
+                for r in range(tp)]
+
+    src, dst = caches(src_tp), caches(dst_tp)
+    src_slots, dst_slots = np.array([3, 5, -1, 7, 0]), np.array([1, -1, 2, 9, 11])
+    got = jitted_reference.reshard("hicache_layer_first", src, src_slots, "hicache_layer_first", dst, dst_slots,
+                                   num_kv_heads=heads)
+    for d in range(dst_tp):
+        want = dst[d].copy()
+        d_lo, d_hi = kv_heads(d, dst_tp, heads)
+        for t, (s_slot, d_slot) in enumerate(zip(src_slots, dst_slots)):
+            if s_slot < 0 or d_slot < 0:
+                continue
+            for head in range(d_lo, d_hi):
+                copies = max(1, src_tp // heads)     # replicas: receiver d reads replica d % copies
+                s = head // (heads // src_tp) if src_tp <= heads else head * copies + d % copies
+                want[:, :, d_slot, head - d_lo] = src[s][:, :, s_slot, head - kv_heads(s, src_tp, heads)[0]]
+        np.testing.assert_array_equal(np.asarray(got[d]), want)
