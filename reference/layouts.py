@@ -387,21 +387,21 @@ def make_geometry(layout: Layout | str, *, L: int, N: int, H: int, E: int, page_
     """
     layout = get(layout)
     if N % page_size:
-        raise ValueError(f"N = {N} is not a multiple of page_size = {page_size}")
+        rules.LAYOUT_SHAPE.fail(f"N = {N} is not a multiple of page_size = {page_size}")
     axes = {a for part in layout.parts for a in part.full_axes}
     for axis, size in (("l", L), ("h", H)):
         if axis not in axes and size != 1:
-            raise ValueError(f"{layout.name} has no {axis!r} axis, so its size must be 1 (got {size})")
+            rules.LAYOUT_SHAPE.fail(f"{layout.name} has no {axis!r} axis, so its size must be 1 (got {size})")
     if not ({"nb", "bs"} & axes or any("n" in p.pattern.split() for p in layout.parts)) and N != 1:
-        raise ValueError(f"{layout.name} has no slot axis")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name} has no slot axis")
     n_cols = len({p.column for p in layout.parts if p.column is not None})
     if n_cols and len(columns) != n_cols:
-        raise ValueError(f"{layout.name} needs {n_cols} column widths, got {list(columns)}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name} needs {n_cols} column widths, got {list(columns)}")
     if columns and sum(columns) != E:
-        raise ValueError(f"column widths {list(columns)} do not add up to E = {E}")
+        rules.LAYOUT_SHAPE.fail(f"column widths {list(columns)} do not add up to E = {E}")
     planes = P if P is not None else (layout.planes or 2)
     if layout.planes is not None and planes != layout.planes:
-        raise ValueError(f"{layout.name} has {layout.planes} planes, not {planes}")
+        rules.LAYOUT_SHAPE.fail(f"{layout.name} has {layout.planes} planes, not {planes}")
     return Geometry(P=planes, L=L, NB=N // page_size, BS=page_size, H=H, E=E, columns=tuple(columns))
 
 
