@@ -6,11 +6,15 @@
 // recorded in `status` (see copy_rows_kernel.h). Source and destination may
 // be CUDA tensors of the launch device or pinned host memory (zero-copy).
 //
+// Two variants of one kernel body (copy_rows_walk in copy_rows_kernel.h): the
+// device variant (both sides in device memory; kDeviceUnroll loads in flight
+// per thread) and the host variant (either side pinned host memory;
+// kHostUnroll loads in flight per thread for PCIe latency).
+//
 // CTA budget (max_ctas): 0 selects the default, one full wave of resident
-// 256-thread CTAs (occupancy of the compiled kernel) when both sides are in
-// device memory and 1 per SM when either side is host memory (a few CTAs
-// already saturate PCIe, and a transfer beside the forward pass should leave
-// SMs to it); n > 0 caps the grid at n CTAs.
+// 256-thread CTAs (occupancy of the compiled kernel) for the device variant
+// and 1 per SM for the host variant (a transfer beside the forward pass
+// should leave SMs to it); n > 0 caps the grid at n CTAs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,54 +31,39 @@
 namespace kvlayout {
 namespace {
 
-// Segments per launch: 128 segments keep the parameter struct near 2.3 KiB,
-// under the classic 4 KiB kernel-parameter limit.
-constexpr int kMaxSegmentsPerLaunch = 128;
-using Params = CopyRowsParams<kMaxSegmentsPerLaunch>;
-static_assert(sizeof(Params) <= 4096, "copy_rows parameters exceed 4 KiB");
-// Launches of up to 8 segments (a layer call: K and V of one layer) use a
-// parameter block of a few hundred bytes instead: a launch's host cost grows
-// with the size of its parameters.
+// Segment tables per launch, in two sizes: a launch passes its whole
+// parameter block, and its host cost grows with it, so a layer call (K and V
+// of one layer: 2 segments) carries a table of 8, others one of 128 (about
+// 2 KiB, under the classic 4 KiB parameter limit); calls with more segments
+// are split into launches of 128.
 constexpr int kFewSegments = 8;
-using FewParams = CopyRowsParams<kFewSegments>;
+constexpr int kMaxSegmentsPerLaunch = 128;
+static_assert(sizeof(CopyRowsParams<kMaxSegmentsPerLaunch>) <= 4096,
+              "copy_rows parameters exceed 4 KiB");
 
 constexpr int kDefaultCtasPerSmHost = 1;
 
 // Vector loads/stores with streaming (evict-first) cache hints.
+template <class T>
+struct StreamingMemOf {
+  using vec_type = T;
+  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
+  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
 template <int VEC>
 struct StreamingMem;
 template <>
-struct StreamingMem<16> {
-  using vec_type = uint4;
-  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
-  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
-};
+struct StreamingMem<16> : StreamingMemOf<uint4> {};
 template <>
-struct StreamingMem<8> {
-  using vec_type = uint2;
-  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
-  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
-};
+struct StreamingMem<8> : StreamingMemOf<uint2> {};
 template <>
-struct StreamingMem<4> {
-  using vec_type = unsigned int;
-  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
-  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
-};
+struct StreamingMem<4> : StreamingMemOf<unsigned int> {};
 template <>
-struct StreamingMem<2> {
-  using vec_type = unsigned short;
-  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
-  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
-};
+struct StreamingMem<2> : StreamingMemOf<unsigned short> {};
 template <>
-struct StreamingMem<1> {
-  using vec_type = unsigned char;
-  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
-  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
-};
+struct StreamingMem<1> : StreamingMemOf<unsigned char> {};
 
-template <int VEC, class P>
+template <int VEC, int UNROLL, class P>
 __global__ void __launch_bounds__(kCopyThreadsPerBlock)
     copy_rows_kernel(const __grid_constant__ P p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -86,21 +75,31 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+  // The segment table, read once per CTA from the parameter block: lanes of
+  // one warp index it with different segments, which the constant cache
+  // would serialize.
+  __shared__ const char* src_base[P::kMaxSegments];
+  __shared__ char* dst_base[P::kMaxSegments];
+  for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
+    src_base[j] = p.src_base[j];
+    dst_base[j] = p.dst_base[j];
+  }
+  __syncthreads();
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  copy_rows_thread<VEC, StreamingMem<VEC>>(p, thread, num_threads,
-                                           cuda::StatusRecorder{p.status});
+  copy_rows_walk<VEC, UNROLL, StreamingMem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
+                                                 cuda::StatusRecorder{p.a.status});
 }
 
-// CTAs of copy_rows_kernel<VEC> resident on one SM at once, from the compiled
+// CTAs of one kernel instance resident on one SM at once, from the compiled
 // kernel's registers and shared memory (same for every device of one build's
 // architecture).
-template <int VEC, class P>
+template <int VEC, int UNROLL, class P>
 int64_t resident_ctas_per_sm() {
   static const int64_t ctas = [] {
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, copy_rows_kernel<VEC, P>,
-                                                                 kCopyThreadsPerBlock, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, copy_rows_kernel<VEC, UNROLL, P>, kCopyThreadsPerBlock, 0));
     return std::max(n, 1);
   }();
   return ctas;
@@ -112,23 +111,24 @@ bool supports_dependent_launch(c10::DeviceIndex dev) {
   return at::cuda::getDeviceProperties(dev)->major >= 9;
 }
 
-// Grid size: max_ctas when given; else one CTA per SM for host memory, and for
-// device memory every CTA that is resident at once (one full wave: the work
-// is split evenly over the grid, so CTAs beyond one wave would run a second,
-// partial wave at a fraction of the occupancy).
-template <int VEC, class P>
-void launch(const P& p, int64_t max_ctas, bool touches_host, bool dependent,
-            cudaStream_t stream) {
+// Grid size: max_ctas when given; else one CTA per SM for host memory (the
+// host variant keeps 64 KiB in flight per CTA), and for device memory every
+// CTA that is resident at once (one full wave: the work is split evenly over
+// the grid, so CTAs beyond one wave would run a second, partial wave at a
+// fraction of the occupancy). Never more threads than items.
+template <int VEC, int UNROLL, class P>
+void launch(const P& p, int64_t max_ctas, bool host, bool dependent, cudaStream_t stream) {
   const int64_t budget =
       max_ctas > 0 ? max_ctas
                    : int64_t(cuda::num_sms()) *
-                         (touches_host ? kDefaultCtasPerSmHost : resident_ctas_per_sm<VEC, P>());
+                         (host ? kDefaultCtasPerSmHost : resident_ctas_per_sm<VEC, UNROLL, P>());
   const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
-  const int64_t threads_needed = p.num_tasks << p.log2_group;
-  int64_t blocks = (threads_needed + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
+  const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
+  int64_t blocks = (items + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
+  auto* kernel = copy_rows_kernel<VEC, UNROLL, P>;
   if (!dependent) {
-    copy_rows_kernel<VEC, P><<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
+    kernel<<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -142,43 +142,36 @@ void launch(const P& p, int64_t max_ctas, bool touches_host, bool dependent,
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, copy_rows_kernel<VEC, P>, p));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
-template <class P>
-void launch_vec(int vec, const P& p, int64_t max_ctas, bool touches_host, bool dependent,
-                cudaStream_t stream) {
+// The host variant when either side is host memory, else the device variant.
+template <int VEC, class P>
+void launch_variant(const P& p, int64_t max_ctas, bool host, bool dependent,
+                    cudaStream_t stream) {
+  if (host)
+    launch<VEC, kHostUnroll>(p, max_ctas, host, dependent, stream);
+  else
+    launch<VEC, kDeviceUnroll>(p, max_ctas, host, dependent, stream);
+}
+
+// One launch with a segment table of N entries: `a` and segments
+// [first, first + a.num_segments) of the bound bases.
+template <int N>
+void launch_table(const CopyRowsArgs& a, const std::vector<const char*>& src_bases,
+                  const std::vector<char*>& dst_bases, int64_t first, int vec, bool host,
+                  int64_t max_ctas, bool dependent, cudaStream_t stream) {
+  CopyRowsParams<N> p;
+  p.a = a;
+  std::copy_n(src_bases.begin() + first, a.num_segments, p.src_base);
+  std::copy_n(dst_bases.begin() + first, a.num_segments, p.dst_base);
   switch (vec) {
-    case 16: launch<16>(p, max_ctas, touches_host, dependent, stream); break;
-    case 8: launch<8>(p, max_ctas, touches_host, dependent, stream); break;
-    case 4: launch<4>(p, max_ctas, touches_host, dependent, stream); break;
-    case 2: launch<2>(p, max_ctas, touches_host, dependent, stream); break;
-    default: launch<1>(p, max_ctas, touches_host, dependent, stream); break;
+    case 16: launch_variant<16>(p, max_ctas, host, dependent, stream); break;
+    case 8: launch_variant<8>(p, max_ctas, host, dependent, stream); break;
+    case 4: launch_variant<4>(p, max_ctas, host, dependent, stream); break;
+    case 2: launch_variant<2>(p, max_ctas, host, dependent, stream); break;
+    default: launch_variant<1>(p, max_ctas, host, dependent, stream); break;
   }
-}
-
-// The same launch with the small parameter block (num_segments <= kFewSegments).
-FewParams few(const Params& p) {
-  FewParams f{};
-  for (int64_t j = 0; j < p.num_segments; ++j) {
-    f.src_base[j] = p.src_base[j];
-    f.dst_base[j] = p.dst_base[j];
-  }
-  f.src_geom = p.src_geom;
-  f.dst_geom = p.dst_geom;
-  f.src_slots = p.src_slots;
-  f.dst_slots = p.dst_slots;
-  f.skip_prefix = p.skip_prefix;
-  f.tokens = p.tokens;
-  f.num_segments = p.num_segments;
-  f.num_tasks = p.num_tasks;
-  f.num_pieces = p.num_pieces;
-  f.vecs_per_piece = p.vecs_per_piece;
-  f.vecs_per_row = p.vecs_per_row;
-  f.status = p.status;
-  f.log2_group = p.log2_group;
-  f.record_errors = p.record_errors;
-  return f;
 }
 
 // Which device runs the op: the first CUDA tensor among dst, src, slots, status.
@@ -234,24 +227,19 @@ class CudaLaunch final : public BoundLaunch {
     vec_ = 16;
     while (vec_ > 1 && (align % static_cast<uint64_t>(vec_)) != 0) vec_ /= 2;
 
-    Params p{};
-    p.src_geom = plan.src_geom;
-    p.dst_geom = plan.dst_geom;
-    p.num_pieces = plan.num_pieces;
-    p.vecs_per_piece = plan.piece_bytes / vec_;
-    p.vecs_per_row = plan.num_pieces * p.vecs_per_piece;
-    p.status = status.data_ptr<int64_t>();
-    p.log2_group = copy_rows_log2_group(p.vecs_per_row, vec_);
+    for (int64_t g = 0; g < plan.num_segments; ++g) {
+      src_bases_.push_back(src_ptr[plan.src_tensor[g]] + plan.src_offset[g]);
+      dst_bases_.push_back(dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g]);
+    }
     for (int64_t first = 0; first < plan.num_segments; first += kMaxSegmentsPerLaunch) {
-      const int64_t n = std::min<int64_t>(kMaxSegmentsPerLaunch, plan.num_segments - first);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t g = first + j;
-        p.src_base[j] = src_ptr[plan.src_tensor[g]] + plan.src_offset[g];
-        p.dst_base[j] = dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g];
-      }
-      p.num_segments = n;
-      p.record_errors = first == 0 ? 1 : 0;
-      chunks_.push_back(p);
+      CopyRowsArgs a{};
+      a.src_geom = plan.src_geom;
+      a.dst_geom = plan.dst_geom;
+      a.num_segments = std::min<int64_t>(kMaxSegmentsPerLaunch, plan.num_segments - first);
+      a.status = status.data_ptr<int64_t>();
+      a.record_errors = first == 0 ? 1 : 0;
+      prepare_copy_rows_args(a, plan.num_pieces, plan.piece_bytes / vec_);
+      chunks_.push_back({a, first});
     }
   }
 
@@ -267,17 +255,18 @@ class CudaLaunch final : public BoundLaunch {
     ds.data = cuda::index_address(args.dst_slots, dev_, "dst_slots");
     const bool dependent = args.dependent_launch && dependent_ok_;
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev_.index()).stream();
-    for (const Params& chunk : chunks_) {
-      Params p = chunk;  // a bound launch may run on several threads at once
-      p.src_slots = ss;
-      p.dst_slots = ds;
-      p.skip_prefix = args.skip_prefix;
-      p.tokens = args.num_tokens - args.skip_prefix;
-      p.num_tasks = p.tokens * p.num_segments;
-      if (p.num_segments <= kFewSegments)
-        launch_vec(vec_, few(p), args.max_ctas, touches_host_, dependent, stream);
+    for (const Chunk& chunk : chunks_) {
+      CopyRowsArgs a = chunk.args;  // a bound launch may run on several threads at once
+      a.src_slots = ss;
+      a.dst_slots = ds;
+      a.skip_prefix = args.skip_prefix;
+      a.tokens = args.num_tokens - args.skip_prefix;
+      if (a.num_segments <= kFewSegments)
+        launch_table<kFewSegments>(a, src_bases_, dst_bases_, chunk.first, vec_, touches_host_,
+                                   args.max_ctas, dependent, stream);
       else
-        launch_vec(vec_, p, args.max_ctas, touches_host_, dependent, stream);
+        launch_table<kMaxSegmentsPerLaunch>(a, src_bases_, dst_bases_, chunk.first, vec_,
+                                            touches_host_, args.max_ctas, dependent, stream);
     }
   }
 
@@ -301,7 +290,15 @@ class CudaLaunch final : public BoundLaunch {
 
  private:
   c10::Device dev_;
-  std::vector<Params> chunks_;
+  // Launches of at most kMaxSegmentsPerLaunch segments each: their slot-free
+  // arguments and the index of their first segment in src_bases_/dst_bases_.
+  struct Chunk {
+    CopyRowsArgs args;
+    int64_t first;
+  };
+  std::vector<Chunk> chunks_;
+  std::vector<const char*> src_bases_;
+  std::vector<char*> dst_bases_;
   std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
   bool touches_host_ = false;
   bool dependent_ok_ = false;  // the device supports programmatic dependent launch

@@ -1,17 +1,26 @@
-// kvlayout/copy_rows_kernel.h — parameters and per-thread body of the
-// copy_rows device kernel, shared by the CUDA and SYCL backends (they differ
-// only in how they launch, which load/store instructions they use and how
-// they record an error). Plain C++; KVL_D marks device code under CUDA/HIP.
+// kvlayout/copy_rows_kernel.h — parameters and the per-thread work walk of
+// the copy_rows device kernel, shared by the CUDA and SYCL backends (they
+// differ only in how they launch, where the segment table lives, which
+// load/store instructions they use and how they record an error). Plain C++;
+// KVL_D marks device code under CUDA/HIP.
 //
-// Work decomposition. A *task* is one (token, segment) row. Rows are handled
-// by groups of R = 2^log2_group consecutive threads ("lanes"); group k of the
-// grid takes tasks k, k + num_groups, ... (grid-stride). Tokens are the inner
-// index of a task, so neighbouring groups move neighbouring tokens of the same
-// segment (coalesced slot loads, adjacent rows). Every thread keeps
-// kCopyUnroll loads in flight before it stores: for rows of up to 32 vectors
-// (512 B of 16-byte vectors) lane j moves vector j of kCopyUnroll different
-// rows; for longer rows lane j moves vectors j, j+R, j+2R, ... of one row.
-// Pieces are walked incrementally (no division per vector).
+// Work decomposition. The work of a launch is the flat space of items
+// (token, segment, vector): item i is vector v of segment `seg`'s row for
+// token t, with i = (t * num_segments + seg) * vecs_per_row + v. Threads walk
+// it in *lane groups* of kWalkLanes consecutive threads (a CUDA warp); lane
+// group g owns one contiguous range of items, of equal length for every
+// group, and its lanes take the items of that range kWalkLanes apart. (On
+// the H200 this order beat (segment, token, vector), and contiguous ranges
+// matched a grid-stride sweep: bench/results/README.md.) So:
+//   * neighbouring lanes move neighbouring vectors of one row (coalesced);
+//   * a lane's position advances by a constant step; the (t, seg, v) of the
+//     next item comes from additions and one compare (no division in the
+//     loop, except a precomputed multiply-shift one when a step crosses
+//     several segments or a row has several pieces);
+//   * a token's slot pair is loaded and its row offsets computed once per
+//     lane per token, not once per (token, segment) row;
+//   * every lane keeps UNROLL loads in flight before it stores (the device
+//     variant sizes UNROLL for HBM, the host variant for PCIe latency).
 #pragma once
 
 #include <cstdint>
@@ -27,7 +36,17 @@
 namespace kvlayout {
 
 constexpr int kCopyThreadsPerBlock = 256;
-constexpr int kCopyUnroll = 4;
+// Lanes that walk one contiguous range together (a CUDA warp; on SYCL just a
+// grouping of consecutive work-items, any sub-group size is correct).
+constexpr int kWalkLanes = 32;
+// Loads in flight per thread. Device variant: 4 keeps the 16-byte kernel at
+// 80 registers, so 3 CTAs of 256 threads are resident per SM (48 KiB in
+// flight per SM, about twice what HBM needs by Little's law; 8 in flight
+// cost a CTA per SM and measured slower). Host variant (one side is pinned
+// host memory, reached over PCIe with a few microseconds of latency): 16 x
+// 16 B x 256 threads = 64 KiB per CTA, so that few CTAs keep PCIe busy.
+constexpr int kDeviceUnroll = 4;
+constexpr int kHostUnroll = 16;
 
 // Meaning of status[4] when status[0] > 0 (first error recorded on device).
 enum StatusWhich : int64_t {
@@ -40,10 +59,64 @@ enum StatusWhich : int64_t {
 // [3] bound, [4] StatusWhich. At least kStatusNumel elements.
 constexpr int64_t kStatusNumel = 5;
 
-template <int kMaxSegments>
-struct CopyRowsParams {
-  const char* src_base[kMaxSegments];
-  char* dst_base[kMaxSegments];
+// n / d and n % d for a divisor fixed at launch: a multiply-high and a shift
+// when every dividend is below 2^31 (the round-up method: with l =
+// ceil(log2 d) and m = ceil(2^(31+l) / d), n / d = (n * m) >> (31 + l) for
+// n < 2^31), the identity for d == 1, 64-bit division otherwise.
+struct FastDivmod {
+  int64_t divisor;
+  uint32_t multiplier;
+  uint32_t shift;  // total right shift after the 32-bit multiply-high
+  int32_t kind;    // kOne, kMulShift or kWide
+  int32_t pad_;
+
+  enum : int32_t { kOne = 0, kMulShift = 1, kWide = 2 };
+
+  // d >= 1; every dividend passed to divmod() is in [0, max_dividend].
+  static FastDivmod make(int64_t d, int64_t max_dividend) {
+    FastDivmod f{};
+    f.divisor = d;
+    constexpr int64_t k31 = int64_t(1) << 31;
+    if (d == 1) {
+      f.kind = kOne;
+    } else if (d < k31 && max_dividend < k31) {
+      uint32_t l = 0;
+      while ((int64_t(1) << l) < d) ++l;
+      const uint64_t m = ((uint64_t(1) << (31 + l)) + uint64_t(d) - 1) / uint64_t(d);
+      f.kind = kMulShift;
+      f.multiplier = static_cast<uint32_t>(m);  // < 2^32 because d > 2^(l-1)
+      f.shift = l - 1;                          // 31 + l - 32
+    } else {
+      f.kind = kWide;
+    }
+    return f;
+  }
+
+  KVL_HD inline void divmod(int64_t n, int64_t& q, int64_t& r) const {
+    if (kind == kOne) {
+      q = n;
+      r = 0;
+    } else if (kind == kMulShift) {
+      const uint32_t hi =
+          static_cast<uint32_t>((uint64_t(static_cast<uint32_t>(n)) * multiplier) >> 32);
+      q = static_cast<int64_t>(hi >> shift);
+      r = n - q * divisor;
+    } else {
+      q = n / divisor;
+      r = n - q * divisor;
+    }
+  }
+};
+
+// Row offset of a valid slot with the page division precomputed.
+KVL_HD inline int64_t row_offset(const RowGeometry& g, const FastDivmod& by_page, int64_t slot) {
+  int64_t page, in_page;
+  by_page.divmod(slot, page, in_page);
+  return page * g.stride_page + in_page * g.stride_in_page;
+}
+
+// Everything of one launch except its segment table.
+struct CopyRowsArgs {
   RowGeometry src_geom;
   RowGeometry dst_geom;
   SlotArray src_slots;
@@ -51,124 +124,181 @@ struct CopyRowsParams {
   int64_t skip_prefix;     // first token handled
   int64_t tokens;          // tokens handled: num_tokens - skip_prefix (> 0)
   int64_t num_segments;    // segments in this launch (> 0)
-  int64_t num_tasks;       // tokens * num_segments
-  int64_t num_pieces;      // after merging back-to-back pieces
-  int64_t vecs_per_piece;  // piece_bytes / VEC
   int64_t vecs_per_row;    // num_pieces * vecs_per_piece
+  FastDivmod by_piece;     // vector of a row -> (piece, vector in piece)
+  FastDivmod by_segments;  // segment overflow of a step -> (tokens, segment)
+  FastDivmod src_by_page;  // slot -> (page, slot in page), per side
+  FastDivmod dst_by_page;
   int64_t* status;         // device-visible int64[kStatusNumel]
-  int32_t log2_group;      // lanes per row
   int32_t record_errors;   // only one launch of a split call records
+  int32_t pad_;
 };
 
-// Lanes per row: one lane per vector for rows of up to 32 vectors (those
-// rows are then batched kCopyUnroll at a time per lane, see below); longer rows
-// get 32 lanes, each walking several vectors of the row.
-inline int32_t copy_rows_log2_group(int64_t vecs_per_row, int vec_bytes) {
-  (void)vec_bytes;
-  int32_t lg = 0;
-  while ((int64_t(1) << lg) < vecs_per_row && lg < 5) ++lg;
-  return lg;
+// One launch: its arguments and up to kMaxSegments segment bases.
+template <int N>
+struct CopyRowsParams {
+  static constexpr int kMaxSegments = N;
+  CopyRowsArgs a;
+  const char* src_base[N];
+  char* dst_base[N];
+};
+
+// Fills the divisions of `a` from its geometry (host side, once per launch).
+// The walk keeps segment and vector indices in 32 bits: callers split
+// launches so that num_segments and vecs_per_row stay below 2^31.
+inline void prepare_copy_rows_args(CopyRowsArgs& a, int64_t num_pieces, int64_t vecs_per_piece) {
+  a.vecs_per_row = num_pieces * vecs_per_piece;
+  a.by_piece = FastDivmod::make(vecs_per_piece, a.vecs_per_row - 1);
+  // A step moves kWalkLanes vectors: at most kWalkLanes / vecs_per_row + 1
+  // segments past the last one.
+  a.by_segments = FastDivmod::make(a.num_segments, a.num_segments + kWalkLanes + 1);
+  a.src_by_page = FastDivmod::make(a.src_geom.page_size, a.src_geom.num_slots - 1);
+  a.dst_by_page = FastDivmod::make(a.dst_geom.page_size, a.dst_geom.num_slots - 1);
 }
 
-// Resolves task -> (source row, destination row) addresses; nullptr when the
-// token has no row (negative slot) or an out-of-range slot (recorded once).
-template <class Params, class Record>
-KVL_D inline bool copy_rows_task(const Params& p, int64_t task, int64_t lane, const Record& record,
-                                 const char*& src_row, char*& dst_row) {
-  int64_t seg, tt;
-  divmod_nonneg(task, p.tokens, seg, tt);
-  const int64_t t = p.skip_prefix + tt;
-  const int64_t s = p.src_slots.load(t);
-  const int64_t d = p.dst_slots.load(t);
-  if (s < 0 || d < 0) return false;
-  if (s >= p.src_geom.num_slots || d >= p.dst_geom.num_slots) {
-    if (p.record_errors && seg == 0 && lane == 0) {
-      if (s >= p.src_geom.num_slots)
-        record(t, s, p.src_geom.num_slots, int64_t(kStatusSrcSlots));
-      else
-        record(t, d, p.dst_geom.num_slots, int64_t(kStatusDstSlots));
+// Rows of one token on both sides: the row offsets from a segment's base, or
+// why there is no row (a negative slot: skipped; an out-of-range slot:
+// skipped and recorded once, by the lane that owns the token's first item).
+// The slot pair of the lane's next token is loaded ahead (each slot is still
+// loaded once, checked, and that value used).
+struct TokenRows {
+  int64_t src_row, dst_row;
+  int64_t bad_value;   // the out-of-range slot, when `invalid`
+  int64_t next_token;  // token whose slots next_src/next_dst hold (-1: none)
+  int64_t next_src, next_dst;
+  int32_t bad_which;   // kStatusSrcSlots or kStatusDstSlots
+  bool live;           // both slots valid: the rows are copied
+  bool invalid;        // a slot is out of range: recorded
+
+  // Resolves token t (an index into the slot arrays, skip_prefix included)
+  // and loads the slots of t + 1 ahead when it is handled too.
+  KVL_D inline void resolve(const CopyRowsArgs& a, int64_t t) {
+    int64_t s, d;
+    if (t == next_token) {
+      s = next_src;
+      d = next_dst;
+    } else {
+      s = a.src_slots.load(t);
+      d = a.dst_slots.load(t);
     }
-    return false;
+    next_token = -1;
+    if (t + 1 < a.skip_prefix + a.tokens) {
+      next_token = t + 1;
+      next_src = a.src_slots.load(t + 1);
+      next_dst = a.dst_slots.load(t + 1);
+    }
+    live = false;
+    invalid = false;
+    if (s < 0 || d < 0) return;
+    if (s >= a.src_geom.num_slots || d >= a.dst_geom.num_slots) {
+      invalid = true;
+      const bool src_bad = s >= a.src_geom.num_slots;
+      bad_value = src_bad ? s : d;
+      bad_which = src_bad ? int32_t(kStatusSrcSlots) : int32_t(kStatusDstSlots);
+      return;
+    }
+    src_row = row_offset(a.src_geom, a.src_by_page, s);
+    dst_row = row_offset(a.dst_geom, a.dst_by_page, d);
+    live = true;
   }
-  src_row = p.src_base[seg] + row_offset(p.src_geom, s);
-  dst_row = p.dst_base[seg] + row_offset(p.dst_geom, d);
-  return true;
-}
 
-// Mem provides: using vec_type; static vec_type load(const vec_type*);
-// static void store(vec_type*, vec_type). Record is called as
-// record(token, value, bound, which) for an out-of-range slot.
-template <int VEC, class Mem, class Record, class Params>
-KVL_D inline void copy_rows_thread(const Params& p, int64_t thread, int64_t num_threads,
-                                   const Record& record) {
+  KVL_D inline int64_t bad_bound(const CopyRowsArgs& a) const {
+    return bad_which == kStatusSrcSlots ? a.src_geom.num_slots : a.dst_geom.num_slots;
+  }
+};
+
+// The body of thread `thread` of `num_threads` (a multiple of kWalkLanes).
+// src_base/dst_base: the launch's segment table (num_segments entries), in
+// whatever memory the backend finds fastest. Mem provides: using vec_type;
+// static vec_type load(const vec_type*); static void store(vec_type*,
+// vec_type). Record is called as record(token, value, bound, which) for an
+// out-of-range slot.
+template <int VEC, int UNROLL, class Mem, class Record>
+KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_base,
+                                 char* const* dst_base, int64_t thread, int64_t num_threads,
+                                 const Record& record) {
   using V = typename Mem::vec_type;
-  const int64_t R = int64_t(1) << p.log2_group;
-  const int64_t lane = thread & (R - 1);
-  const int64_t num_groups = num_threads >> p.log2_group;
-  if (lane >= p.vecs_per_row) return;  // idle lane (no barriers are used)
+  const int64_t lane = thread % kWalkLanes;
+  const int64_t group = thread / kWalkLanes;
+  const int64_t num_groups = num_threads / kWalkLanes;
+  const int64_t V_row = a.vecs_per_row;
+  const int64_t per_token = a.num_segments * V_row;
+  const int64_t total = a.tokens * per_token;
+  // Equal contiguous ranges, each a multiple of kWalkLanes items long: a
+  // small launch spreads over every lane group rather than filling a few.
+  int64_t range = (total + num_groups - 1) / num_groups;
+  range = (range + kWalkLanes - 1) / kWalkLanes * kWalkLanes;
+  const int64_t begin = group * range;
+  const int64_t end = begin + range < total ? begin + range : total;
+  int64_t i = begin + lane;
+  if (i >= end) return;
 
-  // Starting piece/vector of this lane and the per-step advance (R vectors).
-  int64_t h0, w0, step_h, step_w;
-  divmod_nonneg(lane, p.vecs_per_piece, h0, w0);
-  divmod_nonneg(R, p.vecs_per_piece, step_h, step_w);
-  const int64_t src_sp = p.src_geom.stride_piece;
-  const int64_t dst_sp = p.dst_geom.stride_piece;
+  // Position of item i (the only 64-bit divisions of the walk). Segment and
+  // vector indices fit 32 bits (prepare_copy_rows_args).
+  int64_t t = i / per_token;
+  const int64_t in_token = i - t * per_token;
+  int32_t seg = static_cast<int32_t>(in_token / V_row);
+  int32_t v = static_cast<int32_t>(in_token - int64_t(seg) * V_row);
+  const int32_t num_segments = static_cast<int32_t>(a.num_segments);
+  const int32_t vecs = static_cast<int32_t>(V_row);
+  // Advance of one step (kWalkLanes items).
+  const int32_t step_seg = kWalkLanes / vecs;
+  const int32_t step_v = kWalkLanes % vecs;
+  const int64_t src_sp = a.src_geom.stride_piece;
+  const int64_t dst_sp = a.dst_geom.stride_piece;
+  const bool one_piece = a.by_piece.divisor == V_row;  // rows are one contiguous piece
 
-  if (p.vecs_per_row <= R) {
-    // Short rows: each lane moves one vector of a row, so the loads in flight
-    // come from kCopyUnroll different rows (tasks) instead.
-    const int64_t so = h0 * src_sp + w0 * VEC;
-    const int64_t dof = h0 * dst_sp + w0 * VEC;
-    for (int64_t first = thread >> p.log2_group; first < p.num_tasks;
-         first += num_groups * kCopyUnroll) {
-      const char* sp[kCopyUnroll];
-      char* dp[kCopyUnroll];
-      bool live[kCopyUnroll];
-#pragma unroll
-      for (int k = 0; k < kCopyUnroll; ++k) {
-        const int64_t task = first + k * num_groups;
-        live[k] = task < p.num_tasks && copy_rows_task(p, task, lane, record, sp[k], dp[k]);
-      }
-      V buf[kCopyUnroll];
-#pragma unroll
-      for (int k = 0; k < kCopyUnroll; ++k) {
-        if (live[k]) buf[k] = Mem::load(reinterpret_cast<const V*>(sp[k] + so));
-      }
-#pragma unroll
-      for (int k = 0; k < kCopyUnroll; ++k) {
-        if (live[k]) Mem::store(reinterpret_cast<V*>(dp[k] + dof), buf[k]);
-      }
-    }
-    return;
-  }
+  TokenRows rows;
+  rows.next_token = -1;
+  rows.resolve(a, a.skip_prefix + t);
+  int64_t rows_token = t;
 
-  for (int64_t task = thread >> p.log2_group; task < p.num_tasks; task += num_groups) {
-    const char* sp;
-    char* dp;
-    if (!copy_rows_task(p, task, lane, record, sp, dp)) continue;
-    int64_t h = h0, w = w0;
-    for (int64_t v = lane; v < p.vecs_per_row; v += R * kCopyUnroll) {
-      int64_t so[kCopyUnroll], dof[kCopyUnroll];
+  while (i < end) {
+    V buf[UNROLL];
+    char* out[UNROLL];
 #pragma unroll
-      for (int k = 0; k < kCopyUnroll; ++k) {
-        so[k] = h * src_sp + w * VEC;
-        dof[k] = h * dst_sp + w * VEC;
-        h += step_h;
-        w += step_w;
-        if (w >= p.vecs_per_piece) {
-          w -= p.vecs_per_piece;
-          ++h;
+    for (int k = 0; k < UNROLL; ++k) {
+      out[k] = nullptr;
+      if (i < end) {
+        if (t != rows_token) {
+          rows.resolve(a, a.skip_prefix + t);
+          rows_token = t;
+        }
+        if (rows.live) {
+          int64_t so, dof;
+          if (one_piece) {
+            so = int64_t(v) * VEC;
+            dof = so;
+          } else {
+            int64_t h, w;
+            a.by_piece.divmod(v, h, w);
+            so = h * src_sp + w * VEC;
+            dof = h * dst_sp + w * VEC;
+          }
+          buf[k] = Mem::load(reinterpret_cast<const V*>(src_base[seg] + rows.src_row + so));
+          out[k] = dst_base[seg] + rows.dst_row + dof;
+        } else if (rows.invalid && a.record_errors && seg == 0 && v == 0) {
+          record(a.skip_prefix + t, rows.bad_value, rows.bad_bound(a), int64_t(rows.bad_which));
+        }
+        // Next item of this lane: kWalkLanes further.
+        i += kWalkLanes;
+        v += step_v;
+        seg += step_seg;
+        if (v >= vecs) {
+          v -= vecs;
+          ++seg;
+        }
+        if (seg >= num_segments) {
+          int64_t dt, s;
+          a.by_segments.divmod(seg, dt, s);
+          t += dt;
+          seg = static_cast<int32_t>(s);
         }
       }
-      V buf[kCopyUnroll];
+    }
 #pragma unroll
-      for (int k = 0; k < kCopyUnroll; ++k) {
-        if (v + k * R < p.vecs_per_row) buf[k] = Mem::load(reinterpret_cast<const V*>(sp + so[k]));
-      }
-#pragma unroll
-      for (int k = 0; k < kCopyUnroll; ++k) {
-        if (v + k * R < p.vecs_per_row) Mem::store(reinterpret_cast<V*>(dp + dof[k]), buf[k]);
-      }
+    for (int k = 0; k < UNROLL; ++k) {
+      if (out[k] != nullptr) Mem::store(reinterpret_cast<V*>(out[k]), buf[k]);
     }
   }
 }

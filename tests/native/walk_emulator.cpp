@@ -1,0 +1,105 @@
+// Runs the device kernel's work walk (kvlayout/copy_rows_kernel.h) on the
+// host, one thread after the other, so that the walk every GPU backend uses is
+// checked on machines without a GPU. Loaded by tests/test_kernel_walk.py
+// through ctypes.
+#include <cstdint>
+#include <cstring>
+
+#include "kvlayout/copy_rows_kernel.h"
+
+namespace {
+
+template <int VEC>
+struct Bytes {
+  unsigned char b[VEC];
+};
+
+template <int VEC>
+struct HostMem {
+  using vec_type = Bytes<VEC>;
+  static vec_type load(const vec_type* p) {
+    vec_type v;
+    std::memcpy(&v, p, VEC);
+    return v;
+  }
+  static void store(vec_type* p, vec_type v) { std::memcpy(p, &v, VEC); }
+};
+
+struct HostRecorder {
+  int64_t* status;
+  void operator()(int64_t token, int64_t value, int64_t bound, int64_t which) const {
+    if (status[0]++ == 0) {
+      status[1] = token;
+      status[2] = value;
+      status[3] = bound;
+      status[4] = which;
+    }
+  }
+};
+
+kvlayout::RowGeometry geometry(const int64_t* g) { return {g[0], g[1], g[2], g[3], g[4]}; }
+
+template <int VEC, int UNROLL>
+void walk_all(const kvlayout::CopyRowsArgs& a, const char* const* src, char* const* dst,
+              int64_t num_threads) {
+  for (int64_t thread = 0; thread < num_threads; ++thread)
+    kvlayout::copy_rows_walk<VEC, UNROLL, HostMem<VEC>>(a, src, dst, thread, num_threads,
+                                                        HostRecorder{a.status});
+}
+
+template <int UNROLL>
+int walk_vec(int vec, const kvlayout::CopyRowsArgs& a, const char* const* src, char* const* dst,
+             int64_t num_threads) {
+  switch (vec) {
+    case 16: walk_all<16, UNROLL>(a, src, dst, num_threads); return 0;
+    case 8: walk_all<8, UNROLL>(a, src, dst, num_threads); return 0;
+    case 4: walk_all<4, UNROLL>(a, src, dst, num_threads); return 0;
+    case 2: walk_all<2, UNROLL>(a, src, dst, num_threads); return 0;
+    case 1: walk_all<1, UNROLL>(a, src, dst, num_threads); return 0;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// geometry: [num_slots, page_size, stride_page, stride_in_page, stride_piece]
+// per side; slots: nullptr for identity; segment offsets index the buffers.
+// Returns 0, or -1 for an unsupported vec/unroll.
+int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
+                     const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
+                     int64_t dst_slot_stride, int32_t slot_bytes, int64_t skip_prefix,
+                     int64_t num_tokens, int64_t num_segments, const int64_t* src_offsets,
+                     const int64_t* dst_offsets, char* src_buffer, char* dst_buffer,
+                     int64_t num_pieces, int64_t piece_bytes, int32_t vec, int32_t unroll,
+                     int64_t num_threads, int64_t* status) {
+  kvlayout::CopyRowsArgs a{};
+  a.src_geom = geometry(src_geometry);
+  a.dst_geom = geometry(dst_geometry);
+  a.src_slots = {src_slots, src_slot_stride, slot_bytes, 0};
+  a.dst_slots = {dst_slots, dst_slot_stride, slot_bytes, 0};
+  a.skip_prefix = skip_prefix;
+  a.tokens = num_tokens - skip_prefix;
+  a.num_segments = num_segments;
+  a.status = status;
+  a.record_errors = 1;
+  kvlayout::prepare_copy_rows_args(a, num_pieces, piece_bytes / vec);
+  const char* src[1024];
+  char* dst[1024];
+  if (num_segments > 1024) return -1;
+  for (int64_t j = 0; j < num_segments; ++j) {
+    src[j] = src_buffer + src_offsets[j];
+    dst[j] = dst_buffer + dst_offsets[j];
+  }
+  if (unroll == kvlayout::kDeviceUnroll) return walk_vec<kvlayout::kDeviceUnroll>(vec, a, src, dst, num_threads);
+  if (unroll == kvlayout::kHostUnroll) return walk_vec<kvlayout::kHostUnroll>(vec, a, src, dst, num_threads);
+  return -1;
+}
+
+// q and r of n / d through FastDivmod::make(d, max_dividend).
+void kvl_fast_divmod(int64_t d, int64_t max_dividend, int64_t n, int64_t* q, int64_t* r) {
+  kvlayout::FastDivmod::make(d, max_dividend).divmod(n, *q, *r);
+}
+
+}  // extern "C"

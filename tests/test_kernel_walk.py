@@ -1,0 +1,197 @@
+"""The device kernel's work walk (torch_ext/include/kvlayout/copy_rows_kernel.h),
+run on the host.
+
+Every GPU backend (CUDA, SYCL) moves rows with `copy_rows_walk`; this file
+compiles that header with the host compiler into a small library
+(tests/native/walk_emulator.cpp) that runs every thread of a launch one after
+the other, and checks the bytes it writes against the address formula of
+address.h computed here in numpy, for random geometries: pages, pieces laid
+out inside or outside the slots, negative and out-of-range slots, int32 and
+int64 slots with strides, skip_prefix, every vector width, both unroll
+variants, grids of many sizes. It also checks the precomputed division.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER_DIR = ROOT / "torch_ext" / "include"
+SOURCE = ROOT / "tests" / "native" / "walk_emulator.cpp"
+DEVICE_UNROLL, HOST_UNROLL = 4, 16  # kDeviceUnroll, kHostUnroll
+
+
+@pytest.fixture(scope="module")
+def walk_lib(tmp_path_factory):
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    out = tmp_path_factory.mktemp("walk") / "walk_emulator.so"
+    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{HEADER_DIR}",
+                    str(SOURCE), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.kvl_emulate_walk.argtypes = [p, p, p, i64, p, i64, i32, i64, i64, i64, p, p, p, p,
+                                     i64, i64, i32, i32, i64, p]
+    lib.kvl_emulate_walk.restype = ctypes.c_int
+    lib.kvl_fast_divmod.argtypes = [i64, i64, i64, p, p]
+    return lib
+
+
+def _ptr(a: np.ndarray | None):
+    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _side(rng, num_slots: int, num_pieces: int, piece_bytes: int, vec: int) -> list[int]:
+    """[num_slots, page_size, stride_page, stride_in_page, stride_piece] of one side:
+    pieces inside a slot's row (NHD-like) or slots inside a piece (HND-like),
+    with random vec-aligned gaps; distinct (slot, piece) never overlap."""
+    page = int(rng.choice([1, 2, 3, 4, 16]))
+    gap = lambda: vec * int(rng.integers(0, 3))  # noqa: E731
+    if rng.random() < 0.5:  # pieces inside the row
+        sp = piece_bytes + gap()
+        sip = num_pieces * sp + gap()
+        spage = page * sip + gap()
+    else:  # the page holds piece-major blocks of slots
+        sip = piece_bytes + gap()
+        sp = page * sip + gap()
+        spage = num_pieces * sp + gap()
+    return [num_slots, page, spage, sip, sp]
+
+
+def _row_offset(g, slot):
+    return (slot // g[1]) * g[2] + (slot % g[1]) * g[3]
+
+
+def _slots(rng, count, num_slots, *, unique, allow_bad):
+    if unique:
+        s = rng.permutation(num_slots)[:count].astype(np.int64)
+    else:
+        s = rng.integers(0, num_slots, count).astype(np.int64)
+    if allow_bad:
+        s[rng.random(count) < 0.1] = -1
+        bad = rng.random(count) < 0.05
+        s[bad] = num_slots + rng.integers(0, 3, int(bad.sum()))
+    return s
+
+
+def _case(rng, walk_lib, *, num_segments=None):
+    vec = int(rng.choice([1, 2, 4, 8, 16]))
+    num_pieces = int(rng.choice([1, 1, 2, 3, 8]))
+    piece_bytes = vec * int(rng.choice([1, 2, 3, 5, 16, 72]))
+    num_tokens = int(rng.integers(1, 48))
+    skip = int(rng.integers(0, num_tokens))
+    S = num_segments or int(rng.choice([1, 2, 3, 8, 64]))
+    src_n = int(rng.integers(1, 80))
+    dst_n = int(rng.integers(num_tokens, num_tokens + 40))
+    sg = _side(rng, src_n, num_pieces, piece_bytes, vec)
+    dg = _side(rng, dst_n, num_pieces, piece_bytes, vec)
+
+    def region(g):
+        pages = -(-g[0] // g[1])
+        return pages * g[2] + vec * 2
+
+    src_off = np.array([j * region(sg) + vec for j in range(S)], np.int64)
+    dst_off = np.array([j * region(dg) + vec for j in range(S)], np.int64)
+    src_buf = rng.integers(0, 256, int(src_off[-1] + region(sg)), dtype=np.uint8)
+    dst_buf = rng.integers(0, 256, int(dst_off[-1] + region(dg)), dtype=np.uint8)
+
+    slot_dtype = np.int32 if rng.random() < 0.5 else np.int64
+    stride = int(rng.choice([1, 1, 2]))
+    identity_src = rng.random() < 0.2
+    src_s = None if identity_src and num_tokens <= src_n else _slots(
+        rng, num_tokens, src_n, unique=False, allow_bad=True)
+    dst_s = _slots(rng, num_tokens, dst_n, unique=True, allow_bad=True)
+
+    def strided(s):
+        if s is None:
+            return None
+        a = np.zeros(len(s) * stride, slot_dtype)
+        a[::stride] = s
+        return a
+
+    src_arr, dst_arr = strided(src_s), strided(dst_s)
+    expected = dst_buf.copy()
+    invalid = []
+    for t in range(skip, num_tokens):
+        s = t if src_s is None else int(src_s[t])
+        d = int(dst_s[t])
+        if s < 0 or d < 0:
+            continue
+        if s >= src_n:
+            invalid.append((t, s, src_n, 0))
+            continue
+        if d >= dst_n:
+            invalid.append((t, d, dst_n, 1))
+            continue
+        for j in range(S):
+            for h in range(num_pieces):
+                so = int(src_off[j]) + _row_offset(sg, s) + h * sg[4]
+                do = int(dst_off[j]) + _row_offset(dg, d) + h * dg[4]
+                expected[do:do + piece_bytes] = src_buf[so:so + piece_bytes]
+    return dict(vec=vec, num_pieces=num_pieces, piece_bytes=piece_bytes, num_tokens=num_tokens,
+                skip=skip, S=S, sg=np.array(sg, np.int64), dg=np.array(dg, np.int64),
+                src_off=src_off, dst_off=dst_off, src_buf=src_buf, dst_buf=dst_buf,
+                src_arr=src_arr, dst_arr=dst_arr, stride=stride,
+                slot_bytes=np.dtype(slot_dtype).itemsize, expected=expected, invalid=invalid)
+
+
+def _run(walk_lib, c, unroll, num_threads):
+    status = np.zeros(5, np.int64)
+    dst = c["dst_buf"].copy()
+    src_before = c["src_buf"].copy()
+    rc = walk_lib.kvl_emulate_walk(
+        _ptr(c["sg"]), _ptr(c["dg"]), _ptr(c["src_arr"]), c["stride"], _ptr(c["dst_arr"]),
+        c["stride"], c["slot_bytes"], c["skip"], c["num_tokens"], c["S"], _ptr(c["src_off"]),
+        _ptr(c["dst_off"]), _ptr(c["src_buf"]), _ptr(dst), c["num_pieces"], c["piece_bytes"],
+        c["vec"], unroll, num_threads, _ptr(status))
+    assert rc == 0
+    assert np.array_equal(c["src_buf"], src_before), "the walk wrote its source"
+    return dst, status
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_walk_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
+    rng = np.random.default_rng(seed)
+    c = _case(rng, walk_lib)
+    for unroll in (DEVICE_UNROLL, HOST_UNROLL):
+        for num_threads in (32, 96, 256, 32 * int(rng.integers(1, 70))):
+            dst, status = _run(walk_lib, c, unroll, num_threads)
+            bad = np.flatnonzero(dst != c["expected"])
+            assert bad.size == 0, (f"unroll {unroll}, "
+                                   f"{num_threads} threads: {bad.size} bytes differ, first at "
+                                   f"{bad[:4]}")
+            assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
+            if c["invalid"]:
+                assert tuple(int(x) for x in status[1:5]) in c["invalid"]
+
+
+def test_walk_with_a_thousand_segments(walk_lib):
+    rng = np.random.default_rng(7)
+    c = _case(rng, walk_lib, num_segments=1024)
+    for unroll in (DEVICE_UNROLL, HOST_UNROLL):
+        dst, status = _run(walk_lib, c, unroll, 256 * 5)
+        assert np.array_equal(dst, c["expected"])
+        assert status[0] == len(c["invalid"])
+
+
+def test_fast_divmod_matches_integer_division(walk_lib):
+    rng = np.random.default_rng(3)
+    q, r = ctypes.c_int64(), ctypes.c_int64()
+    divisors = [1, 2, 3, 5, 7, 16, 72, 127, 1000, 65537, 2**20 + 1, 2**30, 2**31 - 1]
+    divisors += [int(x) for x in rng.integers(1, 2**31 - 1, 40)]
+    for d in divisors:
+        for wide in (False, True):
+            max_n = 2**40 if wide else 2**31 - 1
+            ns = [0, 1, d - 1, d, d + 1, 2**31 - 1, 2 * d - 1]
+            ns += [int(x) for x in rng.integers(0, max_n, 50)]
+            for n in ns:
+                if n > max_n:
+                    continue
+                walk_lib.kvl_fast_divmod(d, max_n, n, ctypes.byref(q), ctypes.byref(r))
+                assert (q.value, r.value) == divmod(n, d), (d, n, wide)
