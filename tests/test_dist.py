@@ -71,7 +71,8 @@ class Scenario:
     tokens: int = 11
     columns: tuple = ()                  # column widths of a split MLA row
     expect: str = "ok"                   # "ok", "handshake" (both sides raise), "request" (then a good request)
-    stream: bool = False                 # the sender calls send_layer per layer instead of send()
+    stream: bool = False                 # send_layer per layer and the receiver's iterator, not send() and
+                                         # recv(on_layer=...)
 
     def side(self, which: str) -> Side:
         return self.src if which == "src" else self.dst
@@ -259,9 +260,11 @@ def _run_transfer(job: dict, rank: int, group) -> dict:
             else:
                 stream = ep.send(request_id, slots)
             return stream, []
-        stream = ep.start(request_id, slots)
-        layers = [layer for layer in stream]
-        return stream, layers
+        if sc.stream:      # the iterator
+            stream = ep.start(request_id, slots)
+            return stream, [layer for layer in stream]
+        layers = []        # the callback
+        return ep.recv(request_id, slots, on_layer=layers.append), layers
 
     if sc.expect == "request":      # the sender's request has one token less: both sides refuse it, then go on
         try:
