@@ -244,7 +244,7 @@ def test_copy_rows_argument_errors(device):
         args.update(kw)
         nat.copy_rows(**args)
 
-    with pytest.raises(RuntimeError, match="skip_prefix"):
+    with pytest.raises(ValueError, match="skip_prefix"):
         call(skip_prefix=5)
     with pytest.raises(RuntimeError, match="piece_bytes"):
         call(piece_bytes=0)
@@ -254,9 +254,9 @@ def test_copy_rows_argument_errors(device):
         call(dst_segments=dg[:2])
     with pytest.raises(RuntimeError, match=r"src_segments\[2\] = 3 is not a valid index"):
         call(src_segments=[0, 0, 3, 0])
-    with pytest.raises(RuntimeError, match="src_slots has 3 entries"):
+    with pytest.raises(ValueError, match="src_slots has 3 entries"):
         call(src_slots=slots[:3])
-    with pytest.raises(RuntimeError, match="int32 or int64"):
+    with pytest.raises(TypeError, match="int32 or int64"):
         call(src_slots=slots.float())
     with pytest.raises(RuntimeError, match="page_size"):
         call(src_geometry=[16, 0, 64, 16, 16])
@@ -352,7 +352,7 @@ def test_copy_rows_unpinned_host_rejected():
     rng = np.random.default_rng(12)
     src = Side(rng, 1, 2, 4, 1, 16, (0, 1, 2), 0, 0, True)
     dst = Side(rng, 1, 2, 4, 1, 16, (0, 1, 2), 0, 0, True).to("cuda")
-    with pytest.raises(RuntimeError, match=r"src\[0\] is an unpinned host tensor: pin it with .pin_memory\(\)"):
+    with pytest.raises(ValueError, match=r"src\[0\] is an unpinned host tensor: pin it with .pin_memory\(\)"):
         run_copy(src, dst, None, None, 4)
 
 
@@ -444,7 +444,7 @@ def test_rope_out_of_range_raises_before_writing_cpu():
     with pytest.raises(IndexError, match=r"new_positions\[2\] = 10 is out of range: cos_sin_cache holds 10 positions"):
         nat.rope_reposition(key, torch.tensor([1, 2, 3]), torch.tensor([1, 2, 10]), cache, True)
     assert torch.equal(key, before)
-    with pytest.raises(RuntimeError, match="rot_dim"):
+    with pytest.raises(ValueError, match="rot_dim"):
         nat.rope_reposition(key, torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3]),
                             make_cos_sin(10, 10, torch.float32), True)
 

@@ -103,21 +103,21 @@ def test_unpinned_host_destination_facing_cuda(cuda_device):
     src = make_cache("vllm_flash_attn_hnd", cuda_device)
     dst = make_cache("hicache_page_first", "cpu")                  # plain host memory
     assert not dst.tensors[0].is_pinned()
-    with rejects(RuntimeError, r"dst\[0\] is an unpinned host tensor.*pin_memory", dst, device=cuda_device):
+    with rejects(ValueError, r"dst\[0\] is an unpinned host tensor.*pin_memory", dst, device=cuda_device):
         ops.transfer(src, dst, slots([0, 1], cuda_device), slots([5, 6], cuda_device))
 
 
 def test_unpinned_host_source_facing_cuda(cuda_device):
     src = make_cache("hicache_layer_first", "cpu")
     dst = make_cache("vllm_flash_attn_nhd", cuda_device)
-    with rejects(RuntimeError, r"src\[0\] is an unpinned host tensor", dst, device=cuda_device):
+    with rejects(ValueError, r"src\[0\] is an unpinned host tensor", dst, device=cuda_device):
         ops.transfer(src, dst, slots([0, 1], cuda_device), slots([5, 6], cuda_device))
 
 
 def test_unpinned_host_slots_facing_cuda(cuda_device):
     src = make_cache("vllm_flash_attn_hnd", cuda_device)
     dst = make_cache("hicache_page_first", "cpu", pin=True)
-    with rejects(RuntimeError, r"src_slots is an unpinned host tensor", dst, device=cuda_device):
+    with rejects(ValueError, r"src_slots is an unpinned host tensor", dst, device=cuda_device):
         ops.transfer(src, dst, slots([0, 1], "cpu"), slots([5, 6], cuda_device))
 
 
@@ -132,7 +132,7 @@ def test_host_caches_with_device_slots(cuda_device):
 def test_unpinned_host_rows_for_gather(cuda_device):
     cache = make_cache("vllm_flash_attn_hnd", cuda_device)
     out = torch.zeros(2, 2, 3, 2, 8, dtype=torch.float16)
-    with rejects(RuntimeError, r"dst\[0\] is an unpinned host tensor", out, device=cuda_device):
+    with rejects(ValueError, r"dst\[0\] is an unpinned host tensor", out, device=cuda_device):
         ops.gather(cache, slots([0, 1, 2], cuda_device), out=out)
 
 
@@ -422,7 +422,7 @@ def test_rope_cos_sin_cache_shape(device):
         with rejects(ValueError, r"cos_sin_cache must be \[max_pos, rot\] with rot even and <= 16", keys,
                      device=device):
             ops.rope_reposition(keys, old, new, bad, is_neox=True)
-    with rejects(RuntimeError, r"cos_sin_cache must be float32 or the key's dtype", keys, device=device):
+    with rejects(TypeError, r"cos_sin_cache must be float32 or the key's dtype", keys, device=device):
         ops.rope_reposition(keys, old, new, torch.zeros(32, 16, dtype=torch.float16, device=device), is_neox=True)
 
 
@@ -432,7 +432,7 @@ def test_rope_keys_of_wrong_dtype_or_rank(device):
         ops.rope_reposition(keys.view(torch.int32), old, new, cache, is_neox=True)
     with rejects(ValueError, r"keys must be \[T, H, D\], got shape \(5, 32\)", keys, device=device):
         ops.rope_reposition(keys.view(5, 32), old, new, cache, is_neox=True)
-    with rejects(RuntimeError, r"key's last dimension must be contiguous", keys, device=device):
+    with rejects(ValueError, r"key's last dimension must be contiguous", keys, device=device):
         ops.rope_reposition(keys.transpose(1, 2)[:, :2], old, new, cache[:, :2], is_neox=True)
 
 

@@ -216,19 +216,14 @@ def _native_call(src_slots, dst_slots, *, skip_prefix=0):
         torch.zeros(5, dtype=torch.int64), False)
 
 
-_PENDING = "the native check is a plain TORCH_CHECK (RuntimeError); TORCH_CHECK_{} in torch_ext/host_checks.cpp"
-
 NATIVE = [
     pytest.param("slot_out_of_range", lambda: _native_call(_slots([0, 16]), _slots([1, 2])), id="slot_out_of_range"),
     pytest.param("duplicate_destination_slot", lambda: _native_call(_slots([0, 1]), _slots([2, 2])),
                  id="duplicate_destination_slot"),
-    pytest.param("index_dtype", lambda: _native_call(torch.tensor([0.0, 1.0]), _slots([1, 2])), id="index_dtype",
-                 marks=pytest.mark.xfail(reason=_PENDING.format("TYPE (parse_index)"))),
-    pytest.param("index_shape", lambda: _native_call(_slots([[0, 1]]).view(2, 1), _slots([1, 2])), id="index_shape",
-                 marks=pytest.mark.xfail(reason=_PENDING.format("VALUE (parse_index)"))),
+    pytest.param("index_dtype", lambda: _native_call(torch.tensor([0.0, 1.0]), _slots([1, 2])), id="index_dtype"),
+    pytest.param("index_shape", lambda: _native_call(_slots([[0, 1]]).view(2, 1), _slots([1, 2])), id="index_shape"),
     pytest.param("skip_prefix", lambda: _native_call(_slots([0, 1]), _slots([1, 2]), skip_prefix=3),
-                 id="skip_prefix",
-                 marks=pytest.mark.xfail(reason=_PENDING.format("VALUE (plan_copy_rows)"))),
+                 id="skip_prefix"),
 ]
 
 

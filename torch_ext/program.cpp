@@ -139,7 +139,7 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
                     "kvlayout: the copy program writes a destination of ",
                     program.num_dst_tensors, " tensors, got ", dst.size());
   const BoundLaunchFactory factory = factories()[static_cast<size_t>(device.type())];
-  TORCH_CHECK(factory != nullptr, "kvlayout: copy programs cannot run on ", device,
+  TORCH_CHECK_VALUE(factory != nullptr, "kvlayout: copy programs cannot run on ", device,
               " in this build (backends: see kvlayout.ops.built_backends())");
   for (const at::Tensor& t : src) src_prints_.push_back(fingerprint(t));
   for (const at::Tensor& t : dst) dst_prints_.push_back(fingerprint(t));

@@ -22,7 +22,7 @@ namespace {
 
 void check_on_cpu(at::TensorList ts, const char* name) {
   for (size_t i = 0; i < ts.size(); ++i) {
-    TORCH_CHECK(ts[i].device().is_cpu(), "kvlayout::copy_rows (CPU): ", name, "[", i,
+    TORCH_CHECK_VALUE(ts[i].device().is_cpu(), "kvlayout::copy_rows (CPU): ", name, "[", i,
                 "] is on ", ts[i].device());
   }
 }

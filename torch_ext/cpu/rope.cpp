@@ -31,7 +31,7 @@ void rope_reposition_cpu(const at::Tensor& key, const at::Tensor& old_positions,
                          const at::Tensor& new_positions, const at::Tensor& cos_sin_cache,
                          bool is_neox, int64_t max_ctas, const at::Tensor& status) {
   (void)status;  // CPU raises instead of recording
-  TORCH_CHECK(key.device().is_cpu() && cos_sin_cache.device().is_cpu() &&
+  TORCH_CHECK_VALUE(key.device().is_cpu() && cos_sin_cache.device().is_cpu() &&
                   old_positions.device().is_cpu() && new_positions.device().is_cpu(),
               "kvlayout::rope_reposition (CPU): all tensors must be on the CPU");
   RopeParams p =

@@ -27,12 +27,12 @@ inline char* device_address(const at::Tensor& t, c10::Device dev, const char* na
                             int64_t index) {
   void* ptr = t.data_ptr();
   if (t.is_cuda()) {
-    TORCH_CHECK(t.device() == dev, "kvlayout: ", name, "[", index, "] is on ", t.device(),
+    TORCH_CHECK_VALUE(t.device() == dev, "kvlayout: ", name, "[", index, "] is on ", t.device(),
                 " but the operation runs on ", dev,
                 "; tensors on other GPUs are not supported yet (move it to ", dev, ")");
     return static_cast<char*>(ptr);
   }
-  TORCH_CHECK(t.device().is_cpu(), "kvlayout: ", name, "[", index, "] is on ", t.device(),
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "kvlayout: ", name, "[", index, "] is on ", t.device(),
               ", which a CUDA kernel cannot reach");
   if (ptr == nullptr) return nullptr;
   cudaPointerAttributes attr{};
@@ -41,7 +41,7 @@ inline char* device_address(const at::Tensor& t, c10::Device dev, const char* na
     (void)cudaGetLastError();  // clear the sticky-free error of an unknown pointer
     attr.type = cudaMemoryTypeUnregistered;
   }
-  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, "kvlayout: ",
+  TORCH_CHECK_VALUE(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, "kvlayout: ",
               name, "[", index,
               "] is an unpinned host tensor: pin it with .pin_memory() or move it to ", dev);
   return static_cast<char*>(attr.devicePointer);
@@ -53,11 +53,11 @@ inline const void* index_address(const std::optional<at::Tensor>& t, c10::Device
   if (!t.has_value() || !t->defined()) return nullptr;
   void* ptr = t->data_ptr();
   if (t->is_cuda()) {
-    TORCH_CHECK(t->device() == dev, "kvlayout: ", name, " is on ", t->device(),
+    TORCH_CHECK_VALUE(t->device() == dev, "kvlayout: ", name, " is on ", t->device(),
                 " but the operation runs on ", dev);
     return ptr;
   }
-  TORCH_CHECK(t->device().is_cpu(), "kvlayout: ", name, " is on ", t->device(),
+  TORCH_CHECK_VALUE(t->device().is_cpu(), "kvlayout: ", name, " is on ", t->device(),
               ", which a CUDA kernel cannot reach");
   if (ptr == nullptr) return nullptr;
   cudaPointerAttributes attr{};
@@ -66,7 +66,7 @@ inline const void* index_address(const std::optional<at::Tensor>& t, c10::Device
     (void)cudaGetLastError();
     attr.type = cudaMemoryTypeUnregistered;
   }
-  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, "kvlayout: ",
+  TORCH_CHECK_VALUE(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, "kvlayout: ",
               name, " is an unpinned host tensor: pin it with .pin_memory() or move it to ",
               dev);
   return attr.devicePointer;

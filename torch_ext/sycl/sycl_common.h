@@ -25,24 +25,24 @@ inline void* usm_address(void* ptr, bool is_xpu, c10::Device tensor_device, c10:
                          sycl::queue& q, const char* name, int64_t index, bool indexed) {
   if (is_xpu) {
     if (indexed) {
-      TORCH_CHECK(tensor_device == dev, "kvlayout: ", name, "[", index, "] is on ",
+      TORCH_CHECK_VALUE(tensor_device == dev, "kvlayout: ", name, "[", index, "] is on ",
                   tensor_device, " but the operation runs on ", dev,
                   "; tensors on other devices are not supported yet (move it to ", dev, ")");
     } else {
-      TORCH_CHECK(tensor_device == dev, "kvlayout: ", name, " is on ", tensor_device,
+      TORCH_CHECK_VALUE(tensor_device == dev, "kvlayout: ", name, " is on ", tensor_device,
                   " but the operation runs on ", dev);
     }
     return ptr;
   }
-  TORCH_CHECK(tensor_device.is_cpu(), "kvlayout: ", name, " is on ", tensor_device,
+  TORCH_CHECK_VALUE(tensor_device.is_cpu(), "kvlayout: ", name, " is on ", tensor_device,
               ", which an XPU kernel cannot reach");
   if (ptr == nullptr) return nullptr;
   const sycl::usm::alloc kind = sycl::get_pointer_type(ptr, q.get_context());
   if (indexed) {
-    TORCH_CHECK(kind == sycl::usm::alloc::host, "kvlayout: ", name, "[", index,
+    TORCH_CHECK_VALUE(kind == sycl::usm::alloc::host, "kvlayout: ", name, "[", index,
                 "] is an unpinned host tensor: pin it with .pin_memory() or move it to ", dev);
   } else {
-    TORCH_CHECK(kind == sycl::usm::alloc::host, "kvlayout: ", name,
+    TORCH_CHECK_VALUE(kind == sycl::usm::alloc::host, "kvlayout: ", name,
                 " is an unpinned host tensor: pin it with .pin_memory() or move it to ", dev);
   }
   return ptr;
