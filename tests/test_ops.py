@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvlayout import ops
 from kvlayout import reference as R
 from kvlayout.conformance import strategies as S
-from kvlayout.conformance.families.transfer import TransferSample, op_kwargs  # noqa: F401 (test_prepared's)
+from kvlayout.conformance.families.transfer import TransferSample
 from kvlayout.reference import Geometry
 
 import torch_cases as TC

@@ -1,9 +1,11 @@
 """Prepared transfers (``ops.prepare``) and copy programs against the reference, on every device.
 
 A prepared transfer must move exactly the bytes ``ops.transfer`` (and the
-reference) moves, whether called for all layers at once or layer by layer;
-swap its slots; refuse tensors that changed under it; keep autograd's rules;
-and work inside ``torch.compile(fullgraph=True)`` and CUDA graphs.
+reference) moves, whether called for all layers at once or layer by layer
+(the generated samples of the case database's ``prepared`` family, run by
+``test_families.py`` and ``kvlayout conformance``).  Here: swap its slots;
+refuse tensors that changed under it; keep autograd's rules; and work inside
+``torch.compile(fullgraph=True)`` and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import gc
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
 
 from kvlayout import ops
 from kvlayout import reference as R
@@ -21,37 +22,7 @@ from kvlayout.conformance import strategies as S
 from kvlayout.reference import Geometry
 
 import torch_cases as TC
-from conftest import devices
-from test_ops import bind_np, op_kwargs
-
-
-def _case_caches(case, device):
-    src_np, dst_np = case.caches()
-    want = TC.jitted_reference.transfer(case.src_layout, src_np, case.dst_layout, dst_np, *case.slots(),
-                                        **case.transfer_kwargs())
-    src = bind_np(case.src_layout, src_np, case.src_geom, device)
-    fresh = lambda: bind_np(case.dst_layout, dst_np, case.dst_geom, device)   # noqa: E731
-    return src, fresh, TC.flat(case.dst_layout, want)
-
-
-@pytest.mark.parametrize("device", devices)
-@given(case=S.transfer_cases())
-@settings(max_examples=TC.examples(12))
-def test_prepared_all_layers_and_layer_by_layer_match_the_reference(device, case):
-    src, fresh, want = _case_caches(case, device)
-    ss, ds = case.slots()
-    slots = (TC.slots(ss, torch.int32, device), TC.slots(ds, torch.int64, device))
-    dst = fresh()
-    t = ops.prepare(src, dst, *slots, **op_kwargs(case))
-    t()
-    TC.sync(device)
-    TC.assert_same_bytes(dst.tensors, want, f"all layers of {case.describe()}")
-    dst = fresh()
-    t = ops.prepare(src, dst, *slots, **op_kwargs(case))
-    for i in range(t.num_layers):
-        t.layer(i)
-    TC.sync(device)
-    TC.assert_same_bytes(dst.tensors, want, f"layer by layer, {case.describe()}")
+from test_ops import bind_np
 
 
 def _pair(device, L=3, NB=4, BS=4, H=2, E=8, seed=0):

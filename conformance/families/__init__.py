@@ -14,6 +14,7 @@ Families (:data:`FAMILIES`, in report order):
   row buffer, every dtype, slot patterns, layer subsets, ``skip_prefix`` (as
   the argument or through ``ops.skip_prefix``), CTA budgets, placements
   (CUDA: device, pinned source, pinned destination, pinned slots);
+* ``prepared`` (:mod:`.prepared`) - ``ops.prepare``, all layers or layer by layer;
 * ``gather`` / ``scatter`` / ``move`` (:mod:`.rows`);
 * ``pages`` (:mod:`.pages`) - the page helpers;
 * ``rope`` (:mod:`.rope`) - key repositioning within a stated tolerance;
@@ -29,14 +30,14 @@ import ast
 from kvlayout.reference.layouts import Geometry
 
 from .. import strategies as S
-from . import errors, hostile, pages, rope, rows, transfer
+from . import errors, hostile, pages, prepared, rope, rows, transfer
 from .core import ErrorInput, ErrorKind, OpFamily
 
 FAMILIES: dict[str, OpFamily] = {f.name: f for f in (
-    transfer.TRANSFER, rows.GATHER, rows.SCATTER, rows.MOVE, pages.PAGES, rope.ROPE, transfer.FUZZ_INDEX,
-    errors.BAD_INPUT, hostile.HOSTILE)}
+    transfer.TRANSFER, prepared.PREPARED, rows.GATHER, rows.SCATTER, rows.MOVE, pages.PAGES, rope.ROPE,
+    transfer.FUZZ_INDEX, errors.BAD_INPUT, hostile.HOSTILE)}
 
-SAMPLE_TYPES = {cls.__name__: cls for module in (transfer, rows, pages, rope, errors, hostile)
+SAMPLE_TYPES = {cls.__name__: cls for module in (transfer, prepared, rows, pages, rope, errors, hostile)
                 for cls in module.SAMPLES}
 """Every sample class by name: what a ``--replay`` text may construct."""
 

@@ -235,6 +235,21 @@ reference = JittedReference()
 # Families and error inputs
 # ---------------------------------------------------------------------------------------
 
+def slot_out_of_range_message(arg: str) -> str:
+    """The message shape of an out-of-range slot: argument, token, value and bound."""
+    return arg + r"\[\d+\] = \d+ is out of range: the \w+ holds \d+ slots"
+
+
+def index_out_of_range_message(arg: str) -> str:
+    """The message shape of an out-of-range layer or plane: argument, value and count."""
+    return arg + r" contains \d+, out of range: there are \d+"
+
+
+DTYPES_DIFFER = r"dtypes differ: source torch\.\w+, destination torch\.\w+"
+ROW_WIDTHS_DIFFER = r"row widths differ: source H\*E = \d+\*\d+, destination H\*E = \d+\*\d+"
+REPEATED_DESTINATION = r"dst_slots repeats slot \d+ \(dst_slots\[\d+\] and dst_slots\[\d+\]\)"
+
+
 @dataclasses.dataclass(frozen=True)
 class ErrorKind:
     """One class of invalid argument, as data.

@@ -23,6 +23,7 @@ from kvlayout import ops
 from kvlayout.reference.layouts import Geometry, get
 
 from .. import strategies as S
+from . import core
 from .core import (
     BadSetup,
     ErrorKind,
@@ -369,34 +370,34 @@ def _other_size(b) -> str:
 
 GATHER_ERRORS = (
     ErrorKind("gather: slots out of range", "slot_out_of_range",
-              r"slots\[\d+\] = \d+ is out of range: the \w+ holds \d+ slots", _gather_slot_out_of_range,
+              core.slot_out_of_range_message("slots"), _gather_slot_out_of_range,
               deferrable=True),
     ErrorKind("gather: layers out of range", "layer_plane_out_of_range",
-              r"layers contains \d+, out of range: there are \d+",
+              core.index_out_of_range_message("layers"),
               _gather_call(layers=lambda b: [b.case.src_geom.L + b.offset])),
     ErrorKind("gather: out row width differs", "row_width",
-              r"row widths differ: source H\*E = \d+\*\d+, destination H\*E = \d+\*\d+",
+              core.ROW_WIDTHS_DIFFER,
               _gather_call(out_width=lambda b: b.case.src_geom.H * b.case.src_geom.E + 1)),
 )
 SCATTER_ERRORS = (
     ErrorKind("scatter: slots out of range", "slot_out_of_range",
-              r"dst_slots\[\d+\] = \d+ is out of range: the \w+ holds \d+ slots", _scatter_slot_out_of_range,
+              core.slot_out_of_range_message("dst_slots"), _scatter_slot_out_of_range,
               deferrable=True),
     ErrorKind("scatter: duplicate slots", "duplicate_destination_slot",
-              r"dst_slots repeats slot \d+ \(dst_slots\[\d+\] and dst_slots\[\d+\]\)",
+              core.REPEATED_DESTINATION,
               _scatter_call(duplicate_dst_slots)),
     ErrorKind("scatter: rows dtype differs", "element_type",
-              r"dtypes differ: source torch\.\w+, destination torch\.\w+", _scatter_call(rows_dtype=_other_size)),
+              core.DTYPES_DIFFER, _scatter_call(rows_dtype=_other_size)),
 )
 MOVE_ERRORS = (
     ErrorKind("move: src_slots out of range", "slot_out_of_range",
-              r"src_slots\[\d+\] = \d+ is out of range: the \w+ holds \d+ slots", _move(_move_out_of_range(0)),
+              core.slot_out_of_range_message("src_slots"), _move(_move_out_of_range(0)),
               deferrable=True),
     ErrorKind("move: dst_slots out of range", "slot_out_of_range",
-              r"dst_slots\[\d+\] = \d+ is out of range: the \w+ holds \d+ slots", _move(_move_out_of_range(1)),
+              core.slot_out_of_range_message("dst_slots"), _move(_move_out_of_range(1)),
               deferrable=True),
     ErrorKind("move: duplicate dst_slots", "duplicate_destination_slot",
-              r"dst_slots repeats slot \d+ \(dst_slots\[\d+\] and dst_slots\[\d+\]\)", _move(_move_duplicates)),
+              core.REPEATED_DESTINATION, _move(_move_duplicates)),
     ErrorKind("move: slot lengths differ", "index_shape",
               r"src_slots \(\d+,\) and dst_slots \(\d+,\) differ in length", _move(lambda s, d, b: d.append(0))),
 )
