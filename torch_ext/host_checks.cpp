@@ -474,6 +474,22 @@ void read_positions_once(RopeParams& p, std::vector<int64_t>& old_copy,
   p.new_positions = SlotArray{new_copy.data(), 1, 8, 0};
 }
 
+int widest_vector_bytes(const CopyPlan& plan, const SegmentBases& bases) {
+  uint64_t align = static_cast<uint64_t>(plan.piece_bytes);
+  auto strides_in_use = [&](const RowGeometry& g) {
+    if (g.num_slots > g.page_size) align |= static_cast<uint64_t>(g.stride_page);
+    if (g.page_size > 1 && g.num_slots > 1) align |= static_cast<uint64_t>(g.stride_in_page);
+    if (plan.num_pieces > 1) align |= static_cast<uint64_t>(g.stride_piece);
+  };
+  strides_in_use(plan.src_geom);
+  strides_in_use(plan.dst_geom);
+  for (const char* p : bases.src) align |= reinterpret_cast<uintptr_t>(p);
+  for (const char* p : bases.dst) align |= reinterpret_cast<uintptr_t>(p);
+  int vec = 16;
+  while (vec > 1 && (align % static_cast<uint64_t>(vec)) != 0) vec /= 2;
+  return vec;
+}
+
 void check_status_tensor(const at::Tensor& status, c10::Device device) {
   TORCH_CHECK(status.defined() && status.scalar_type() == at::kLong &&
                   status.numel() >= kStatusNumel && status.is_contiguous(),

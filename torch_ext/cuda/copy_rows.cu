@@ -195,42 +195,16 @@ class CudaLaunch final : public BoundLaunch {
       : dev_(dev), dependent_ok_(supports_dependent_launch(dev.index())) {
     check_status_tensor(status, dev);
     // Device-visible addresses of every tensor (pinned host memory through UVA).
-    std::vector<const char*> src_ptr(src.size(), nullptr);
-    std::vector<char*> dst_ptr(dst.size(), nullptr);
-    for (int64_t g = 0; g < plan.num_segments; ++g) {
-      const int64_t si = plan.src_tensor[g], di = plan.dst_tensor[g];
-      if (src_ptr[si] == nullptr) {
-        src_ptr[si] = cuda::device_address(src[si], dev, "src", si);
-        if (!src[si].is_cuda()) host_src_.emplace_back(si, src_ptr[si]);
-      }
-      if (dst_ptr[di] == nullptr) {
-        dst_ptr[di] = cuda::device_address(dst[di], dev, "dst", di);
-        if (!dst[di].is_cuda()) host_dst_.emplace_back(di, dst_ptr[di]);
-      }
-    }
+    SegmentBases bases =
+        segment_bases(plan, src, dst, [&](const at::Tensor& t, bool is_src, int64_t i) {
+          char* address = cuda::device_address(t, dev, is_src ? "src" : "dst", i);
+          if (!t.is_cuda()) (is_src ? host_src_ : host_dst_).emplace_back(i, address);
+          return address;
+        });
     touches_host_ = !host_src_.empty() || !host_dst_.empty();
-
-    // Widest vector that divides every base address, every stride in use and
-    // the piece size.
-    uint64_t align = static_cast<uint64_t>(plan.piece_bytes);
-    auto strides_in_use = [&](const RowGeometry& g) {
-      if (g.num_slots > g.page_size) align |= static_cast<uint64_t>(g.stride_page);
-      if (g.page_size > 1 && g.num_slots > 1) align |= static_cast<uint64_t>(g.stride_in_page);
-      if (plan.num_pieces > 1) align |= static_cast<uint64_t>(g.stride_piece);
-    };
-    strides_in_use(plan.src_geom);
-    strides_in_use(plan.dst_geom);
-    for (int64_t g = 0; g < plan.num_segments; ++g) {
-      align |= reinterpret_cast<uintptr_t>(src_ptr[plan.src_tensor[g]] + plan.src_offset[g]);
-      align |= reinterpret_cast<uintptr_t>(dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g]);
-    }
-    vec_ = 16;
-    while (vec_ > 1 && (align % static_cast<uint64_t>(vec_)) != 0) vec_ /= 2;
-
-    for (int64_t g = 0; g < plan.num_segments; ++g) {
-      src_bases_.push_back(src_ptr[plan.src_tensor[g]] + plan.src_offset[g]);
-      dst_bases_.push_back(dst_ptr[plan.dst_tensor[g]] + plan.dst_offset[g]);
-    }
+    vec_ = bases.vec_bytes;
+    src_bases_ = std::move(bases.src);
+    dst_bases_ = std::move(bases.dst);
     for (int64_t first = 0; first < plan.num_segments; first += kMaxSegmentsPerLaunch) {
       CopyRowsArgs a{};
       a.src_geom = plan.src_geom;

@@ -226,19 +226,23 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
   const int64_t total = a.tokens * per_token;
   // Equal contiguous ranges, each a multiple of kWalkLanes items long: a
   // small launch spreads over every lane group rather than filling a few.
-  int64_t range = (total + num_groups - 1) / num_groups;
+  // (The only divisions of the walk are these few, once per thread, in 32
+  // bits when the operands fit: divmod_nonneg.)
+  int64_t range, unused;
+  divmod_nonneg(total + num_groups - 1, num_groups, range, unused);
   range = (range + kWalkLanes - 1) / kWalkLanes * kWalkLanes;
   const int64_t begin = group * range;
   const int64_t end = begin + range < total ? begin + range : total;
   int64_t i = begin + lane;
   if (i >= end) return;
 
-  // Position of item i (the only 64-bit divisions of the walk). Segment and
-  // vector indices fit 32 bits (prepare_copy_rows_args).
-  int64_t t = i / per_token;
-  const int64_t in_token = i - t * per_token;
-  int32_t seg = static_cast<int32_t>(in_token / V_row);
-  int32_t v = static_cast<int32_t>(in_token - int64_t(seg) * V_row);
+  // Position of item i. Segment and vector indices fit 32 bits
+  // (prepare_copy_rows_args).
+  int64_t t, in_token, seg64, v64;
+  divmod_nonneg(i, per_token, t, in_token);
+  divmod_nonneg(in_token, V_row, seg64, v64);
+  int32_t seg = static_cast<int32_t>(seg64);
+  int32_t v = static_cast<int32_t>(v64);
   const int32_t num_segments = static_cast<int32_t>(a.num_segments);
   const int32_t vecs = static_cast<int32_t>(V_row);
   // Advance of one step (kWalkLanes items).
