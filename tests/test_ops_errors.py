@@ -1,8 +1,18 @@
 """Bad input to the op library: a clear exception naming the argument, and nothing written.
 
-Each test checks the message names the offending argument (and, where the
-message promises it, the value and the bound), and that every destination
-tensor still holds its bytes afterwards.  On CUDA the default path never
+Every error kind of every operation family (out-of-range slots, layers,
+planes, pages and positions, element types, row widths, slot dtypes and
+shapes, duplicates, overlap, flat pages, RoPE geometry) is data in the case
+database (``kvlayout.conformance.families``, each kind citing its rule in
+``kvlayout.reference.semantics``) and runs on every device in
+``test_families.py::test_error_input``.  Here are the cases that need more
+than one call or a fixed setting: accepted raw integer storage, host memory
+facing CUDA, ``KVLAYOUT_VALIDATE``, the deferred CUDA report with guard
+bytes, positions and counts that must pair up, duplicates that are fine,
+views of one buffer, page sizes and shapes at bind.  Each test checks the
+message names the offending argument (and, where the message promises it,
+the value and the bound), and that every destination tensor still holds its
+bytes afterwards.  On CUDA the default path never
 synchronizes: an out-of-range slot is skipped by the kernel and reported by
 ``ops.check_errors()``; ``validate=True`` raises before the launch.
 """
@@ -54,17 +64,8 @@ def rejects(exc, match, *caches_or_tensors, device="cpu"):
 
 
 # ---------------------------------------------------------------------------------------
-# element types and row widths
+# element types
 # ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("src_dtype,dst_dtype", [("float16", "bfloat16"), ("float16", "float32"),
-                                                 ("float8_e4m3fn", "float8_e5m2"), ("bfloat16", "uint8")])
-def test_dtype_mismatch(device, src_dtype, dst_dtype):
-    src = make_cache("vllm_flash_attn_nhd", device, src_dtype)
-    dst = make_chunk(device, dst_dtype)
-    with rejects(TypeError, r"dtypes differ: source torch\.\w+, destination torch\.\w+", dst, device=device):
-        ops.transfer(src, dst, slots([0, 1, 2, 3, 4, 5], device))
-
 
 def test_raw_integer_storage_of_the_same_size_is_accepted(device):
     """fp8 stored as uint8 (or bf16 as int16) exchanges bytes with the float type."""
@@ -86,13 +87,6 @@ def test_raw_integer_storage_of_the_same_size_is_accepted(device):
                 for layer in range(2):
                     row = src.tensors[layer][p].reshape(-1, 16)[slot]
                     assert torch.equal(got[p, layer, i], row.view(got.dtype))
-
-
-def test_row_width_mismatch(device):
-    src = make_cache("vllm_flash_attn_nhd", device)
-    dst = make_chunk(device, E=12)
-    with rejects(ValueError, r"row widths differ: source H\*E = 2\*8, destination H\*E = 1\*12", dst, device=device):
-        ops.transfer(src, dst, slots([0, 1, 2, 3, 4, 5], device))
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,18 +139,6 @@ def test_tensors_of_one_cache_on_different_devices(cuda_device):
 # ---------------------------------------------------------------------------------------
 # slots
 # ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("side", ["src_slots", "dst_slots"])
-def test_out_of_range_slot_cpu_raises_before_writing(side):
-    src = make_cache("vllm_flash_attn_hnd", "cpu")
-    dst = make_cache("hicache_page_first_direct", "cpu", seed=2)
-    good = [0, 1, 2, 3, 4]
-    bad = [3, 9, 16, 2, 1]                    # 16 is one past the last slot
-    s, d = (bad, good) if side == "src_slots" else (good, bad)
-    with rejects(IndexError, rf"{side}\[2\] = 16 is out of range: the (source|destination|cache) holds 16 slots",
-                 dst):
-        ops.transfer(src, dst, slots(s, "cpu"), slots(d, "cpu"))
-
 
 @pytest.mark.parametrize("side", ["src_slots", "dst_slots"])
 def test_out_of_range_slot_validate_raises_before_launch(device, side, monkeypatch):
@@ -222,26 +204,6 @@ def test_positions_beyond_the_destination(device):
         ops.transfer(src, dst, slots([0, 1, 2, 3, 4, 5], device), None)
 
 
-@pytest.mark.parametrize("name", ["src_layers", "dst_layers", "src_planes", "dst_planes"])
-@pytest.mark.parametrize("value", [-1, 2, 7])
-def test_layer_and_plane_indices_out_of_range(device, name, value):
-    src = make_cache("vllm_flash_attn_nhd", device)
-    dst = make_cache("vllm_flashinfer_hnd", device, seed=3)
-    with rejects(IndexError, rf"{name} contains {value}, out of range: there are 2", dst, device=device):
-        ops.transfer(src, dst, slots([0, 1], device), slots([2, 3], device), **{name: [0, value][-1:]})
-
-
-@pytest.mark.parametrize("name", ["layers", "planes"])
-def test_gather_scatter_indices_out_of_range(device, name):
-    cache = make_cache("vllm_flash_attn_nhd", device)
-    with pytest.raises(IndexError, match=rf"{name} contains -1"):
-        ops.gather(cache, slots([0, 1], device), **{name: [-1]})
-    rows = torch.zeros((2, 1) if name == "layers" else (1, 2), dtype=torch.float16, device=device)
-    rows = rows[..., None, None, None].expand(-1, -1, 2, 2, 8).contiguous()
-    with rejects(IndexError, rf"dst_{name} contains 5", cache, device=device):
-        ops.scatter(cache, rows, slots([0, 1], device), **{name: [5]})
-
-
 def test_paired_counts_must_match(device):
     src = make_cache("vllm_flash_attn_nhd", device)
     dst = make_cache("vllm_flashinfer_hnd", device, seed=3)
@@ -260,36 +222,6 @@ def test_paired_counts_must_match(device):
         ops.move(dst, s, slots([5, 6], device))
     with pytest.raises(ValueError, match=r"skip_prefix = -1 must be >= 0"):
         ops.skip_prefix(s, -1)
-
-
-@pytest.mark.parametrize("name", ["src_slots", "dst_slots"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
-def test_slots_of_wrong_dtype(device, name, dtype):
-    src = make_cache("vllm_flash_attn_nhd", device)
-    dst = make_cache("vllm_flashinfer_hnd", device, seed=3)
-    args = {"src_slots": slots([0, 1], device), "dst_slots": slots([2, 3], device)}
-    args[name] = args[name].to(dtype)
-    with rejects(TypeError, rf"{name} must be int32 or int64, got {dtype}", dst, device=device):
-        ops.transfer(src, dst, args["src_slots"], args["dst_slots"])
-
-
-@pytest.mark.parametrize("name", ["src_slots", "dst_slots"])
-def test_slots_must_be_1d(device, name):
-    src = make_cache("vllm_flash_attn_nhd", device)
-    dst = make_cache("vllm_flashinfer_hnd", device, seed=3)
-    args = {"src_slots": slots([0, 1, 2, 3], device), "dst_slots": slots([4, 5, 6, 7], device)}
-    args[name] = args[name].view(2, 2)
-    with rejects(ValueError, rf"{name} must be 1-D, got shape \(2, 2\)", dst, device=device):
-        ops.transfer(src, dst, args["src_slots"], args["dst_slots"])
-
-
-def test_move_slot_errors(device):
-    cache = make_cache("sglang_mha", device)
-    with rejects(TypeError, r"src_slots must be int32 or int64", cache, device=device):
-        ops.move(cache, slots([0, 1], device).float(), slots([2, 3], device))
-    with rejects(IndexError, r"dst_slots\[1\] = 16 is out of range: the destination holds 16 slots", cache,
-                 device=device):
-        ops.move(cache, slots([0, 1], device), slots([2, 16], device), validate=True)
 
 
 def duplicate_checking(device) -> dict:
@@ -335,34 +267,8 @@ def test_overlapping_source_and_destination(device):
 
 
 # ---------------------------------------------------------------------------------------
-# pages
+# page size at bind
 # ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("layout", ["hicache_page_first", "hicache_page_first_direct", "vllm_flash_attn_hnd"])
-def test_page_out_of_range(device, layout):
-    cache = make_cache(layout, device)
-    for page in (-1, 4, 100):
-        with rejects(IndexError, rf"page = {page} is out of range: the cache holds 4 pages", cache, device=device):
-            ops.get_page(cache, page)
-        with rejects(IndexError, rf"page = {page} is out of range", cache, device=device):
-            ops.zero_page(cache, page)
-        with rejects(IndexError, rf"page = {page} is out of range", cache, device=device):
-            ops.set_page(cache, page, ops.dummy_flat_page(cache))
-        with pytest.raises(IndexError, match=rf"page = {page} is out of range"):
-            ops.page_spans(cache, [0, page])
-
-
-def test_set_page_flat_of_wrong_size_or_type(device):
-    cache = make_cache("hicache_page_head", device)
-    flat = ops.dummy_flat_page(cache)
-    with rejects(ValueError, rf"flat must be 1-D with {flat.numel()} elements \(one page\), got shape", cache,
-                 device=device):
-        ops.set_page(cache, 1, flat[:-1])
-    with rejects(ValueError, r"flat must be 1-D", cache, device=device):
-        ops.set_page(cache, 1, flat.view(2, -1))
-    with rejects(TypeError, r"flat has torch.float32, the cache torch.float16", cache, device=device):
-        ops.set_page(cache, 1, torch.zeros(flat.numel(), dtype=torch.float32, device=device))
-
 
 def test_misaligned_page_size_at_bind(device):
     """A page size that does not divide the slot count, or contradicts the tensors' pages."""
@@ -372,68 +278,6 @@ def test_misaligned_page_size_at_bind(device):
     kv = [torch.zeros(2, 4, 4, 2, 8, device=device) for _ in range(2)]   # pages of 4
     with pytest.raises(ValueError, match=r"vllm_flash_attn_nhd: page_size=8 but the tensors have pages of 4"):
         ops.bind("vllm_flash_attn_nhd", kv, page_size=8)
-
-
-# ---------------------------------------------------------------------------------------
-# RoPE
-# ---------------------------------------------------------------------------------------
-
-def rope_args(device, T=5, H=2, D=16, rot=16, max_pos=32, dtype=torch.float32):
-    keys = torch.randn(T, H, D, device=device).to(dtype)
-    old = torch.arange(T, device=device)
-    new = torch.arange(T, device=device) + 3
-    cache = torch.randn(max_pos, rot, device=device)
-    return keys, old, new, cache
-
-
-@pytest.mark.parametrize("name", ["old_positions", "new_positions"])
-def test_rope_positions_out_of_range(device, name):
-    keys, old, new, cache = rope_args(device)
-    pos = {"old_positions": old, "new_positions": new}
-    pos[name] = torch.tensor([0, 1, 32, 3, 4], device=device)
-    match = rf"{name}\[2\] = 32 is out of range: cos_sin_cache holds 32 positions"
-    if device == "cpu":
-        with rejects(IndexError, match, keys):
-            ops.rope_reposition(keys, pos["old_positions"], pos["new_positions"], cache, is_neox=True)
-    else:
-        before = TC.snapshot([keys])
-        ops.rope_reposition(keys, pos["old_positions"], pos["new_positions"], cache, is_neox=True)
-        torch.cuda.synchronize()
-        with pytest.raises(IndexError, match=match):
-            ops.check_errors()
-        after = TC.bits(keys)
-        np.testing.assert_array_equal(after[2], before[0][2])   # the bad token is untouched
-
-
-@pytest.mark.parametrize("name", ["old_positions", "new_positions"])
-def test_rope_positions_of_wrong_dtype_or_shape(device, name):
-    keys, old, new, cache = rope_args(device)
-    for bad, error in ((old.float(), TypeError), (old[:4], ValueError), (old.view(5, 1), ValueError),
-                       (old.to(torch.int16), TypeError)):
-        pos = {"old_positions": old, "new_positions": new, name: bad}
-        with rejects(error, rf"{name} must be int32/int64 of shape \(5,\)", keys, device=device):
-            ops.rope_reposition(keys, pos["old_positions"], pos["new_positions"], cache, is_neox=False)
-
-
-def test_rope_cos_sin_cache_shape(device):
-    keys, old, new, _ = rope_args(device)
-    for bad in (torch.zeros(32, device=device), torch.zeros(32, 7, device=device), torch.zeros(32, 18, device=device),
-                torch.zeros(2, 32, 8, device=device)):
-        with rejects(ValueError, r"cos_sin_cache must be \[max_pos, rot\] with rot even and <= 16", keys,
-                     device=device):
-            ops.rope_reposition(keys, old, new, bad, is_neox=True)
-    with rejects(TypeError, r"cos_sin_cache must be float32 or the key's dtype", keys, device=device):
-        ops.rope_reposition(keys, old, new, torch.zeros(32, 16, dtype=torch.float16, device=device), is_neox=True)
-
-
-def test_rope_keys_of_wrong_dtype_or_rank(device):
-    keys, old, new, cache = rope_args(device)
-    with rejects(TypeError, r"keys must be float32, float16 or bfloat16, got torch.int32", keys, device=device):
-        ops.rope_reposition(keys.view(torch.int32), old, new, cache, is_neox=True)
-    with rejects(ValueError, r"keys must be \[T, H, D\], got shape \(5, 32\)", keys, device=device):
-        ops.rope_reposition(keys.view(5, 32), old, new, cache, is_neox=True)
-    with rejects(ValueError, r"key's last dimension must be contiguous", keys, device=device):
-        ops.rope_reposition(keys.transpose(1, 2)[:, :2], old, new, cache[:, :2], is_neox=True)
 
 
 # ---------------------------------------------------------------------------------------

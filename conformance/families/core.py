@@ -236,17 +236,17 @@ reference = JittedReference()
 # ---------------------------------------------------------------------------------------
 
 def slot_out_of_range_message(arg: str) -> str:
-    """The message shape of an out-of-range slot: argument, token, value and bound."""
-    return arg + r"\[\d+\] = \d+ is out of range: the \w+ holds \d+ slots"
+    """The message of an out-of-range slot: the argument, and the token, value and bound of :attr:`Invalid.values`."""
+    return arg + r"\[{token}\] = {value} is out of range: the \w+ holds {bound} slots"
 
 
 def index_out_of_range_message(arg: str) -> str:
-    """The message shape of an out-of-range layer or plane: argument, value and count."""
-    return arg + r" contains \d+, out of range: there are \d+"
+    """The message of an out-of-range layer or plane: the argument, its value and the count."""
+    return arg + r" contains {value}, out of range: there are {count}"
 
 
-DTYPES_DIFFER = r"dtypes differ: source torch\.\w+, destination torch\.\w+"
-ROW_WIDTHS_DIFFER = r"row widths differ: source H\*E = \d+\*\d+, destination H\*E = \d+\*\d+"
+DTYPES_DIFFER = r"dtypes differ: source {src}, destination {dst}"
+ROW_WIDTHS_DIFFER = r"row widths differ: source H\*E = {src}, destination H\*E = {dst}"
 REPEATED_DESTINATION = r"dst_slots repeats slot \d+ \(dst_slots\[\d+\] and dst_slots\[\d+\]\)"
 
 
@@ -261,7 +261,9 @@ class ErrorKind:
     :class:`~kvlayout.conformance.families.errors.BadInputSample` and returns
     an :class:`Invalid`; the call must raise ``error_type`` with a message
     matching ``error_regex`` (which names the argument) and leave every
-    tensor of ``Invalid.keep`` as it was.  ``deferrable``: on CUDA the
+    tensor of ``Invalid.keep`` as it was; fields of ``error_regex``
+    (``{value}``) are filled with what the built :class:`Invalid` says the
+    message must state (:meth:`regex`).  ``deferrable``: on CUDA the
     default path does not check the value on the host; the kernel skips the
     bad token and ``ops.check_errors()`` raises (``Invalid.deferred`` then
     says what the destination must hold).  ``devices``: where the kind
@@ -285,6 +287,10 @@ class ErrorKind:
     def family(self) -> str:
         return self.name.split(":")[0]
 
+    def regex(self, invalid: "Invalid") -> str:
+        """``error_regex`` with the fields of ``invalid.values`` filled in (as literal text)."""
+        return self.error_regex.format(**{k: re.escape(str(v)) for k, v in invalid.values.items()})
+
     def applies_to(self, device: str) -> bool:
         return self.devices is None or torch.device(device).type in self.devices
 
@@ -295,13 +301,17 @@ class Invalid:
 
     ``keep``: ``(tensors, expected arrays, what)`` triples checked after the
     call is rejected.  ``deferred``: for a deferrable kind on the CUDA
-    default path, ``(tensors, expected arrays)`` after the kernel skipped
-    the bad token (computed by the reference with that token's slot -1).
+    default path, a function returning ``(tensors, expected arrays)`` after
+    the kernel skipped the bad token (the reference with that token's slot
+    -1); it may compare by itself and return ``([], [])`` (RoPE's tolerance).
+    ``values``: what the message must say (token, value, bound, ...), filled
+    into the kind's ``error_regex``.
     """
 
     call: Callable
     keep: list[tuple[Sequence, Sequence, str]]
     deferred: Callable | None = None
+    values: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,36 +117,55 @@ SAMPLES = (PageSample,)
 # ---------------------------------------------------------------------------------------
 
 def _page_call(make_call):
-    """A page helper on the case's destination: ``make_call(ops, dst, sample, device)`` -> the invalid call."""
+    """A page helper on the case's destination: ``make_call(dst, sample, device)`` returns the invalid call and
+    what the message must say."""
     def build(b, device, validate):
         s = core.BadSetup.of(b.case, device, validate)
-        return core.Invalid(make_call(ops, s.dst, b, device), s.dst_unchanged())
+        call, values = make_call(s.dst, b, device)
+        return core.Invalid(call, s.dst_unchanged(), values=values)
     return build
 
 
-def _page_out_of_range(ops, dst, b, device):
-    page = b.case.dst_geom.NB + b.offset
-    return (lambda: ops.get_page(dst, page), lambda: ops.zero_page(dst, page),
-            lambda: ops.set_page(dst, page, ops.dummy_flat_page(dst)))[b.token % 3]
+PAGE_HELPERS = {
+    "get_page": lambda dst, page: ops.get_page(dst, page),
+    "zero_page": lambda dst, page: ops.zero_page(dst, page),
+    "set_page": lambda dst, page: ops.set_page(dst, page, ops.dummy_flat_page(dst)),
+    "page_spans": lambda dst, page: ops.page_spans(dst, [0, page]),
+}
+"""Every helper that takes a page index, as a call of (cache, page)."""
 
 
-def _flat_of_wrong_size(ops, dst, b, device):
-    flat_page = torch.zeros(ops.dummy_flat_page(dst).numel() + 1 + b.offset, dtype=dst.dtype, device=device)
-    return lambda: ops.set_page(dst, 0, flat_page)
+def _page_out_of_range(helper: str, past_the_end: bool):
+    def make(dst, b, device):
+        count = b.case.dst_geom.NB
+        page = count + b.offset if past_the_end else -1 - b.offset
+        return (lambda: PAGE_HELPERS[helper](dst, page)), {"value": page, "count": count}
+    return make
 
 
-def _flat_of_other_element_size(ops, dst, b, device):
-    other = torch.float32 if dst.itemsize != 4 else torch.float16
-    flat_page = torch.zeros(ops.dummy_flat_page(dst).numel(), dtype=other, device=device)
-    return lambda: ops.set_page(dst, 0, flat_page)
+def _flat_page(size_change: int = 0, shape=None, other_dtype: bool = False):
+    """``set_page`` from a flat page ``size_change`` elements longer, of ``shape``, or of another element size."""
+    def make(dst, b, device):
+        n = ops.dummy_flat_page(dst).numel()
+        dtype = (torch.float32 if dst.itemsize != 4 else torch.float16) if other_dtype else dst.dtype
+        flat_page = torch.zeros(n + size_change, dtype=dtype, device=device)
+        if shape is not None:
+            flat_page = flat_page.view(*shape, -1)
+        return (lambda: ops.set_page(dst, 0, flat_page)), {"n": n, "shape": tuple(flat_page.shape),
+                                                          "flat": flat_page.dtype, "cache": dst.dtype}
+    return make
 
+
+FLAT_PAGE_MESSAGE = r"flat must be 1-D with {n} elements \(one page\), got shape {shape}"
 
 PAGES = dataclasses.replace(PAGES, errors=(
-    core.ErrorKind("pages: page out of range", "page_out_of_range",
-              r"page = \d+ is out of range: the cache holds \d+ pages", _page_call(_page_out_of_range)),
-    core.ErrorKind("pages: flat page of the wrong size", "flat_page_size",
-              r"flat must be 1-D with \d+ elements \(one page\), got shape \(\d+,\)", _page_call(_flat_of_wrong_size)),
-    core.ErrorKind("pages: flat page of another element size", "element_type",
-              r"flat has torch\.\w+, the cache torch\.\w+",
-              _page_call(_flat_of_other_element_size)),
+    *(core.ErrorKind(f"pages: {helper} of a page {where}", "page_out_of_range",
+                     r"page = {value} is out of range: the cache holds {count} pages",
+                     _page_call(_page_out_of_range(helper, where == "past the end")))
+      for helper in PAGE_HELPERS for where in ("past the end", "below 0")),
+    core.ErrorKind("pages: flat page of the wrong size", "flat_page_size", FLAT_PAGE_MESSAGE,
+                   _page_call(_flat_page(size_change=1))),
+    core.ErrorKind("pages: flat page not 1-D", "flat_page_size", FLAT_PAGE_MESSAGE, _page_call(_flat_page(shape=(1,)))),
+    core.ErrorKind("pages: flat page of another element size", "element_type", r"flat has {flat}, the cache {cache}",
+                   _page_call(_flat_page(other_dtype=True))),
 ))

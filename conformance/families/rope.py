@@ -181,55 +181,101 @@ ERROR_MAX_POS, ERROR_ROT = 16, 8
 
 
 def _rope_call(edit):
-    """``edit(args, sample)`` spoils one argument of a valid call; ``args`` holds keys, old, new, cos_sin."""
+    """``edit(args, sample)`` spoils one argument of a valid call and returns what the message must say;
+    ``args`` holds keys, old, new (lists, or tensors as given) and cos_sin (numpy)."""
     def build(b, device, validate):
         T = max(1, min(b.case.T, 8))
         keys_np = np.random.default_rng(3).standard_normal((T, 2, 8)).astype(np.float32)
-        args = {"keys": tensor(keys_np, device), "old": list(range(T)), "new": [T - 1 - i for i in range(T)],
+        original = tensor(keys_np, device)
+        args = {"keys": original, "old": list(range(T)), "new": [T - 1 - i for i in range(T)],
                 "cos_sin": cos_sin_table(ERROR_MAX_POS, ERROR_ROT)}
-        edit(args, b)
+        values = edit(args, b) or {}
         keys = args["keys"]
+        old, new = (x if isinstance(x, torch.Tensor) else slots(x, "int64", device) for x in (args["old"], args["new"]))
+        cos_sin = args["cos_sin"] if isinstance(args["cos_sin"], torch.Tensor) else tensor(args["cos_sin"], device)
 
         def call():
-            ops.rope_reposition(keys, slots(args["old"], "int64", device), slots(args["new"], "int64", device),
-                                tensor(args["cos_sin"], device), is_neox=b.token % 2 == 0)
+            ops.rope_reposition(keys, old, new, cos_sin, is_neox=b.token % 2 == 0)
 
         def deferred():
-            old, new = np.array(args["old"]), np.array(args["new"])
-            bad = (old >= ERROR_MAX_POS) | (new >= ERROR_MAX_POS)
-            old[bad] = new[bad] = -1
-            want = expected_keys(keys_np, old, new, args["cos_sin"], is_neox=b.token % 2 == 0)
-            assert_rope(keys, want, keys_np, old, new, rot=ERROR_ROT, is_neox=b.token % 2 == 0)
+            o, n = np.array(args["old"]), np.array(args["new"])
+            bad = (o >= ERROR_MAX_POS) | (n >= ERROR_MAX_POS)
+            o[bad] = n[bad] = -1
+            want = expected_keys(keys_np, o, n, args["cos_sin"], is_neox=b.token % 2 == 0)
+            assert_rope(keys, want, keys_np, o, n, rot=ERROR_ROT, is_neox=b.token % 2 == 0)
             return [], []     # compared within the tolerance above
 
-        return Invalid(call, [([keys], [keys_np], "keys (must not change)")] if keys.is_floating_point() else [],
-                       deferred)
+        unchanged = [([keys], [keys_np], "keys (must not change)")] if keys is original else []
+        return Invalid(call, unchanged, deferred, values=values)
     return build
 
 
 def _position_out_of_range(name: str):
     def edit(args, b):
-        args[name][b.token % len(args[name])] = ERROR_MAX_POS + b.offset
+        token = b.token % len(args[name])
+        args[name][token] = ERROR_MAX_POS + b.offset
+        return {"token": token, "value": ERROR_MAX_POS + b.offset, "bound": ERROR_MAX_POS}
     return edit
 
 
-def _int_keys(args, b):
-    args["keys"] = torch.zeros(tuple(args["keys"].shape), dtype=torch.int32, device=args["keys"].device)
+def _positions_as(name: str, dtype: str = "int64", shape=None):
+    """Positions ``name`` of element type ``dtype`` (and, with ``shape``, that shape)."""
+    def edit(args, b):
+        pos = torch.tensor(args[name], device=args["keys"].device).to(getattr(torch, dtype))
+        args[name] = pos if shape is None else pos.view(*shape, -1)
+        return {"T": len(pos)}
+    return edit
 
+
+def _keys_as(edit_keys):
+    def edit(args, b):
+        args["keys"] = edit_keys(args["keys"])
+        return {"T": args["keys"].shape[0], "shape": tuple(args["keys"].shape)}
+    return edit
+
+
+def _strided_keys(args, b):
+    """Keys whose last dimension is strided (a transposed view), with a cache that fits them."""
+    args["keys"] = args["keys"].transpose(1, 2)[:, :2]
+    args["cos_sin"] = cos_sin_table(ERROR_MAX_POS, 2)
+
+
+def _cos_sin_as(table):
+    def edit(args, b):
+        args["cos_sin"] = table(args)
+    return edit
+
+
+COS_SIN_SHAPE_MESSAGE = r"cos_sin_cache must be \[max_pos, rot\] with rot even and <= 8"
+POSITIONS_MESSAGE = r"{name} must be int32/int64 of shape \({T},\)"
 
 ROPE = dataclasses.replace(ROPE, errors=(
-    ErrorKind("rope: old_positions out of range", "position_out_of_range",
-              r"old_positions\[\d+\] = \d+ is out of range: cos_sin_cache holds \d+ positions",
-              _rope_call(_position_out_of_range("old")), deferrable=True),
-    ErrorKind("rope: new_positions out of range", "position_out_of_range",
-              r"new_positions\[\d+\] = \d+ is out of range: cos_sin_cache holds \d+ positions",
-              _rope_call(_position_out_of_range("new")), deferrable=True),
-    ErrorKind("rope: keys not floating point", "element_type",
-              r"keys must be float32, float16 or bfloat16, got torch\.int32", _rope_call(_int_keys)),
-    ErrorKind("rope: rotary dim larger than the head", "rope_geometry",
-              r"cos_sin_cache must be \[max_pos, rot\] with rot even and <= \d+, got \(\d+, \d+\)",
-              _rope_call(lambda args, b: args.update(cos_sin=cos_sin_table(ERROR_MAX_POS, 10)))),
+    *(ErrorKind(f"rope: {name}_positions out of range", "position_out_of_range",
+                name + r"_positions\[{token}\] = {value} is out of range: cos_sin_cache holds {bound} positions",
+                _rope_call(_position_out_of_range(name)), deferrable=True) for name in ("old", "new")),
+    *(ErrorKind(f"rope: {name}_positions of {dtype}", "index_dtype",
+                POSITIONS_MESSAGE.replace("{name}", name + "_positions"), _rope_call(_positions_as(name, dtype)))
+      for name in ("old", "new") for dtype in ("float32", "int16")),
+    *(ErrorKind(f"rope: {name}_positions not 1-D", "index_shape",
+                POSITIONS_MESSAGE.replace("{name}", name + "_positions"), _rope_call(_positions_as(name, shape=(1,))))
+      for name in ("old", "new")),
     ErrorKind("rope: positions of the wrong length", "index_shape",
-              r"old_positions must be int32/int64 of shape \(\d+,\)",
+              POSITIONS_MESSAGE.replace("{name}", "old_positions").replace("{T}", r"\d+"),
               _rope_call(lambda args, b: args["old"].append(0))),
+    ErrorKind("rope: keys not floating point", "element_type",
+              r"keys must be float32, float16 or bfloat16, got torch\.int32",
+              _rope_call(_keys_as(lambda k: torch.zeros(tuple(k.shape), dtype=torch.int32, device=k.device)))),
+    ErrorKind("rope: keys not [T, H, D]", "rope_geometry", r"keys must be \[T, H, D\], got shape {shape}",
+              _rope_call(_keys_as(lambda k: k.view(k.shape[0], -1)))),
+    ErrorKind("rope: keys' last dimension strided", "rope_geometry", r"key's last dimension must be contiguous",
+              _rope_call(_strided_keys)),
+    ErrorKind("rope: rotary dim larger than the head", "rope_geometry", COS_SIN_SHAPE_MESSAGE + r", got \(16, 10\)",
+              _rope_call(_cos_sin_as(lambda args: cos_sin_table(ERROR_MAX_POS, 10)))),
+    ErrorKind("rope: odd rotary dim", "rope_geometry", COS_SIN_SHAPE_MESSAGE,
+              _rope_call(_cos_sin_as(lambda args: np.zeros((ERROR_MAX_POS, 7), np.float32)))),
+    ErrorKind("rope: cos_sin_cache not 2-D", "rope_geometry", COS_SIN_SHAPE_MESSAGE,
+              _rope_call(_cos_sin_as(lambda args: np.zeros((2, ERROR_MAX_POS, ERROR_ROT), np.float32)))),
+    ErrorKind("rope: cos_sin_cache of another dtype", "element_type",
+              r"cos_sin_cache must be float32 or the key's dtype",
+              _rope_call(_cos_sin_as(lambda args: cos_sin_table(ERROR_MAX_POS, ERROR_ROT, "float16")))),
 ))

@@ -42,7 +42,7 @@ from .core import (
     sync,
     tensor,
 )
-from .transfer import duplicate_dst_slots, valid_token
+from .transfer import INDEX_CHOICES, duplicate_dst_slots, past_the_end, valid_token
 
 SLOT_DTYPES = ("int64", "int32")
 LAYOUTS = S.layout_names()
@@ -265,15 +265,14 @@ SAMPLES = (GatherSample, ScatterSample, MoveSample)
 # Error inputs of gather, scatter and move, as data (built on a valid transfer case)
 # ---------------------------------------------------------------------------------------
 
-def _ops():
-    return ops
-
-
-def _gather_setup(b, device, validate, out_width: int | None = None):
-    """The case's source cache, slots and a sentinel ``out`` (rows of ``out_width`` elements if given)."""
+def _gather_setup(b, device, validate, out_width: int | None = None, layers: int | None = None,
+                  planes: int | None = None):
+    """The case's source cache, slots and a sentinel ``out`` (rows of ``out_width`` elements, ``layers`` and
+    ``planes`` of them, if given)."""
     s = BadSetup.of(b.case, device, validate)
     g = b.case.src_geom
-    geom = rows_geometry(g.P, g.L, b.case.T, *((g.H, g.E) if out_width is None else (1, out_width)))
+    geom = rows_geometry(planes or g.P, layers or g.L, b.case.T,
+                         *((g.H, g.E) if out_width is None else (1, out_width)))
     out_np = S.sentinel_cache("rows", geom, b.case.dtype)
     return s, out_np, tensor(out_np, device)
 
@@ -289,21 +288,38 @@ def _gather_slot_out_of_range(b, device, validate):
         return [out], [reference.gather(b.case.src_layout, s.src_np, ss, out=out_np)]
 
     return Invalid(lambda: ops.gather(s.src, slots(s.src_slots, "int64", device), out=out, validate=validate),
-                   [([out], [out_np], "out (must not change)")], deferred)
+                   [([out], [out_np], "out (must not change)")], deferred,
+                   values={"token": t, "value": b.case.src_geom.N + b.offset, "bound": b.case.src_geom.N})
 
 
-def _gather_call(out_width=None, **kwargs):
+def _gather_width(b, device, validate):
+    g = b.case.src_geom
+    s, out_np, out = _gather_setup(b, device, validate, out_width=g.H * g.E + 1)
+    return Invalid(lambda: ops.gather(s.src, slots(s.src_slots, "int64", device), out=out, validate=validate),
+                   [([out], [out_np], "out (must not change)")],
+                   values={"src": f"{g.H}*{g.E}", "dst": f"1*{g.H * g.E + 1}"})
+
+
+def _count(geom, what: str) -> int:
+    return geom.L if what == "layers" else geom.P
+
+
+def _gather_index(what: str, value):
+    """``ops.gather`` choosing layer or plane ``value(count, sample)``."""
     def build(b, device, validate):
-        s, out_np, out = _gather_setup(b, device, validate, out_width(b) if out_width else None)
-        kw = {k: f(b) for k, f in kwargs.items()}
-        return Invalid(lambda: ops.gather(s.src, slots(s.src_slots, "int64", device), out=out,
-                                             validate=validate, **kw), [([out], [out_np], "out (must not change)")])
+        count = _count(b.case.src_geom, what)
+        s, out_np, out = _gather_setup(b, device, validate, **{what: 1})
+        bad = value(count, b)
+        return Invalid(lambda: ops.gather(s.src, slots(s.src_slots, "int64", device), out=out, validate=validate,
+                                          **{what: [bad]}),
+                       [([out], [out_np], "out (must not change)")], values={"value": bad, "count": count})
     return build
 
 
-def _scatter_rows(b, device, dtype=None):
+def _scatter_rows(b, device, dtype=None, layers=None, planes=None):
+    """Random rows ``[P', L', T, 1, H * E]`` for the case's destination (``layers``/``planes``: L', P')."""
     g = b.case.dst_geom
-    rows_np = random_array((g.P, g.L, b.case.T, 1, g.H * g.E), dtype or b.case.dtype, 1)
+    rows_np = random_array((planes or g.P, layers or g.L, b.case.T, 1, g.H * g.E), dtype or b.case.dtype, 1)
     return rows_np, tensor(rows_np, device)
 
 
@@ -319,26 +335,42 @@ def _scatter_slot_out_of_range(b, device, validate):
         return s.dst.tensors, flat(b.case.dst_layout, reference.scatter(b.case.dst_layout, s.dst_np, rows_np, ds))
 
     return Invalid(lambda: ops.scatter(s.dst, rows, slots(s.dst_slots, "int64", device), validate=validate),
-                   s.dst_unchanged(), deferred)
+                   s.dst_unchanged(), deferred,
+                   values={"token": t, "value": b.case.dst_geom.N + b.offset, "bound": b.case.dst_geom.N})
 
 
-def _scatter_call(edit=lambda s, b: None, rows_dtype=None):
+def _scatter_call(edit=lambda s, b: None, rows_dtype: bool = False):
+    """``ops.scatter`` after ``edit(setup, sample)``; ``rows_dtype``: rows of another element size."""
     def build(b, device, validate):
         s = BadSetup.of(b.case, device, validate)
         edit(s, b)
-        _, rows = _scatter_rows(b, device, rows_dtype(b) if rows_dtype else None)
+        other = ("float32" if s.dst.itemsize != 4 else "float16") if rows_dtype else None
+        _, rows = _scatter_rows(b, device, other)
         return Invalid(lambda: ops.scatter(s.dst, rows, slots(s.dst_slots, "int64", device), validate=validate),
-                       s.dst_unchanged())
+                       s.dst_unchanged(), values={"src": rows.dtype, "dst": s.dst.dtype})
     return build
 
 
-def _move(edit):
-    """``ops.move`` inside the case's destination: the first (up to) four slots reversed, then ``edit``."""
+def _scatter_index(what: str, value):
+    """``ops.scatter`` choosing layer or plane ``value(count, sample)``."""
+    def build(b, device, validate):
+        count = _count(b.case.dst_geom, what)
+        s = BadSetup.of(b.case, device, validate)
+        _, rows = _scatter_rows(b, device, **{what: 1})
+        bad = value(count, b)
+        return Invalid(lambda: ops.scatter(s.dst, rows, slots(s.dst_slots, "int64", device), validate=validate,
+                                           **{what: [bad]}), s.dst_unchanged(), values={"value": bad, "count": count})
+    return build
+
+
+def _move(edit, src_dtype: str = "int64"):
+    """``ops.move`` inside the case's destination: the first (up to) four slots reversed, then
+    ``edit(src, dst, sample)``, which returns what the message must say."""
     def build(b, device, validate):
         s = BadSetup.of(b.case, device, validate)
         n = min(4, b.case.dst_geom.N)
         src, dst = list(range(n)), list(reversed(range(n)))
-        edit(src, dst, b)
+        values = edit(src, dst, b) or {}
 
         def deferred():
             ms, md = np.array(src), np.array(dst)
@@ -346,14 +378,17 @@ def _move(edit):
             ms[bad] = md[bad] = -1
             return s.dst.tensors, flat(b.case.dst_layout, reference.move(b.case.dst_layout, s.dst_np, ms, md))
 
-        return Invalid(lambda: ops.move(s.dst, slots(src, "int64", device), slots(dst, "int64", device),
-                                           validate=validate), s.dst_unchanged(), deferred)
+        src_t, dst_t = slots(src, src_dtype, device), slots(dst, "int64", device)
+        return Invalid(lambda: ops.move(s.dst, src_t, dst_t, validate=validate), s.dst_unchanged(), deferred,
+                       values=values)
     return build
 
 
 def _move_out_of_range(side: int):
     def edit(src, dst, b):
-        (src, dst)[side][b.token % len(src)] = b.case.dst_geom.N + b.offset
+        token, bound = b.token % len(src), b.case.dst_geom.N
+        (src, dst)[side][token] = bound + b.offset
+        return {"token": token, "value": bound + b.offset, "bound": bound}
     return edit
 
 
@@ -364,42 +399,40 @@ def _move_duplicates(src, dst, b):
         src[:], dst[:] = [0, 0], [0, 0]
 
 
-def _other_size(b) -> str:
-    return "float32" if S.numpy_dtype(b.case.dtype).itemsize != 4 else "float16"
+def _move_lengths(src, dst, b):
+    dst.append(0)
+    return {"src": len(src), "dst": len(dst)}
 
 
 GATHER_ERRORS = (
-    ErrorKind("gather: slots out of range", "slot_out_of_range",
-              core.slot_out_of_range_message("slots"), _gather_slot_out_of_range,
-              deferrable=True),
-    ErrorKind("gather: layers out of range", "layer_plane_out_of_range",
-              core.index_out_of_range_message("layers"),
-              _gather_call(layers=lambda b: [b.case.src_geom.L + b.offset])),
-    ErrorKind("gather: out row width differs", "row_width",
-              core.ROW_WIDTHS_DIFFER,
-              _gather_call(out_width=lambda b: b.case.src_geom.H * b.case.src_geom.E + 1)),
+    ErrorKind("gather: slots out of range", "slot_out_of_range", core.slot_out_of_range_message("slots"),
+              _gather_slot_out_of_range, deferrable=True),
+    *(ErrorKind(f"gather: {what} {where}", "layer_plane_out_of_range", core.index_out_of_range_message(what),
+                _gather_index(what, value))
+      for what in ("layers", "planes") for where, value in INDEX_CHOICES),
+    ErrorKind("gather: out row width differs", "row_width", core.ROW_WIDTHS_DIFFER, _gather_width),
 )
 SCATTER_ERRORS = (
-    ErrorKind("scatter: slots out of range", "slot_out_of_range",
-              core.slot_out_of_range_message("dst_slots"), _scatter_slot_out_of_range,
-              deferrable=True),
-    ErrorKind("scatter: duplicate slots", "duplicate_destination_slot",
-              core.REPEATED_DESTINATION,
+    ErrorKind("scatter: slots out of range", "slot_out_of_range", core.slot_out_of_range_message("dst_slots"),
+              _scatter_slot_out_of_range, deferrable=True),
+    *(ErrorKind(f"scatter: {what} out of range", "layer_plane_out_of_range",
+                core.index_out_of_range_message("dst_" + what), _scatter_index(what, past_the_end))
+      for what in ("layers", "planes")),
+    ErrorKind("scatter: duplicate slots", "duplicate_destination_slot", core.REPEATED_DESTINATION,
               _scatter_call(duplicate_dst_slots)),
-    ErrorKind("scatter: rows dtype differs", "element_type",
-              core.DTYPES_DIFFER, _scatter_call(rows_dtype=_other_size)),
+    ErrorKind("scatter: rows dtype differs", "element_type", core.DTYPES_DIFFER, _scatter_call(rows_dtype=True)),
 )
 MOVE_ERRORS = (
-    ErrorKind("move: src_slots out of range", "slot_out_of_range",
-              core.slot_out_of_range_message("src_slots"), _move(_move_out_of_range(0)),
-              deferrable=True),
-    ErrorKind("move: dst_slots out of range", "slot_out_of_range",
-              core.slot_out_of_range_message("dst_slots"), _move(_move_out_of_range(1)),
-              deferrable=True),
-    ErrorKind("move: duplicate dst_slots", "duplicate_destination_slot",
-              core.REPEATED_DESTINATION, _move(_move_duplicates)),
+    ErrorKind("move: src_slots out of range", "slot_out_of_range", core.slot_out_of_range_message("src_slots"),
+              _move(_move_out_of_range(0)), deferrable=True),
+    ErrorKind("move: dst_slots out of range", "slot_out_of_range", core.slot_out_of_range_message("dst_slots"),
+              _move(_move_out_of_range(1)), deferrable=True),
+    ErrorKind("move: duplicate dst_slots", "duplicate_destination_slot", core.REPEATED_DESTINATION,
+              _move(_move_duplicates)),
     ErrorKind("move: slot lengths differ", "index_shape",
-              r"src_slots \(\d+,\) and dst_slots \(\d+,\) differ in length", _move(lambda s, d, b: d.append(0))),
+              r"src_slots \({src},\) and dst_slots \({dst},\) differ in length", _move(_move_lengths)),
+    ErrorKind("move: src_slots of float32", "index_dtype", r"src_slots must be int32 or int64, got torch\.float32",
+              _move(lambda src, dst, b: None, src_dtype="float32")),
 )
 GATHER = dataclasses.replace(GATHER, errors=GATHER_ERRORS)
 SCATTER = dataclasses.replace(SCATTER, errors=SCATTER_ERRORS)

@@ -264,22 +264,28 @@ def valid_token(case: S.TransferCase, token: int) -> int:
     return valid[token % len(valid)] if valid else -1
 
 
+def _transfer_call(s: BadSetup, **kwargs):
+    """The invalid ``ops.transfer`` of a setup: its slots (as tensors) and layers, ``kwargs`` on top."""
+    src_t, dst_t = s.slot_tensors()
+    src_t, dst_t = kwargs.pop("src_slots", src_t), kwargs.pop("dst_slots", dst_t)
+    kw = {**s.layer_kwargs, **kwargs}
+    return lambda: ops.transfer(s.src, s.dst, src_t, dst_t, validate=s.validate, **kw)
+
+
 def _slot_out_of_range(side: str):
     def build(b, device, validate):
         s = BadSetup.of(b.case, device, validate)
         t = valid_token(b.case, b.token)
-        values = s.src_slots if side == "src_slots" else s.dst_slots
-        values[t] = (b.case.src_geom.N if side == "src_slots" else b.case.dst_geom.N) + b.offset
-
-        def call():
-            ops.transfer(s.src, s.dst, *s.slot_tensors(), validate=validate, **s.layer_kwargs)
+        bound = b.case.src_geom.N if side == "src_slots" else b.case.dst_geom.N
+        (s.src_slots if side == "src_slots" else s.dst_slots)[t] = bound + b.offset
 
         def deferred():   # the kernel skipped token t: the reference with that pair dropped
             ss, ds = np.array(s.src_slots), np.array(s.dst_slots)
             ss[t] = ds[t] = -1
             return s.dst.tensors, flat(b.case.dst_layout, expected_transfer(b.case, s.src_np, s.dst_np, ss, ds))
 
-        return Invalid(call, s.dst_unchanged(), deferred)
+        return Invalid(_transfer_call(s), s.dst_unchanged(), deferred,
+                       values={"token": t, "value": bound + b.offset, "bound": bound})
     return build
 
 
@@ -297,27 +303,27 @@ def _other_dtype(b, device, validate, same_size: bool):
             s.src = bind(c.src_layout, s.src_np, c.src_geom, device)
             other = "float16"
     s.rebind_dst(S.sentinel_cache(c.dst_layout, c.dst_geom, other))
-    return Invalid(lambda: ops.transfer(s.src, s.dst, *s.slot_tensors(), validate=validate, **s.layer_kwargs),
-                   s.dst_unchanged())
+    return Invalid(_transfer_call(s), s.dst_unchanged(),
+                   values={"src": s.src.dtype, "dst": s.dst.dtype})
 
 
 def _row_widths_differ(b, device, validate):
     s = BadSetup.of(b.case, device, validate)
-    g = b.case.dst_geom
+    sg, g = b.case.src_geom, b.case.dst_geom
     geom = dataclasses.replace(g, E=g.E + 1, columns=(g.columns[0] + 1, g.columns[1]) if g.columns else ())
     s.rebind_dst(S.sentinel_cache(b.case.dst_layout, geom, b.case.dtype), geom)
-    return Invalid(lambda: ops.transfer(s.src, s.dst, *s.slot_tensors(), validate=validate, **s.layer_kwargs),
-                   s.dst_unchanged())
+    return Invalid(_transfer_call(s), s.dst_unchanged(),
+                   values={"src": f"{sg.H}*{sg.E}", "dst": f"{geom.H}*{geom.E}"})
 
 
-def _spoiled(edit, **call_kwargs):
-    """A kind that edits the slot lists (``edit(setup, sample)``) and passes ``call_kwargs`` (functions of both)."""
+def _spoiled(edit, values=None, **call_kwargs):
+    """A kind that edits the slot lists (``edit(setup, sample)``) and passes ``call_kwargs`` (functions of both);
+    ``values(setup, sample)``: what the message must say."""
     def build(b, device, validate):
         s = BadSetup.of(b.case, device, validate)
         edit(s, b)
-        kw = {**s.layer_kwargs, **{k: f(s, b) for k, f in call_kwargs.items()}}
-        return Invalid(lambda: ops.transfer(s.src, s.dst, *s.slot_tensors(), validate=validate, **kw),
-                       s.dst_unchanged())
+        return Invalid(_transfer_call(s, **{k: f(s, b) for k, f in call_kwargs.items()}), s.dst_unchanged(),
+                       values=values(s, b) if values else {})
     return build
 
 
@@ -344,73 +350,82 @@ def _unpinned_source(b, device, validate):
     return Invalid(lambda: ops.transfer(s.src, s.dst, *s.slot_tensors(), **s.layer_kwargs), s.dst_unchanged())
 
 
-def _float_slots(b, device, validate):
-    s = BadSetup.of(b.case, device, validate)
-    src_t = torch.tensor(s.src_slots, dtype=torch.float32, device=device)
-    return Invalid(lambda: ops.transfer(s.src, s.dst, src_t, s.slot_tensors()[1], validate=validate,
-                                          **s.layer_kwargs), s.dst_unchanged())
+def _slot_tensor_as(side: str, dtype: str, shape=None):
+    """A kind whose ``side`` slot tensor has element type ``dtype`` (and, with ``shape``, that shape)."""
+    def build(b, device, validate):
+        s = BadSetup.of(b.case, device, validate)
+        bad = torch.tensor(s.src_slots if side == "src_slots" else s.dst_slots, device=device)
+        bad = bad.to(getattr(torch, dtype))
+        if shape is not None:
+            bad = bad.view(*shape, -1)
+        return Invalid(_transfer_call(s, **{side: bad}), s.dst_unchanged(),
+                       values={"dtype": f"torch.{dtype}", "shape": tuple(bad.shape)})
+    return build
 
 
-def _two_d_slots(b, device, validate):
-    s = BadSetup.of(b.case, device, validate)
-    src_t, dst_t = s.slot_tensors()
-    return Invalid(lambda: ops.transfer(s.src, s.dst, src_t, dst_t.view(1, -1), validate=validate,
-                                          **s.layer_kwargs), s.dst_unchanged())
+def _index_out_of_range(arg: str, value):
+    """A kind choosing layer or plane ``value(geometry count)`` for ``arg``, and index 0 on the other side."""
+    side, what = arg.split("_")
+    other = ("dst_" if side == "src" else "src_") + what
+
+    def count(b):
+        g = b.case.src_geom if side == "src" else b.case.dst_geom
+        return g.L if what == "layers" else g.P
+
+    return _spoiled(lambda s, b: None, values=lambda s, b: {"value": value(count(b), b), "count": count(b)},
+                    **{arg: lambda s, b: [value(count(b), b)], other: lambda s, b: [0]})
 
 
-def _layers_out_of_range(arg: str):
-    other = "dst_layers" if arg == "src_layers" else "src_layers"
+def past_the_end(count: int, b) -> int:
+    """An index ``b.offset`` past the last of ``count``."""
+    return count + b.offset
 
-    def layers(s, b):
-        return [(b.case.src_geom.L if arg == "src_layers" else b.case.dst_geom.L) + b.offset]
 
-    return _spoiled(lambda s, b: None, **{arg: layers, other: lambda s, b: [0]})
+def negative_index(count: int, b) -> int:
+    """A negative index (-1 - ``b.offset``): never "from the end"."""
+    return -1 - b.offset
 
+
+INDEX_CHOICES = (("out of range", past_the_end), ("negative", negative_index))
+"""Bad layer or plane indices: past the end, and negative."""
+
+SLOT_DTYPE_MESSAGE = r"{side} must be int32 or int64, got {dtype}"
 
 TRANSFER_ERRORS = (
     ErrorKind("transfer: src_slots out of range", "slot_out_of_range",
-              slot_out_of_range_message("src_slots"), _slot_out_of_range("src_slots"),
-              deferrable=True),
+              slot_out_of_range_message("src_slots"), _slot_out_of_range("src_slots"), deferrable=True),
     ErrorKind("transfer: dst_slots out of range", "slot_out_of_range",
-              slot_out_of_range_message("dst_slots"), _slot_out_of_range("dst_slots"),
-              deferrable=True),
-    ErrorKind("transfer: element sizes differ", "element_type",
-              DTYPES_DIFFER,
+              slot_out_of_range_message("dst_slots"), _slot_out_of_range("dst_slots"), deferrable=True),
+    ErrorKind("transfer: element sizes differ", "element_type", DTYPES_DIFFER,
               lambda b, d, v: _other_dtype(b, d, v, same_size=False)),
-    ErrorKind("transfer: dtypes differ, same size", "element_type",
-              DTYPES_DIFFER,
+    ErrorKind("transfer: dtypes differ, same size", "element_type", DTYPES_DIFFER,
               lambda b, d, v: _other_dtype(b, d, v, same_size=True)),
-    ErrorKind("transfer: row widths differ", "row_width",
-              ROW_WIDTHS_DIFFER, _row_widths_differ),
+    ErrorKind("transfer: row widths differ", "row_width", ROW_WIDTHS_DIFFER, _row_widths_differ),
     ErrorKind("transfer: slot lengths differ", "index_shape",
-              r"src_slots and dst_slots differ in length: \[\d+, \d+\]",
-              _spoiled(lambda s, b: s.dst_slots.pop())),
-    ErrorKind("transfer: duplicate dst_slots", "duplicate_destination_slot",
-              REPEATED_DESTINATION,
+              r"src_slots and dst_slots differ in length: \[{shorter}, {longer}\]",
+              _spoiled(lambda s, b: s.dst_slots.pop(),
+                       values=lambda s, b: {"shorter": len(s.dst_slots), "longer": len(s.src_slots)})),
+    ErrorKind("transfer: duplicate dst_slots", "duplicate_destination_slot", REPEATED_DESTINATION,
               _spoiled(duplicate_dst_slots)),
-    ErrorKind("transfer: overlapping buffers", "memory_overlap",
-              r"src\[\d+\] and dst\[\d+\] overlap in memory", _overlapping),
-    ErrorKind("transfer: unpinned host source", "devices",
-              r"src\[\d+\] is an unpinned host tensor", _unpinned_source, devices=("cuda",)),
-    ErrorKind("transfer: src_layers out of range", "layer_plane_out_of_range",
-              index_out_of_range_message("src_layers"),
-              _layers_out_of_range("src_layers")),
-    ErrorKind("transfer: dst_layers out of range", "layer_plane_out_of_range",
-              index_out_of_range_message("dst_layers"),
-              _layers_out_of_range("dst_layers")),
-    ErrorKind("transfer: src_planes out of range", "layer_plane_out_of_range",
-              index_out_of_range_message("src_planes"),
-              _spoiled(lambda s, b: None, src_planes=lambda s, b: [b.case.src_geom.P + b.offset],
-                       dst_planes=lambda s, b: [0])),
+    ErrorKind("transfer: overlapping buffers", "memory_overlap", r"src\[\d+\] and dst\[\d+\] overlap in memory",
+              _overlapping),
+    ErrorKind("transfer: unpinned host source", "devices", r"src\[\d+\] is an unpinned host tensor",
+              _unpinned_source, devices=("cuda",)),
+    *(ErrorKind(f"transfer: {arg} {where}", "layer_plane_out_of_range", index_out_of_range_message(arg),
+                _index_out_of_range(arg, value))
+      for arg in ("src_layers", "dst_layers", "src_planes", "dst_planes")
+      for where, value in INDEX_CHOICES),
     ErrorKind("transfer: layer lists differ in length", "layer_plane_pairing",
-              r"src_layers has \d+ layers, dst_layers \d+",
+              r"src_layers has 2 layers, dst_layers 1",
               _spoiled(lambda s, b: None, src_layers=lambda s, b: [0, 0], dst_layers=lambda s, b: [0])),
-    ErrorKind("transfer: slots not integers", "index_dtype",
-              r"src_slots must be int32 or int64, got torch\.float32", _float_slots),
-    ErrorKind("transfer: slots not 1-D", "index_shape",
-              r"dst_slots must be 1-D, got shape \(1, \d+\)", _two_d_slots),
-    ErrorKind("transfer: skip_prefix out of range", "skip_prefix",
-              r"skip_prefix = \d+ must lie in \[0, \d+\]",
-              _spoiled(lambda s, b: None, skip_prefix=lambda s, b: b.case.T + 1 + b.offset)),
+    *(ErrorKind(f"transfer: {side} of {dtype}", "index_dtype", SLOT_DTYPE_MESSAGE.replace("{side}", side),
+                _slot_tensor_as(side, dtype))
+      for side in ("src_slots", "dst_slots") for dtype in ("float32", "int16", "uint8", "bool")),
+    *(ErrorKind(f"transfer: {side} not 1-D", "index_shape", side + r" must be 1-D, got shape {shape}",
+                _slot_tensor_as(side, "int64", shape=(1,)))
+      for side in ("src_slots", "dst_slots")),
+    ErrorKind("transfer: skip_prefix out of range", "skip_prefix", r"skip_prefix = {value} must lie in \[0, {T}\]",
+              _spoiled(lambda s, b: None, skip_prefix=lambda s, b: b.case.T + 1 + b.offset,
+                       values=lambda s, b: {"value": b.case.T + 1 + b.offset, "T": b.case.T})),
 )
 TRANSFER = dataclasses.replace(TRANSFER, errors=TRANSFER_ERRORS)
