@@ -11,8 +11,8 @@ reference.
 * :func:`slot_patterns` - slot arrays: random, page-contiguous, sorted,
   reversed, padded with -1, empty, one token, a partial last page;
 * :func:`transfer_cases` - a source and a destination cache that can exchange
-  rows, with layers, slots and skip_prefix: a :class:`TransferCase` that prints
-  its own reproducer;
+  rows, with layers, slots and skip_prefix: a :class:`TransferCase` whose
+  ``repr`` rebuilds it (the case database's samples wrap it);
 * :func:`random_cache` / :func:`sentinel_cache` - the physical numpy value of a
   cache (same structure as the reference's physical values) filled with random
   bytes or one repeated byte.
@@ -390,20 +390,6 @@ class TransferCase:
         skip = f" skip {self.skip_prefix}" if self.skip_prefix else ""
         return (f"{self.src_layout}[{geometry_label(self.src_geom)}] -> "
                 f"{self.dst_layout}[{geometry_label(self.dst_geom)}] {self.dtype} T={self.T}{layers}{skip}")
-
-    def to_python(self) -> str:
-        """A self-contained script that rebuilds this case and runs the reference on it."""
-        return "\n".join([
-            "import numpy as np",
-            "from kvlayout import reference as R",
-            "from kvlayout.reference import Geometry",
-            "from kvlayout.conformance.strategies import TransferCase",
-            f"case = {self!r}",
-            "src, dst = case.caches()",
-            "src_slots, dst_slots = case.slots()",
-            "out = R.transfer(case.src_layout, src, case.dst_layout, dst, src_slots, dst_slots,",
-            "                 **case.transfer_kwargs())",
-        ])
 
 
 def _pairable(a: Layout, b: Layout) -> bool:

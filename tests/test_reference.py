@@ -113,7 +113,7 @@ def run_case(case: S.TransferCase):
     ss, ds = case.slots()
     got = R.transfer(case.src_layout, src, case.dst_layout, dst, ss, ds, **case.transfer_kwargs())
     want = oracle_transfer(case, src, dst)
-    assert S.same_bytes(case.dst_layout, got, want), case.to_python()
+    assert S.same_bytes(case.dst_layout, got, want), repr(case)
 
 
 # Every ordered layout pair also runs, at fixed sizes, in test_transfer_every_pair.
