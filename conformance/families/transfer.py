@@ -5,8 +5,9 @@ A :class:`TransferSample` wraps a :class:`~kvlayout.conformance.strategies.Trans
 is called: where each side lives (CUDA: the device, or pinned host memory),
 the slot dtypes and where the slots live, whether ``skip_prefix`` is the
 argument or folded into the slots by ``ops.skip_prefix``, ``validate``, the
-CTA budget, and what the destination holds before the call (sentinel or
-random bytes).  A :class:`FuzzIndexSample` is a transfer whose slots carry
+CTA budget, the engine (the copy kernel, or ``engine="copy"``: the copy
+engine, which reads the slots on the host), and what the destination holds
+before the call (sentinel or random bytes).  A :class:`FuzzIndexSample` is a transfer whose slots carry
 huge negative ("no token") and out-of-range values.
 
 Reference: ``kvlayout.reference.transfer``.
@@ -48,6 +49,8 @@ from .core import (
 SLOT_DTYPES = ("int64", "int32")
 PLACEMENTS = ("device", "pinned src", "pinned dst")
 """Where the two sides of a transfer live on a CUDA run (on CPU everything is host memory)."""
+ENGINES = ("kernel", "kernel", "copy")
+"""Engines drawn for a transfer: mostly the copy kernel, a third the copy engine."""
 CTA_BUDGETS = (0, 0, 0, 1, 2, 4)
 """``max_ctas`` drawn for a transfer (0 = the default grid; the others split the work over few CTAs)."""
 
@@ -82,6 +85,7 @@ class TransferSample:
     dst_fill: str = "sentinel"      # or "random": the destination's initial bytes
     max_ctas: int = 0
     pinned_slots: bool = False      # CUDA: slot tensors in pinned host memory
+    engine: str = "kernel"          # or "copy": the copy engine (slots on the host)
     family = "transfer"
 
     def group(self) -> str:
@@ -94,7 +98,8 @@ class TransferSample:
         if self.case.skip_prefix and self.skip_via != "argument":
             extra.append("skip via ops.skip_prefix")
         for flag, text in ((self.validate, "validate"), (self.dst_fill != "sentinel", f"{self.dst_fill} dst"),
-                           (self.max_ctas, f"max_ctas={self.max_ctas}"), (self.pinned_slots, "pinned slots")):
+                           (self.max_ctas, f"max_ctas={self.max_ctas}"), (self.pinned_slots, "pinned slots"),
+                           (self.engine != "kernel", f"{self.engine} engine")):
             if flag:
                 extra.append(text)
         return f"{self.case.describe()} ({', '.join(extra)})"
@@ -114,12 +119,14 @@ class TransferSample:
         dst = bind(c.dst_layout, dst_np, c.dst_geom, device, pin=pin_if(device, self.placement == "pinned dst"))
         ss, ds = c.slots()
         pin = pin_if(device, self.pinned_slots)
-        src_t, dst_t = (slots(s, d, device, pin=pin) for s, d in zip((ss, ds), self.slot_dtypes))
+        slot_device = device if self.engine == "kernel" else "cpu"
+        src_t, dst_t = (slots(s, d, slot_device, pin=pin) for s, d in zip((ss, ds), self.slot_dtypes))
         kw = op_kwargs(c)
         if c.skip_prefix and self.skip_via != "argument":
             src_t = ops.skip_prefix(src_t, kw.pop("skip_prefix"), num_tokens=kw.pop("num_tokens", c.T))
-            src_t = slots(src_t.cpu().numpy(), self.slot_dtypes[0], device, pin=pin)
-        ops.transfer(src, dst, src_t, dst_t, validate=self.validate or None, max_ctas=self.max_ctas, **kw)
+            src_t = slots(src_t.cpu().numpy(), self.slot_dtypes[0], slot_device, pin=pin)
+        ops.transfer(src, dst, src_t, dst_t, validate=self.validate or None, max_ctas=self.max_ctas,
+                     engine=self.engine, **kw)
         sync(device)
         assert_same(dst.tensors, flat(c.dst_layout, expected_transfer(c, src_np, dst_np)), "destination")
         assert_same(src.tensors, flat(c.src_layout, src_np), "source (must not change)")
@@ -139,6 +146,7 @@ class FuzzIndexSample:
     case: S.TransferCase
     path: str = "default"
     slot_dtype: str = "int64"
+    engine: str = "kernel"      # "copy": the copy engine checks the slots on the host, before copying
     family = "fuzz_index"
 
     def bad_tokens(self) -> list[int]:
@@ -150,7 +158,7 @@ class FuzzIndexSample:
         return layout_group(self.case)
 
     def describe(self) -> str:
-        return (f"{self.case.describe()} ({self.slot_dtype}, {self.path} path, "
+        return (f"{self.case.describe()} ({self.slot_dtype}, {self.path} path, {self.engine} engine, "
                 f"out of range at tokens {self.bad_tokens()})")
 
     def run(self, device: str) -> None:
@@ -160,12 +168,13 @@ class FuzzIndexSample:
         src = bind(c.src_layout, src_np, c.src_geom, device)
         dst = bind(c.dst_layout, dst_np, c.dst_geom, device)
         ss, ds = c.slots()
+        slot_device = device if self.engine == "kernel" else "cpu"
 
         def call():
-            ops.transfer(src, dst, slots(ss, self.slot_dtype, device), slots(ds, self.slot_dtype, device),
-                         validate=True if self.path == "validate" else None, **op_kwargs(c))
+            ops.transfer(src, dst, slots(ss, self.slot_dtype, slot_device), slots(ds, self.slot_dtype, slot_device),
+                         validate=True if self.path == "validate" else None, engine=self.engine, **op_kwargs(c))
 
-        deferred = torch.device(device).type != "cpu" and self.path == "default"
+        deferred = torch.device(device).type != "cpu" and self.path == "default" and self.engine == "kernel"
         if not bad:
             call()
             sync(device)
@@ -222,7 +231,8 @@ def transfer_samples(device: str, group: str | None = None, *, pairs=None, dtype
                      validate=st.booleans() if cuda else st.just(False),
                      dst_fill=st.sampled_from(("sentinel", "sentinel", "random")),
                      max_ctas=st.sampled_from(CTA_BUDGETS),
-                     pinned_slots=st.booleans() if cuda else st.just(False))
+                     pinned_slots=st.booleans() if cuda else st.just(False),
+                     engine=st.sampled_from(ENGINES))
 
 
 @st.composite
@@ -244,7 +254,8 @@ def fuzz_index_samples(draw, device: str, group: str | None = None):
                                            + ((2**40, 2**62) if wide else ())))
     case = dataclasses.replace(case, src_slots=tuple(s), dst_slots=tuple(d))
     cuda = torch.device(device).type == "cuda"
-    return FuzzIndexSample(case, draw(st.sampled_from(("default", "validate"))) if cuda else "default", slot_dtype)
+    return FuzzIndexSample(case, draw(st.sampled_from(("default", "validate"))) if cuda else "default", slot_dtype,
+                           draw(st.sampled_from(ENGINES)))
 
 
 TRANSFER = OpFamily("transfer", "ops.transfer between every pair of catalog layouts (and the row buffer)",
