@@ -273,6 +273,8 @@ def _variant(case) -> str:
             parts.append(str(v))
     if getattr(case, "pinned_out", False) or getattr(case, "pinned_rows", False):
         parts.append("pinned host")
+    if getattr(case, "engine", "kernel") != "kernel":
+        parts.append(f"{case.engine} engine")
     dtype = getattr(case, "dtype", None) or getattr(getattr(case, "case", None), "dtype", None)
     if dtype:
         parts.append(dtype)
