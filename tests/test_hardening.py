@@ -107,24 +107,6 @@ def test_slots_rewritten_by_another_thread_never_escape_the_tensors():
     assert int(guard.count_nonzero()) == 0, "a slot value that failed the check was used"
 
 
-def test_positions_overlapping_or_expanded_keys_are_rejected():
-    keys = torch.randn(4, 2, 8)
-    cos_sin = torch.randn(16, 8)
-    pos = torch.tensor([0, 1, 2, 3])
-    # positions stored inside the keys' buffer
-    buf = torch.zeros(4 * 2 * 8, dtype=torch.float32)
-    keys_in_buf = buf.view(4, 2, 8)
-    alias = buf.view(torch.int32)[:4]
-    with pytest.raises(ValueError, match=r"old_positions overlaps key in memory"):
-        ops.rope_reposition(keys_in_buf, alias, pos, cos_sin, is_neox=True)
-    expanded = torch.randn(1, 2, 8).expand(4, 2, 8)
-    before = expanded.clone()
-    with pytest.raises(ValueError, match=r"key has internal overlap"):
-        ops.rope_reposition(expanded, pos, pos.flip(0), cos_sin, is_neox=True)
-    assert torch.equal(expanded, before)
-    ops.rope_reposition(keys, pos, pos.flip(0), cos_sin, is_neox=True)   # the plain case still works
-
-
 # ---------------------------------------------------------------------------------------
 # plans hold no tensors
 # ---------------------------------------------------------------------------------------

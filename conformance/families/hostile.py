@@ -17,7 +17,9 @@ argument checks (:data:`HOSTILE_KINDS`):
 * ``host allocator abuse`` - ``HostKVPool.free``/``alloc`` with negative,
   repeated, never allocated or out-of-range slots and negative sizes;
 * ``adapter shape lies`` - SGLang adapter arguments (page size, head count)
-  that contradict the host tensor's shape.
+  that contradict the host tensor's shape;
+* ``positions alias the keys`` / ``expanded keys`` - RoPE positions stored in
+  the keys' own buffer, and keys whose tokens alias one row.
 
 Each kind is a function of the sample (no generated source).  Every case
 passes only when the call either raises a clear exception (naming
@@ -53,7 +55,7 @@ REJECTED = (ValueError, RuntimeError)
 
 HOSTILE_KINDS = ("slots alias the destination", "slots rewritten during the call", "two storages over one buffer",
                  "expanded destination", "a destination layer twice", "host allocator abuse",
-                 "adapter shape lies")
+                 "adapter shape lies", "positions alias the keys", "expanded keys")
 CPU_ONLY_KINDS = ("two storages over one buffer", "host allocator abuse", "adapter shape lies")
 
 
@@ -266,10 +268,44 @@ def _adapter(h: HostileSample, device: str) -> None:
     assert int(host.view(torch.int16).count_nonzero()) == 0, "a rejected call wrote the host pool"
 
 
+def _rope_inputs(h: HostileSample, device: str):
+    """Keys ``[T, 2, 8]`` (fp32, T from the case), positions ``0..T-1`` and a cos/sin cache of 16 positions."""
+    from .rope import cos_sin_table
+
+    T = max(2, min(h.case.T, 8))
+    return T, slots(range(T), "int64", device), torch.from_numpy(cos_sin_table(16, 8)).to(device)
+
+
+def _positions_alias_keys(h: HostileSample, device: str) -> None:
+    """Positions stored inside the keys' own buffer: rotating the keys would rewrite them mid-call."""
+    T, pos, cos_sin = _rope_inputs(h, device)
+    buf = torch.zeros(T * 2 * 8, dtype=torch.float32, device=device)
+    keys = buf.view(T, 2, 8)
+    alias = buf.view(torch.int64)[:T]
+    alias.copy_(pos)
+    before = snapshot([buf])
+    side = "old_positions" if h.side == "src_slots" else "new_positions"
+    args = (alias, pos) if side == "old_positions" else (pos, alias)
+    expect_raises(lambda: ops.rope_reposition(keys, *args, cos_sin, is_neox=True), REJECTED,
+                  side + " overlaps key in memory")
+    assert_unchanged([buf], before, "keys and positions")
+
+
+def _expanded_keys(h: HostileSample, device: str) -> None:
+    """Keys whose tokens alias one row (stride 0): an in-place rotation would write that row T times."""
+    T, pos, cos_sin = _rope_inputs(h, device)
+    base = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(h.case.seed % (1 << 31))).to(device)
+    before = snapshot([base])
+    expect_raises(lambda: ops.rope_reposition(base.expand(T, 2, 8), pos, pos.flip(0), cos_sin, is_neox=True),
+                  REJECTED, "key has internal overlap")
+    assert_unchanged([base], before, "keys")
+
+
 _KINDS = {"slots alias the destination": _alias, "slots rewritten during the call": _rewritten,
           "two storages over one buffer": _two_storages, "expanded destination": _expanded,
           "a destination layer twice": _layer_twice, "host allocator abuse": _allocator,
-          "adapter shape lies": _adapter}
+          "adapter shape lies": _adapter, "positions alias the keys": _positions_alias_keys,
+          "expanded keys": _expanded_keys}
 
 
 def hostile_kinds(device: str) -> tuple[str, ...]:
