@@ -58,7 +58,7 @@ DIRECTIONS = ("to_host", "from_host", "gather_device", "scatter_device")
 class Case:
     """One measured configuration."""
 
-    group: str            # headline | layouts | layerwise | ctas | copy_engine
+    group: str            # headline | layouts | layerwise | ctas | copy_engine | staged | host_cost
     shape: str
     device_layout: str    # the engine cache
     buffer_layout: str    # the chunk / host pool / device buffer
@@ -67,7 +67,7 @@ class Case:
     direction: str
     layerwise: bool = False
     max_ctas: int = 0
-    engine: str = "kernel"  # or "copy": the copy engine, page-granular runs
+    engine: str = "kernel"  # or "copy": the copy engine, page-granular runs; or "staged" (ops.staged)
     call: str = "transfer"  # layer-wise: "transfer" (ops.transfer per layer), "prepared" (a prepared
     #                         transfer's layer calls) or "graph" (those calls captured once, replayed)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
@@ -75,7 +75,7 @@ class Case:
     @property
     def key(self) -> str:
         mode = "x%d layers" % SHAPES[self.shape].L if self.layerwise else "all layers"
-        engine = "" if self.engine == "kernel" else " copy-engine"
+        engine = {"kernel": "", "copy": " copy-engine"}.get(self.engine, f" {self.engine}")
         call = "" if self.call == "transfer" else f" {self.call}"
         empty = " empty" if self.empty else ""
         return (f"{self.shape} T={self.T} ps={self.page_size} {self.device_layout}->{self.buffer_layout} "
@@ -139,6 +139,13 @@ def plan_cases(quick: bool) -> list[Case]:
         dev = "vllm_mla" if SHAPES[name].mla else "vllm_flash_attn_nhd"
         buf = "hicache_mla_page_first_direct" if SHAPES[name].mla else "hicache_page_first_direct"
         cases.append(Case("copy_engine", name, dev, buf, 4096, ps, direction, engine=engine))
+    # the staged engine (kernel in device memory, copy engine across PCIe) on the headline host rows, and
+    # with a budget of 4 CTAs
+    for name, T, direction in itertools.product(shapes[:3], tokens, ("to_host", "from_host")):
+        dev, buf = _default_layouts(SHAPES[name])
+        cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged"))
+        if T == 4096:
+            cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=4, engine="staged"))
     return cases + host_cost_cases("to_host")
 
 

@@ -64,7 +64,7 @@ def check_untouched(case: C.Case, data: dict, timer: Timer) -> bool:
                for a, b in zip(start, dst.tensors))
 
 
-GROUPS = ("headline", "layouts", "layerwise", "ctas", "copy_engine", "host_cost")
+GROUPS = ("headline", "layouts", "layerwise", "ctas", "copy_engine", "staged", "host_cost")
 
 
 def selected(case: C.Case, only: str | None) -> bool:
@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="file stem of the outputs (default: the device kind)")
     parser.add_argument("--only", default=None,
                         help="comma-separated: run only cases of these groups (headline, layouts, layerwise, ctas, "
-                             "copy_engine, host_cost) or whose description contains one of these texts")
+                             "copy_engine, staged, host_cost) or whose description contains one of these texts")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run recorded in <out>/<name>.jsonl (skips the cases it holds)")
     parser.add_argument("--seed", type=int, default=0)

@@ -122,7 +122,14 @@ def prepare(src, dst, src_slots=None, dst_slots=None, *, src_layers=None, dst_la
     (CUDA, compute capability 9.0+): each launch may start while the previous
     kernel of the stream finishes (programmatic dependent launch); it still
     waits for that kernel's writes before it reads or writes anything.
+    ``engine``: ``"kernel"`` or ``"copy"``; ``"auto"`` prepares the kernel
+    (layer calls are small, where the kernel's direct path wins); ``"staged"``
+    is refused (it allocates staging per call: use ``ops.transfer``).
     """
+    if engine == "staged":
+        raise ValueError("prepare: engine='staged' is not supported (a staged transfer allocates its staging "
+                         "memory per call); use ops.transfer(..., engine='staged')")
+    engine = "kernel" if engine == "auto" else engine
     src = src if isinstance(src, KVCache) else bind(*src)
     dst = dst if isinstance(dst, KVCache) else bind(*dst)
     args = transfer_args(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,

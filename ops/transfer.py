@@ -33,6 +33,7 @@ import torch
 from kvlayout import _C
 
 from . import _native
+from .staged import AUTO_MIN_BYTES, StagedPlan, run_staged, staged_plan
 from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind
 
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -301,7 +302,7 @@ class TransferArgs:
     engine: str
 
 
-ENGINES = ("kernel", "copy")
+ENGINES = ("kernel", "copy", "staged", "auto")
 
 
 def check_layers_and_planes(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes):
@@ -323,7 +324,7 @@ def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, s
     """``(src_slots, dst_slots, num_tokens, skip_prefix)`` checked for a transfer from ``src`` to ``dst``."""
     skip_prefix = as_int("skip_prefix", skip_prefix, lo=0)
     num_tokens = None if num_tokens is None else as_int("num_tokens", num_tokens, lo=0)
-    slot_device = device if engine == "kernel" else torch.device("cpu")
+    slot_device = torch.device("cpu") if engine == "copy" else device
     s_slots = _slots_tensor("src_slots", src_slots, slot_device)
     d_slots = _slots_tensor("dst_slots", dst_slots, slot_device)
     if engine == "copy":
@@ -400,7 +401,7 @@ def _pair_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes,
     _check_pair(src, dst)
     layers_planes = check_layers_and_planes(src, dst, src_layers, dst_layers, src_planes, dst_planes)
     if engine not in ENGINES:
-        raise ValueError(f"engine must be 'kernel' or 'copy', got {engine!r}")
+        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
     max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
     out = CheckedChoice(*layers_planes, max_ctas, _launch_device(src, dst))
     if key is not None and key[5] is not None:
@@ -442,8 +443,12 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     plane pair and each layer pair: ``dst[pd, ld, dst_slots[t]] = src[ps, ls,
     src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: how many
     CTAs (SMs) the CUDA kernel may occupy, 0 = default.  ``engine``:
-    ``"kernel"`` (the copy kernel) or ``"copy"`` (the copy engine, slots on the
-    host).  The plan is made once per choice and kept in C++ as a copy
+    ``"kernel"`` (the copy kernel), ``"copy"`` (the copy engine, slots on the
+    host), ``"staged"`` (between a CUDA cache and a pinned host chunk: the
+    kernel works in a device copy of the chunk and the copy engine crosses
+    PCIe, see :mod:`kvlayout.ops.staged`; ValueError where it cannot) or
+    ``"auto"`` (staged where it can and the payload is large, else the
+    kernel; :func:`explain` says which and why).  The plan is made once per choice and kept in C++ as a copy
     program; calling :func:`~kvlayout.ops.prepare` instead also keeps the
     binding and the argument checks.
     """
@@ -453,6 +458,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
                                                    num_tokens)
     if T == 0 or not c.src_layers or not c.src_planes:
         return
+    if engine in ("staged", "auto"):
+        staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine)
+        if staged.groups is not None:
+            run_staged(src, dst, staged, c, s_slots, d_slots, T, skip_prefix, validate)
+            return
     if engine == "copy":
         launches = cached_plan(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes)
         _check_disjoint(src, dst, launches)
@@ -478,6 +488,40 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
                           c.status, validate):
         torch.ops.kvlayout.copy_program(c.handle, list(src.tensors), list(dst.tensors), s_slots, d_slots, 0, T,
                                         skip_prefix, c.max_ctas, c.status, validate)
+
+
+def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
+                    engine: str) -> StagedPlan:
+    """The staged plan of ``engine="staged"`` (ValueError naming why it cannot be staged) or ``"auto"``
+    (``groups`` None where the kernel is the better choice)."""
+    if torch.compiler.is_compiling():
+        staged = StagedPlan("compiled code keeps the copy kernel")
+    else:
+        staged = staged_plan(src, dst, c, s_slots, d_slots, T, skip_prefix)
+    if engine == "staged" and staged.groups is None:
+        raise ValueError(f"engine='staged' cannot stage this transfer: {staged.reason}")
+    if engine == "auto" and staged.groups is not None and staged.payload_bytes < AUTO_MIN_BYTES:
+        return StagedPlan(f"{staged.payload_bytes} bytes: below {AUTO_MIN_BYTES} the kernel's direct path wins")
+    return staged
+
+
+def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
+            src_planes=None, dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None,
+            max_ctas: int = 0, engine: str = "auto") -> dict:
+    """What :func:`transfer` with these arguments would do: ``{"engine": ..., "reason": ...}``.
+
+    ``engine``: the engine asked for; for ``"auto"`` the answer says which one it picks and why.
+    """
+    c = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
+    s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
+                                                   num_tokens)
+    if engine in ("kernel", "copy"):
+        return {"engine": engine, "reason": "asked for"}
+    staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine)
+    if staged.groups is not None:
+        return {"engine": "staged", "reason": staged.reason, "groups": len(staged.groups),
+                "payload_bytes": staged.payload_bytes}
+    return {"engine": "kernel", "reason": staged.reason}
 
 
 def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layers=None, planes=None,

@@ -83,6 +83,8 @@ def test_every_planned_case_builds_and_matches_the_baseline_on_small_data():
     timer = Timer(torch.device("cpu"), warmup=0, reps=1)
     seen = set()
     for case in C.plan_cases(quick=False):
+        if case.engine == "staged":
+            continue   # needs CUDA and pinned memory: tests/test_staged.py
         small = C.Case(case.group, "L32_H1_D128" if not C.SHAPES[case.shape].mla else case.shape,
                        case.device_layout, case.buffer_layout, 32, min(case.page_size, 16), case.direction,
                        case.layerwise, engine=case.engine)
