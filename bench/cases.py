@@ -268,7 +268,7 @@ def build(case: Case, inputs: Inputs, min_cache_slots: int = 8192) -> dict:
     buf_layers = 1 if case.layerwise and buffer_is_chunk else shape.L
     buffer = _physical(case.buffer_layout, shape, n_buf, case.page_size, buf_layers, dtype, inputs, host)
     # the copy engine reads the slots on the host
-    slot_device = inputs.device if case.engine == "kernel" else torch.device("cpu")
+    slot_device = torch.device("cpu") if case.engine == "copy" else inputs.device
     cache_slots = _page_slots(n_cache, case.page_size, case.T, inputs.index_generator).to(slot_device)
     buffer_slots = None if buffer_is_chunk else \
         _page_slots(n_buf, case.page_size, case.T, inputs.index_generator).to(slot_device)

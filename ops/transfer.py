@@ -33,7 +33,8 @@ import torch
 from kvlayout import _C
 
 from . import _native
-from .staged import AUTO_MIN_BYTES, StagedPlan, run_staged, staged_plan
+from . import staged as _staged
+from .staged import StagedPlan, run_staged, staged_plan
 from .views import INTEGER_STORAGE, KVCache, PartView, as_index_list, as_int, bind
 
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -500,8 +501,9 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
         staged = staged_plan(src, dst, c, s_slots, d_slots, T, skip_prefix)
     if engine == "staged" and staged.groups is None:
         raise ValueError(f"engine='staged' cannot stage this transfer: {staged.reason}")
-    if engine == "auto" and staged.groups is not None and staged.payload_bytes < AUTO_MIN_BYTES:
-        return StagedPlan(f"{staged.payload_bytes} bytes: below {AUTO_MIN_BYTES} the kernel's direct path wins")
+    if engine == "auto" and staged.groups is not None and staged.payload_bytes < _staged.AUTO_MIN_BYTES:
+        return StagedPlan(f"{staged.payload_bytes} bytes: below {_staged.AUTO_MIN_BYTES} the kernel's direct "
+                          "path wins")
     return staged
 
 

@@ -158,7 +158,6 @@ def test_auto_stages_large_payloads(cuda_device, monkeypatch):
     slots = torch.arange(T, device=cuda_device)
     assert ops.explain(cache, chunk, slots)["engine"] == "kernel"   # small: the direct path
     monkeypatch.setattr(staged_mod, "AUTO_MIN_BYTES", 0)
-    monkeypatch.setattr("kvlayout.ops.transfer.AUTO_MIN_BYTES", 0)
     explained = ops.explain(cache, chunk, slots)
     assert explained["engine"] == "staged" and explained["payload_bytes"] == 2 * L * T * H * D * 2
     ops.transfer(cache, chunk, slots, engine="auto")
