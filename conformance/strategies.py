@@ -282,6 +282,35 @@ def random_cache(layout: Layout | str, geom: Geometry, dtype: str, rng: np.rando
     return _build(layout, geom, make)
 
 
+NAN_DTYPES = ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16")
+"""Element types whose every NaN bit pattern :func:`nan_patterns` lists (16 bits or fewer)."""
+
+
+def nan_patterns(dtype: str, n: int) -> np.ndarray:
+    """``n`` elements cycling through every NaN bit pattern of ``dtype`` (both signs, every payload).
+
+    A float conversion (even to the same dtype) may rewrite a NaN's payload or
+    sign; kvlayout copies bytes, so these must come out unchanged.
+    """
+    if dtype not in NAN_DTYPES:
+        raise ValueError(f"NaN patterns are listed for {', '.join(NAN_DTYPES)}, not {dtype}")
+    dt = numpy_dtype(dtype)
+    every = np.arange(2 ** (8 * dt.itemsize), dtype=np.uint64).astype(f"u{dt.itemsize}")
+    nans = every[np.isnan(every.view(dt).astype(np.float32))]
+    return np.resize(nans, n).view(dt)
+
+
+def nan_cache(layout: Layout | str, geom: Geometry, dtype: str) -> object:
+    """A physical cache whose every element is a NaN (all payloads, both signs; each tensor shifted)."""
+    count = [0]
+
+    def make(shape):
+        count[0] += 1
+        return np.roll(nan_patterns(dtype, int(np.prod(shape))), count[0]).reshape(shape)
+
+    return _build(layout, geom, make)
+
+
 SENTINEL_BYTE = 0xA5
 """Byte that fills destinations so untouched elements can be told from copied ones."""
 

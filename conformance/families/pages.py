@@ -46,15 +46,18 @@ class PageSample(OnOneCache):
     op: str
     pages: tuple[int, ...]
     seed: int = 0
+    fill: str = "random"       # or "nan": the cache, and set_page's flat data, every NaN pattern (S.NAN_DTYPES)
     family = "pages"
 
     def describe(self) -> str:
-        return f"{self.op} {self.layout}[{S.geometry_label(self.geom)}] {self.dtype} pages={list(self.pages)}"
+        fill = " NaN patterns" if self.fill == "nan" else ""
+        return f"{self.op} {self.layout}[{S.geometry_label(self.geom)}] {self.dtype}{fill} pages={list(self.pages)}"
 
     def run(self, device: str) -> None:
         g, layout = self.geom, self.layout
         page_size = None if get(layout).paged else g.BS
-        cache_np = S.random_cache(layout, g, self.dtype, np.random.default_rng(self.seed))
+        cache_np = (S.nan_cache(layout, g, self.dtype) if self.fill == "nan"
+                    else S.random_cache(layout, g, self.dtype, np.random.default_rng(self.seed)))
         cache = bind(layout, cache_np, g, device)
         p = self.pages[0]
         if self.op == "get_page":
@@ -63,7 +66,9 @@ class PageSample(OnOneCache):
             dummy = ops.dummy_flat_page(cache)
             assert dummy.shape == (want.size,) and dummy.dtype == cache.dtype and not dummy.view(torch.uint8).any()
         elif self.op == "set_page":
-            flat_np = random_array((g.P * g.L * g.BS * g.H * g.E,), self.dtype, self.seed + 1)
+            size = g.P * g.L * g.BS * g.H * g.E
+            flat_np = (S.nan_patterns(self.dtype, size)[::-1].copy() if self.fill == "nan"
+                       else random_array((size,), self.dtype, self.seed + 1))
             ops.set_page(cache, p, tensor(flat_np, device))
             sync(device)
             want = reference.set_page(layout, cache_np, p, flat_np, page_size=page_size)
@@ -104,7 +109,9 @@ def page_samples(draw, device: str, group: str | None = None, *, layout: str | N
         pages = tuple(draw(st.lists(st.integers(0, geom.NB - 1), min_size=1, max_size=3)))
     else:
         pages = (draw(st.integers(0, geom.NB - 1)),)
-    return PageSample(layout, geom, draw(S.dtypes()), op, pages, draw(st.integers(0, 2**32 - 1)))
+    dtype = draw(S.dtypes())
+    fill = draw(st.sampled_from(("random", "random", "nan"))) if dtype in S.NAN_DTYPES else "random"
+    return PageSample(layout, geom, dtype, op, pages, draw(st.integers(0, 2**32 - 1)), fill)
 
 
 PAGES = OpFamily("pages", "page helpers: get_page, set_page, zero_page, page_spans/page_buffer_meta",

@@ -6,9 +6,11 @@ is called: where each side lives (CUDA: the device, or pinned host memory),
 the slot dtypes and where the slots live, whether ``skip_prefix`` is the
 argument or folded into the slots by ``ops.skip_prefix``, ``validate``, the
 CTA budget, the engine (the copy kernel, or ``engine="copy"``: the copy
-engine, which reads the slots on the host), and what the destination holds
-before the call (sentinel or random bytes).  A :class:`FuzzIndexSample` is a transfer whose slots carry
-huge negative ("no token") and out-of-range values.
+engine, which reads the slots on the host), what the destination holds
+before the call (sentinel or random bytes) and what the source holds (random
+bytes, or every NaN bit pattern of an fp8/16-bit type: payloads must
+survive).  A :class:`FuzzIndexSample` is a transfer whose slots carry huge
+negative ("no token") and out-of-range values.
 
 Reference: ``kvlayout.reference.transfer``.
 """
@@ -86,6 +88,7 @@ class TransferSample:
     max_ctas: int = 0
     pinned_slots: bool = False      # CUDA: slot tensors in pinned host memory
     engine: str = "kernel"          # or "copy": the copy engine (slots on the host)
+    src_fill: str = "random"        # or "nan": every source element a NaN pattern (S.NAN_DTYPES only)
     family = "transfer"
 
     def group(self) -> str:
@@ -99,7 +102,8 @@ class TransferSample:
             extra.append("skip via ops.skip_prefix")
         for flag, text in ((self.validate, "validate"), (self.dst_fill != "sentinel", f"{self.dst_fill} dst"),
                            (self.max_ctas, f"max_ctas={self.max_ctas}"), (self.pinned_slots, "pinned slots"),
-                           (self.engine != "kernel", f"{self.engine} engine")):
+                           (self.engine != "kernel", f"{self.engine} engine"),
+                           (self.src_fill != "random", f"{self.src_fill} source")):
             if flag:
                 extra.append(text)
         return f"{self.case.describe()} ({', '.join(extra)})"
@@ -108,6 +112,8 @@ class TransferSample:
         """``(src, dst)`` numpy physical caches before the call."""
         c = self.case
         src_np, dst_np = c.caches()
+        if self.src_fill == "nan":
+            src_np = S.nan_cache(c.src_layout, c.src_geom, c.dtype)
         if self.dst_fill == "random":
             dst_np = S.random_cache(c.dst_layout, c.dst_geom, c.dtype, np.random.default_rng(c.seed + 1))
         return src_np, dst_np
@@ -224,15 +230,21 @@ def transfer_samples(device: str, group: str | None = None, *, pairs=None, dtype
     cuda = torch.device(device).type == "cuda"
     cases = st.sampled_from(pairs or layout_pairs(group)).flatmap(lambda pair: transfer_cases(pair, dtype=dtype))
     slot_dtype = st.sampled_from(SLOT_DTYPES)
-    return st.builds(TransferSample, cases,
-                     placement=st.sampled_from(PLACEMENTS if cuda else ("device",)),
-                     slot_dtypes=st.tuples(slot_dtype, slot_dtype),
-                     skip_via=st.sampled_from(("argument", "ops.skip_prefix")),
-                     validate=st.booleans() if cuda else st.just(False),
-                     dst_fill=st.sampled_from(("sentinel", "sentinel", "random")),
-                     max_ctas=st.sampled_from(CTA_BUDGETS),
-                     pinned_slots=st.booleans() if cuda else st.just(False),
-                     engine=st.sampled_from(ENGINES))
+
+    def options(case):
+        nan = ("random", "random", "nan") if case.dtype in S.NAN_DTYPES else ("random",)
+        return st.builds(TransferSample, st.just(case),
+                         placement=st.sampled_from(PLACEMENTS if cuda else ("device",)),
+                         slot_dtypes=st.tuples(slot_dtype, slot_dtype),
+                         skip_via=st.sampled_from(("argument", "ops.skip_prefix")),
+                         validate=st.booleans() if cuda else st.just(False),
+                         dst_fill=st.sampled_from(("sentinel", "sentinel", "random")),
+                         max_ctas=st.sampled_from(CTA_BUDGETS),
+                         pinned_slots=st.booleans() if cuda else st.just(False),
+                         engine=st.sampled_from(ENGINES),
+                         src_fill=st.sampled_from(nan))
+
+    return cases.flatmap(options)
 
 
 @st.composite
