@@ -70,13 +70,27 @@ def bind(layout, physical, geom: Geometry, device: str = "cpu", *, pin: bool = F
     return ops.bind(layout, to_torch(layout, physical, device, pin=pin), page_size=page_size)
 
 
-def slots(values, dtype="int64", device: str = "cpu", *, pin: bool = False) -> torch.Tensor | None:
-    """A slot (or position) tensor of ``dtype`` (a torch dtype or its name); ``None`` stays ``None``."""
+STRIDE_FILLER = 2**30 - 3
+"""What sits between the slots of a strided slot tensor: out of range for every cache a sample draws, so a
+kernel that read it instead of the slot would fail the comparison or raise."""
+
+
+def slots(values, dtype="int64", device: str = "cpu", *, pin: bool = False,
+          strided: bool = False) -> torch.Tensor | None:
+    """A slot (or position) tensor of ``dtype`` (a torch dtype or its name); ``None`` stays ``None``.
+
+    ``strided``: every other element of a tensor twice as long (a view with
+    stride 2), :data:`STRIDE_FILLER` between the slots.
+    """
     if values is None:
         return None
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    t = torch.as_tensor(np.asarray(values, np.int64).reshape(-1), dtype=dtype)
-    return t.pin_memory() if pin else t.to(device)
+    flat = np.asarray(values, np.int64).reshape(-1)
+    if strided:
+        flat = np.stack([flat, np.full_like(flat, STRIDE_FILLER)], axis=1).reshape(-1)
+    t = torch.as_tensor(flat, dtype=dtype)
+    t = t.pin_memory() if pin else t.to(device)
+    return t[::2] if strided else t
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

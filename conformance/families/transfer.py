@@ -89,6 +89,7 @@ class TransferSample:
     pinned_slots: bool = False      # CUDA: slot tensors in pinned host memory
     engine: str = "kernel"          # or "copy": the copy engine (slots on the host)
     src_fill: str = "random"        # or "nan": every source element a NaN pattern (S.NAN_DTYPES only)
+    strided_slots: bool = False     # slot tensors as views with stride 2 (core.STRIDE_FILLER between)
     family = "transfer"
 
     def group(self) -> str:
@@ -103,7 +104,8 @@ class TransferSample:
         for flag, text in ((self.validate, "validate"), (self.dst_fill != "sentinel", f"{self.dst_fill} dst"),
                            (self.max_ctas, f"max_ctas={self.max_ctas}"), (self.pinned_slots, "pinned slots"),
                            (self.engine != "kernel", f"{self.engine} engine"),
-                           (self.src_fill != "random", f"{self.src_fill} source")):
+                           (self.src_fill != "random", f"{self.src_fill} source"),
+                           (self.strided_slots, "strided slots")):
             if flag:
                 extra.append(text)
         return f"{self.case.describe()} ({', '.join(extra)})"
@@ -126,11 +128,12 @@ class TransferSample:
         ss, ds = c.slots()
         pin = pin_if(device, self.pinned_slots)
         slot_device = device if self.engine == "kernel" else "cpu"
-        src_t, dst_t = (slots(s, d, slot_device, pin=pin) for s, d in zip((ss, ds), self.slot_dtypes))
+        src_t, dst_t = (slots(s, d, slot_device, pin=pin, strided=self.strided_slots)
+                        for s, d in zip((ss, ds), self.slot_dtypes))
         kw = op_kwargs(c)
         if c.skip_prefix and self.skip_via != "argument":
             src_t = ops.skip_prefix(src_t, kw.pop("skip_prefix"), num_tokens=kw.pop("num_tokens", c.T))
-            src_t = slots(src_t.cpu().numpy(), self.slot_dtypes[0], slot_device, pin=pin)
+            src_t = slots(src_t.cpu().numpy(), self.slot_dtypes[0], slot_device, pin=pin, strided=self.strided_slots)
         ops.transfer(src, dst, src_t, dst_t, validate=self.validate or None, max_ctas=self.max_ctas,
                      engine=self.engine, **kw)
         sync(device)
@@ -242,7 +245,8 @@ def transfer_samples(device: str, group: str | None = None, *, pairs=None, dtype
                          max_ctas=st.sampled_from(CTA_BUDGETS),
                          pinned_slots=st.booleans() if cuda else st.just(False),
                          engine=st.sampled_from(ENGINES),
-                         src_fill=st.sampled_from(nan))
+                         src_fill=st.sampled_from(nan),
+                         strided_slots=st.booleans())
 
     return cases.flatmap(options)
 
