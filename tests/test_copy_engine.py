@@ -63,7 +63,7 @@ def test_copy_engine_rejects_bad_slots_before_copying(device):
     with pytest.raises(IndexError, match=r"dst_slots\[1\] = 16 is out of range"):
         ops.transfer(src, dst, torch.tensor([0, 1]), torch.tensor([3, 16]), engine="copy")
     TC.assert_unchanged(dst.tensors, before)
-    with pytest.raises(ValueError, match="engine must be 'kernel' or 'copy'"):
+    with pytest.raises(ValueError, match="engine must be one of 'kernel', 'copy', 'staged', 'auto', got 'dma'"):
         ops.transfer(src, dst, torch.tensor([0]), torch.tensor([3]), engine="dma")
 
 
