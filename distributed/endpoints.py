@@ -138,10 +138,18 @@ class _Endpoint:
 
     # -- point to point, with bounded waits ----------------------------------------------
     def _isend(self, tensor: torch.Tensor, group_rank: int):
-        return tdist.isend(tensor, group=self.group, group_dst=group_rank)
+        try:
+            return tdist.isend(tensor, group=self.group, group_dst=group_rank)
+        except Exception as e:       # posting fails at once when the connection is already gone
+            raise self._fail(PeerError(f"{self.role} TP rank {self.tp_rank}: sending to group rank {group_rank} "
+                                       f"failed: {e}")) from e
 
     def _irecv(self, tensor: torch.Tensor, group_rank: int):
-        return tdist.irecv(tensor, group=self.group, group_src=group_rank)
+        try:
+            return tdist.irecv(tensor, group=self.group, group_src=group_rank)
+        except Exception as e:
+            raise self._fail(PeerError(f"{self.role} TP rank {self.tp_rank}: receiving from group rank "
+                                       f"{group_rank} failed: {e}")) from e
 
     def _fail(self, error: TransferError) -> TransferError:
         """Mark the endpoint unusable (the group may hold stray messages now) and return the error."""
@@ -161,10 +169,13 @@ class _Endpoint:
 
     def _order(self, work, what: str) -> None:
         """Order later work after ``work``: the stream waits on CUDA; the host waits (bounded) on the CPU."""
-        if self._cuda:
-            work.wait()
-        else:
+        if not self._cuda:
             self._wait(work, what)
+            return
+        try:
+            work.wait()
+        except Exception as e:
+            raise self._fail(PeerError(f"{self.role} TP rank {self.tp_rank}: {what} failed: {e}")) from e
 
     def _check_usable(self) -> None:
         if self._broken is not None:
