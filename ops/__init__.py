@@ -27,6 +27,6 @@ from .rope import rope_reposition
 from .transfer import check_errors, explain, gather, move, plan, scatter, skip_prefix, transfer
 from .views import KVCache, bind
 
-__all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfer", "gather", "scatter", "move", "skip_prefix",
-           "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans", "page_buffer_meta",
-           "dummy_flat_page", "rope_reposition"]
+__all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfer", "gather", "scatter", "move",
+           "skip_prefix", "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans",
+           "page_buffer_meta", "dummy_flat_page", "rope_reposition"]
