@@ -272,15 +272,40 @@ class _Ring:
         return cls(raw, rows, [[] for _ in range(depth)])
 
 
-class SendStream:
+class _RequestStream:
+    """What a request's stream on either side shares: its state, and failing it (and its endpoint) at the
+    first error of a step.  ``endpoint``, ``request_id``, ``state`` and ``error`` are set by the subclass."""
+
+    endpoint: "_Endpoint"
+    NOTHING_LEFT = "nothing left"
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+    def _guard(self, fn, *args):
+        if self.state != "open":
+            raise TransferError(f"request {self.request_id} is {self.state}: {self.error or self.NOTHING_LEFT}")
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.state, self.error = "failed", e
+            self.endpoint._fail(e if isinstance(e, TransferError) else TransferError(str(e)))
+            raise
+
+
+class SendStream(_RequestStream):
     """One request on its way out: ``send_layer(l)`` for ``l = 0 .. L-1`` in order, then :meth:`finish`.
 
     ``state``: ``"open"``, ``"complete"`` (every receiver acknowledged every
     layer) or ``"failed"``; ``error`` holds the exception of a failure.
     """
 
+    NOTHING_LEFT = "nothing left to send"
+
     def __init__(self, sender: "Sender", request_id: int, slots: torch.Tensor):
         self.sender, self.request_id, self.slots = sender, request_id, slots
+        self.endpoint = sender
         self.num_tokens = int(slots.shape[0])
         self.num_layers = sender.cache.geometry.L
         self.layers_sent = 0
@@ -292,20 +317,6 @@ class SendStream:
         for (start, count), dsts in s._runs.items():
             ring = _Ring.make(s.cache, self.num_tokens, count, s.head_size, s.depth) if self.num_tokens else None
             self._runs.append((s._views[(start, count)], ring, dsts))
-
-    @property
-    def complete(self) -> bool:
-        return self.state == "complete"
-
-    def _guard(self, fn, *args):
-        if self.state != "open":
-            raise TransferError(f"request {self.request_id} is {self.state}: {self.error or 'nothing left to send'}")
-        try:
-            return fn(*args)
-        except BaseException as e:
-            self.state, self.error = "failed", e
-            self.sender._fail(e if isinstance(e, TransferError) else TransferError(str(e)))
-            raise
 
     def send_layer(self, layer: int | None = None) -> None:
         """Gather layer ``layer`` (default: the next) for every route and send it; layers go in order."""
@@ -412,7 +423,7 @@ class Sender(_Endpoint):
         return stream
 
 
-class ReceiveStream:
+class ReceiveStream(_RequestStream):
     """One request on its way in: iterate to get each layer index as the layer lands in the cache.
 
     On CUDA a yielded layer is ordered on the current stream (work queued
@@ -424,6 +435,7 @@ class ReceiveStream:
 
     def __init__(self, receiver: "Receiver", request_id: int, slots: torch.Tensor):
         self.receiver, self.request_id, self.slots = receiver, request_id, slots
+        self.endpoint = receiver
         self.num_tokens = int(slots.shape[0])
         self.num_layers = receiver.cache.geometry.L
         self.layers_received = 0
@@ -437,20 +449,6 @@ class ReceiveStream:
                 if self.num_tokens else None
             self._routes.append([r.peers.senders[route.src_rank], r._views[route], ring, slots])
         self._done_works = []
-
-    @property
-    def complete(self) -> bool:
-        return self.state == "complete"
-
-    def _guard(self, fn, *args):
-        if self.state != "open":
-            raise TransferError(f"request {self.request_id} is {self.state}: {self.error or 'nothing left'}")
-        try:
-            return fn(*args)
-        except BaseException as e:
-            self.state, self.error = "failed", e
-            self.receiver._fail(e if isinstance(e, TransferError) else TransferError(str(e)))
-            raise
 
     def _post(self, layer: int) -> None:
         j = layer % self.receiver.depth
