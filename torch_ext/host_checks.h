@@ -79,6 +79,11 @@ void check_slots_not_written(const WrittenRanges& written, const std::optional<a
 // Validates the arguments of kvlayout::copy_rows (all but slot values and
 // device placement) and returns the normalised plan. Slot tensors are read
 // through SlotArray (data pointer + element stride); any stride is accepted.
+//
+// The op's argument list is written out once more in each backend's
+// implementation (cpu/copy_rows.cpp, cuda/copy_rows.cu, cuda/copy_runs.cu,
+// sycl/copy_rows.sycl), deliberately: torch.library binds each backend by
+// that exact signature, and each passes the arguments straight here.
 CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
                         const std::optional<at::Tensor>& src_slots,
                         const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
