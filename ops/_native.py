@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 try:
-    from kvlayout import _C  # noqa: F401  (loading registers torch.ops.kvlayout)
+    from kvlayout import _C  # (loading it also registers torch.ops.kvlayout)
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise ImportError(
         "kvlayout's native extension kvlayout._C is not built or cannot be loaded "
@@ -42,13 +42,12 @@ __all__ = [
     "STATUS_NUMEL",
 ]
 
-STATUS_NUMEL = 5
-_STATUS_WHAT = {
-    0: ("src_slots", "the source holds {bound} slots"),
-    1: ("dst_slots", "the destination holds {bound} slots"),
-    2: ("old_positions", "cos_sin_cache holds {bound} positions"),
-    3: ("new_positions", "cos_sin_cache holds {bound} positions"),
-}
+# The status word's layout and argument order are the native library's (kvlayout/status.h).
+STATUS_NUMEL = _C.STATUS_NUMEL
+_BOUND_OF = {"src_slots": "the source holds {bound} slots", "dst_slots": "the destination holds {bound} slots",
+             "old_positions": "cos_sin_cache holds {bound} positions",
+             "new_positions": "cos_sin_cache holds {bound} positions"}
+_STATUS_WHAT = {i: (name, _BOUND_OF[name]) for i, name in enumerate(_C.STATUS_ARGUMENTS)}
 
 
 def _no_meta_mixed_with_data(op: str, named: dict) -> None:

@@ -12,12 +12,14 @@
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
+#include <iterator>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "kvlayout/status.h"
 #include "program.h"
 
 namespace py = pybind11;
@@ -142,6 +144,11 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
 PYBIND11_MODULE(_C, m) {
   using namespace kvlayout;
   m.doc() = "kvlayout native ops (torch.ops.kvlayout) and copy programs";
+  // The status word's layout (kvlayout/status.h), for the host reader.
+  m.attr("STATUS_NUMEL") = kStatusNumel;
+  py::tuple arguments(std::size(kStatusArguments));
+  for (size_t i = 0; i < std::size(kStatusArguments); ++i) arguments[i] = kStatusArguments[i];
+  m.attr("STATUS_ARGUMENTS") = arguments;
 
   py::class_<LaunchSpec>(m, "LaunchSpec",
                          "One copy_rows launch of a copy program (see torch_ext/program.h).\n\n"

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "kvlayout/copy_rows_kernel.h"
+#include "kvlayout/status.h"
 
 namespace kvlayout {
 namespace cuda {
@@ -72,19 +72,14 @@ inline const void* index_address(const std::optional<at::Tensor>& t, c10::Device
   return attr.devicePointer;
 }
 
-// Records the first out-of-range index: status[0] counts records; the record
-// that finds the count at 0 writes token, value, bound and which.
+// The status-word recorder (kvlayout/status.h) with CUDA's atomic add.
 struct StatusRecorder {
   int64_t* status;
   __device__ void operator()(int64_t token, int64_t value, int64_t bound, int64_t which) const {
-    const unsigned long long prev =
-        atomicAdd(reinterpret_cast<unsigned long long*>(status), 1ull);
-    if (prev == 0) {
-      status[1] = token;
-      status[2] = value;
-      status[3] = bound;
-      status[4] = which;
-    }
+    record_status(
+        status,
+        [](int64_t* s) { return atomicAdd(reinterpret_cast<unsigned long long*>(s), 1ull); },
+        token, value, bound, which);
   }
 };
 

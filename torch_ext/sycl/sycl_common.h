@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kvlayout/copy_rows_kernel.h"
+#include "kvlayout/status.h"
 
 namespace kvlayout {
 namespace xpu {
@@ -60,20 +60,19 @@ inline const void* index_address(const std::optional<at::Tensor>& t, c10::Device
   return usm_address(t->data_ptr(), t->is_xpu(), t->device(), dev, q, name, 0, false);
 }
 
-// Same protocol as the CUDA recorder: status[0] counts, the first record
-// writes token, value, bound and which.
+// The status-word recorder (kvlayout/status.h) with a SYCL atomic add.
 struct StatusRecorder {
   int64_t* status;
   void operator()(int64_t token, int64_t value, int64_t bound, int64_t which) const {
-    sycl::atomic_ref<unsigned long long, sycl::memory_order::relaxed, sycl::memory_scope::device,
-                     sycl::access::address_space::global_space>
-        count(*reinterpret_cast<unsigned long long*>(status));
-    if (count.fetch_add(1ull) == 0) {
-      status[1] = token;
-      status[2] = value;
-      status[3] = bound;
-      status[4] = which;
-    }
+    record_status(
+        status,
+        [](int64_t* s) {
+          sycl::atomic_ref<unsigned long long, sycl::memory_order::relaxed,
+                           sycl::memory_scope::device, sycl::access::address_space::global_space>
+              count(*reinterpret_cast<unsigned long long*>(s));
+          return count.fetch_add(1ull);
+        },
+        token, value, bound, which);
   }
 };
 

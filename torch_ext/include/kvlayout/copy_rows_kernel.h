@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "kvlayout/address.h"
+#include "kvlayout/status.h"
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define KVL_D __device__
@@ -48,16 +49,6 @@ constexpr int kWalkLanes = 32;
 constexpr int kDeviceUnroll = 4;
 constexpr int kHostUnroll = 16;
 
-// Meaning of status[4] when status[0] > 0 (first error recorded on device).
-enum StatusWhich : int64_t {
-  kStatusSrcSlots = 0,
-  kStatusDstSlots = 1,
-  kStatusOldPositions = 2,
-  kStatusNewPositions = 3,
-};
-// status layout (int64): [0] error count, [1] token index, [2] value,
-// [3] bound, [4] StatusWhich. At least kStatusNumel elements.
-constexpr int64_t kStatusNumel = 5;
 
 // n / d and n % d for a divisor fixed at launch: a multiply-high and a shift
 // when every dividend is below 2^31 (the round-up method: with l =
