@@ -11,5 +11,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q "setuptools>=64" wheel
-# the test extra brings pytest, hypothesis and ruff (the lint .ci/run runs)
+# the test extra brings pytest (with xdist: the tests run one worker per core), hypothesis and ruff
+# (the lint .ci/run runs)
 .venv/bin/pip install -q --no-build-isolation -e '.[test]'
