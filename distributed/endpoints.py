@@ -273,11 +273,17 @@ class _Ring:
 
 
 class _RequestStream:
-    """What a request's stream on either side shares: its state, and failing it (and its endpoint) at the
-    first error of a step.  ``endpoint``, ``request_id``, ``state`` and ``error`` are set by the subclass."""
+    """What a request's stream on either side shares: its request, its state, and failing it (and its
+    endpoint) at the first error of a step."""
 
-    endpoint: "_Endpoint"
     NOTHING_LEFT = "nothing left"
+
+    def __init__(self, endpoint: "_Endpoint", request_id: int, slots: torch.Tensor):
+        self.endpoint, self.request_id, self.slots = endpoint, request_id, slots
+        self.num_tokens = int(slots.shape[0])
+        self.num_layers = endpoint.cache.geometry.L
+        self.state = "open"
+        self.error: BaseException | None = None
 
     @property
     def complete(self) -> bool:
@@ -304,13 +310,9 @@ class SendStream(_RequestStream):
     NOTHING_LEFT = "nothing left to send"
 
     def __init__(self, sender: "Sender", request_id: int, slots: torch.Tensor):
-        self.sender, self.request_id, self.slots = sender, request_id, slots
-        self.endpoint = sender
-        self.num_tokens = int(slots.shape[0])
-        self.num_layers = sender.cache.geometry.L
+        super().__init__(sender, request_id, slots)
+        self.sender = sender
         self.layers_sent = 0
-        self.state = "open"
-        self.error: BaseException | None = None
         s = sender
         # one ring per distinct run of this rank's heads; each may go to several receivers (replicas)
         self._runs = []
@@ -434,13 +436,9 @@ class ReceiveStream(_RequestStream):
     """
 
     def __init__(self, receiver: "Receiver", request_id: int, slots: torch.Tensor):
-        self.receiver, self.request_id, self.slots = receiver, request_id, slots
-        self.endpoint = receiver
-        self.num_tokens = int(slots.shape[0])
-        self.num_layers = receiver.cache.geometry.L
+        super().__init__(receiver, request_id, slots)
+        self.receiver = receiver
         self.layers_received = 0
-        self.state = "open"
-        self.error: BaseException | None = None
         r = receiver
         # per route, by sender rank: (group rank, view of my heads, ring, slots to write)
         self._routes = []
