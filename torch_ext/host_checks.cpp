@@ -250,7 +250,7 @@ SlotArray parse_index(const std::optional<at::Tensor>& t, int64_t length, const 
   TORCH_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "kvlayout: ",
                    name, " must be int32 or int64, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.size(0) == length, "kvlayout: ", name, " has ", x.size(0),
-              " entries but ", length_name, " is ", length);
+                    " entries but ", length_name, " is ", length);
   return SlotArray{x.data_ptr(), x.size(0) > 1 ? x.stride(0) : 1,
                    static_cast<int32_t>(x.element_size()), 0};
 }
@@ -275,15 +275,16 @@ CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
                         c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
                         int64_t max_ctas) {
   CopyPlan p;
-  TORCH_CHECK_VALUE(num_tokens >= 0, "kvlayout::copy_rows: num_tokens must be >= 0, got ", num_tokens);
+  TORCH_CHECK_VALUE(num_tokens >= 0, "kvlayout::copy_rows: num_tokens must be >= 0, got ",
+                    num_tokens);
   TORCH_CHECK_VALUE(skip_prefix >= 0 && skip_prefix <= num_tokens,
                     "kvlayout::copy_rows: skip_prefix must lie in [0, num_tokens = ", num_tokens,
-              "], got ", skip_prefix);
+                    "], got ", skip_prefix);
   TORCH_CHECK(num_pieces >= 1, "kvlayout::copy_rows: num_pieces must be >= 1, got ", num_pieces);
   TORCH_CHECK(piece_bytes >= 1, "kvlayout::copy_rows: piece_bytes must be >= 1, got ",
               piece_bytes);
-  TORCH_CHECK_VALUE(max_ctas >= 0, "kvlayout::copy_rows: max_ctas must be >= 0 (0 = default), got ",
-              max_ctas);
+  TORCH_CHECK_VALUE(max_ctas >= 0,
+                    "kvlayout::copy_rows: max_ctas must be >= 0 (0 = default), got ", max_ctas);
   TORCH_CHECK(src_segments.size() % 2 == 0,
               "kvlayout::copy_rows: src_segments must hold [tensor_index, byte_offset] pairs, "
               "got ", src_segments.size(), " values");
@@ -386,29 +387,31 @@ RopeParams plan_rope_reposition(const at::Tensor& key, const at::Tensor& old_pos
                                 const at::Tensor& new_positions,
                                 const at::Tensor& cos_sin_cache, bool is_neox,
                                 int64_t max_ctas) {
-  TORCH_CHECK_VALUE(key.dim() == 3, "kvlayout::rope_reposition: key must be [T, H, D], got shape ",
-              key.sizes());
+  TORCH_CHECK_VALUE(key.dim() == 3,
+                    "kvlayout::rope_reposition: key must be [T, H, D], got shape ", key.sizes());
   const auto kt = key.scalar_type();
   TORCH_CHECK_TYPE(kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16,
-              "kvlayout::rope_reposition: key must be float32, float16 or bfloat16, got ", kt);
+                   "kvlayout::rope_reposition: key must be float32, float16 or bfloat16, got ", kt);
   TORCH_CHECK_VALUE(key.numel() == 0 || key.size(2) <= 1 || key.stride(2) == 1,
-              "kvlayout::rope_reposition: key's last dimension must be contiguous (stride 1), "
-              "got strides ", key.strides());
+                    "kvlayout::rope_reposition: key's last dimension must be contiguous ",
+                    "(stride 1), got strides ", key.strides());
   TORCH_CHECK_VALUE(cos_sin_cache.dim() == 2,
-              "kvlayout::rope_reposition: cos_sin_cache must be [max_pos, rot_dim], got shape ",
-              cos_sin_cache.sizes());
+                    "kvlayout::rope_reposition: cos_sin_cache must be [max_pos, rot_dim], ",
+                    "got shape ", cos_sin_cache.sizes());
   const auto ct = cos_sin_cache.scalar_type();
   TORCH_CHECK_TYPE(ct == at::kFloat || ct == kt,
-              "kvlayout::rope_reposition: cos_sin_cache must be float32 or the key's dtype (",
-              kt, "), got ", ct);
+                   "kvlayout::rope_reposition: cos_sin_cache must be float32 or the key's dtype (",
+                   kt, "), got ", ct);
   const int64_t rot_dim = cos_sin_cache.size(1);
   TORCH_CHECK_VALUE(rot_dim % 2 == 0 && rot_dim <= key.size(2),
-              "kvlayout::rope_reposition: rot_dim (cos_sin_cache.size(1) = ", rot_dim,
-              ") must be even and <= head size ", key.size(2));
+                    "kvlayout::rope_reposition: rot_dim (cos_sin_cache.size(1) = ", rot_dim,
+                    ") must be even and <= head size ", key.size(2));
   TORCH_CHECK_VALUE(max_ctas >= 0,
-              "kvlayout::rope_reposition: max_ctas must be >= 0 (0 = default), got ", max_ctas);
+                    "kvlayout::rope_reposition: max_ctas must be >= 0 (0 = default), got ",
+                    max_ctas);
   TORCH_CHECK_VALUE(old_positions.device() == new_positions.device(),
-              "kvlayout::rope_reposition: old_positions and new_positions must be on one device");
+                    "kvlayout::rope_reposition: old_positions and new_positions must be on one ",
+                    "device");
   check_no_internal_overlap(key, "kvlayout::rope_reposition", "key", -1);
   {
     WrittenRanges written;
