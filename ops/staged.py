@@ -110,11 +110,30 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
                       side == "dst", payload)
 
 
+_GROUPS: dict = {}
+
+
 def host_groups(src: KVCache, dst: KVCache, choice, host_is_dst: bool, num_tokens: int,
                 skip_prefix: int) -> list[Group] | str:
     """The chosen layers in groups of at least GROUP_BYTES, each with the host bytes its rows of tokens
     ``skip_prefix..num_tokens-1`` occupy (host slot t for token t); a reason string where those rows do
-    not lie back to back."""
+    not lie back to back.
+
+    Remembered per (layouts, geometry and strides of both caches, choice, token range): the groups name
+    tensors by index and hold byte offsets only, so they keep no cache alive, and an engine repeating a
+    transfer does not plan it again."""
+    key = (src.signature, dst.signature, tuple(choice.src_layers), tuple(choice.dst_layers),
+           tuple(choice.src_planes), tuple(choice.dst_planes), host_is_dst, num_tokens, skip_prefix, GROUP_BYTES)
+    groups = _GROUPS.get(key)
+    if groups is None:
+        if len(_GROUPS) >= 256:
+            _GROUPS.clear()
+        groups = _GROUPS[key] = _plan_groups(src, dst, choice, host_is_dst, num_tokens, skip_prefix)
+    return groups
+
+
+def _plan_groups(src: KVCache, dst: KVCache, choice, host_is_dst: bool, num_tokens: int,
+                 skip_prefix: int) -> list[Group] | str:
     from .transfer import cached_plan  # (transfer imports this module)
 
     host = dst if host_is_dst else src

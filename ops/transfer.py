@@ -449,9 +449,10 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     kernel works in a device copy of the chunk and the copy engine crosses
     PCIe, see :mod:`kvlayout.ops.staged`; ValueError where it cannot) or
     ``"auto"`` (staged where it can and the payload is large, else the
-    kernel; :func:`explain` says which and why).  The plan is made once per choice and kept in C++ as a copy
-    program; calling :func:`~kvlayout.ops.prepare` instead also keeps the
-    binding and the argument checks.
+    kernel; :func:`explain` says which and why).  The plan is made once per
+    choice and kept in C++ as a copy program; calling
+    :func:`~kvlayout.ops.prepare` instead also keeps the binding and the
+    argument checks.
     """
     c = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     validate = validating(validate)
