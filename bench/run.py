@@ -237,6 +237,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue the run recorded in <out>/<name>.jsonl (skips the cases it holds)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ncu", action="store_true",
+                        help="hardware counters (Nsight Compute) of the cases that miss their targets, one ncu "
+                             "process per case: <out>/<name>_ncu.{json,md} (see kvlayout.bench.profile)")
+    parser.add_argument("--profile-case", default=None, metavar="KEY",
+                        help="run the case with this key once warm, then once between cudaProfilerStart/Stop "
+                             "(what --ncu runs under the profiler)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -244,8 +250,16 @@ def main(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("kvlayout bench: CUDA requested but not present", file=sys.stderr)
         return 2
+    if args.profile_case:
+        from .profile import profile_case
+
+        return profile_case(args.profile_case, device)
     stem = args.name or ("h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
                          else device.type)
+    if args.ncu:
+        from .profile import run_ncu
+
+        return run_ncu(args.out, stem, args.only)
     os.makedirs(args.out, exist_ok=True)
     doc = run(device, args.quick, args.only, args.seed, jsonl=os.path.join(args.out, f"{stem}.jsonl"),
               resume=args.resume)

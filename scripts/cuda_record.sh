@@ -16,10 +16,12 @@
 #   conformance  kvlayout conformance --device cpu,cuda --sanitize  -> conformance.txt, conformance/
 #   bench        kvlayout bench --device cuda (full)               -> bench/<gpu>.{jsonl,json,md,png}
 #   bench-quick  kvlayout bench --device cuda --quick              -> bench-quick/
+#   ncu          kvlayout bench --device cuda --ncu (Nsight Compute
+#                counters of the cases that miss their targets)     -> ncu.txt, bench/<gpu>_ncu.{json,md}
 # PYTHON picks the interpreter (default python3); PYTEST_ARGS adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -55,6 +57,7 @@ for step in "${steps[@]}"; do
         bench) run_step bench bench.txt $py -m kvlayout bench --device cuda --out "$out/bench" ;;
         bench-quick) run_step bench-quick bench_quick.txt $py -m kvlayout bench --device cuda --quick \
                          --out "$out/bench-quick" ;;
+        ncu) run_step ncu ncu.txt $py -m kvlayout bench --device cuda --ncu --out "$out/bench" ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done

@@ -95,3 +95,28 @@ def test_every_planned_case_builds_and_matches_the_baseline_on_small_data():
         seen.add(key)
         data = C.build(small, C.Inputs(torch.device("cpu"), seed=len(seen)), min_cache_slots=256)
         assert check_bit_exact(small, data, timer), small.key
+
+
+def test_ncu_profile_cases_are_bench_rows_and_counters_fold_per_case():
+    from kvlayout.bench import profile as P
+
+    planned = {c.key for c in C.plan_cases(quick=False)}
+    assert all(c.key in planned for c in P.profile_cases())   # every profiled case is a measured bench row
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum",'
+        '"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum","l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",'
+        '"smsp__warp_issue_stalled_drain_per_warp_active.pct",'
+        '"smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct"',
+        '"","","nsecond","byte","byte","sector","request","%","%"',
+        '"0","copy_rows_kernel","1,000","3000","1000","40","10","10","60"',
+        '"1","copy_rows_kernel","3,000","9000","3000","40","10","30","20"',
+    ])
+    kernels = P._parse_raw_csv(text)
+    assert [k["ID"] for k in kernels] == [0.0, 1.0]            # the units row and ncu's own lines are dropped
+    s = P._summary(kernels)
+    assert s["kernels"] == 2 and s["time_us"] == 4.0
+    assert s["dram_read_gbps"] == 3.0 and s["dram_write_gbps"] == 1.0   # bytes / ns = GB/s over both kernels
+    assert s["ld_sectors_per_request"] == 4.0
+    # stall shares are weighted by kernel time (drain: (10*1 + 30*3) / 4 = 25) and sorted, largest first
+    assert list(s["stalls_pct"].items()) == [("long_scoreboard", 30.0), ("drain", 25.0)]
