@@ -1,8 +1,7 @@
 """``kvlayout bench --ncu``: hardware counters of the copy kernels where the bench misses its targets.
 
 The bench says *how fast*; this says *why not faster*.  For each case of
-:func:`profile_cases` (and, as the yardstick, torch's own device copy and a
-pinned host copy of the same size), one Nsight Compute (``ncu``) process runs
+:func:`profile_cases`, one Nsight Compute (``ncu``) process runs
 ``kvlayout bench --profile-case KEY``: the case is built and run once to warm
 up, then run once more between ``cudaProfilerStart``/``Stop``, so only the
 launched work of that one call is profiled (``--profile-from-start off``).
@@ -69,9 +68,6 @@ STALLS = {
 BASIC = {METRICS[k] for k in ("time_ns", "grid", "registers", "occupancy_achieved_pct", "dram_read_bytes",
                               "dram_write_bytes")}
 
-YARDSTICK_D2D = "yardstick: torch device copy"
-YARDSTICK_H2D = "yardstick: torch pinned host->device copy"
-
 
 def profile_cases() -> list[C.Case]:
     """The bench rows whose targets are missed or regressed, and the rows they are compared with."""
@@ -91,28 +87,17 @@ def profile_cases() -> list[C.Case]:
     return out
 
 
-def _yardstick_fn(key: str, device: torch.device):
-    nbytes = C.Case("headline", "L32_H8_D128", "", "", 4096, 16, "").payload_bytes()
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if key == YARDSTICK_D2D:
-        dst = torch.empty_like(src)
-    else:
-        dst, src = src, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return lambda: dst.copy_(src, non_blocking=True)
-
-
 def profile_case(key: str, device: torch.device) -> int:
-    """Runs one case (by key, or a yardstick copy) once warm, then once inside the profiler's window."""
-    if key in (YARDSTICK_D2D, YARDSTICK_H2D):
-        fn = _yardstick_fn(key, device)
-    else:
-        matches = [c for c in profile_cases() + C.plan_cases(False) if c.key == key]
-        if not matches:
-            print(f"kvlayout bench: no case with key {key!r}", file=sys.stderr)
-            return 2
-        case = matches[0]
-        data = C.build(case, C.Inputs(device))
-        fn = C.kvlayout_fn(case, data)
+    """Runs one bench case (by key) once warm, then once inside the profiler's window.
+
+    (The machine's own copies are not profiled: ``copy_`` of contiguous bytes is a DMA copy, not a kernel.)
+    """
+    matches = [c for c in C.plan_cases(False) if c.key == key]
+    if not matches:
+        print(f"kvlayout bench: no case with key {key!r}", file=sys.stderr)
+        return 2
+    data = C.build(matches[0], C.Inputs(device))
+    fn = C.kvlayout_fn(matches[0], data)
     fn()
     torch.cuda.synchronize(device)
     torch.cuda.profiler.start()
@@ -192,13 +177,13 @@ def _summary(kernels: list[dict]) -> dict:
 
 
 def run_ncu(out: str, stem: str, only: str | None = None) -> int:
-    """Profiles every case of :func:`profile_cases` (and the yardsticks) in its own ncu process."""
+    """Profiles every case of :func:`profile_cases` in its own ncu process."""
     ncu = find_ncu()
     if ncu is None:
         print("kvlayout bench --ncu: Nsight Compute (ncu) not found", file=sys.stderr)
         return 2
     metrics = available_metrics(ncu, list(METRICS.values()) + list(STALLS.values()))
-    keys = [YARDSTICK_D2D, YARDSTICK_H2D] + [c.key for c in profile_cases()]
+    keys = [c.key for c in profile_cases()]
     if only:
         keys = [k for k in keys if any(t.strip() in k for t in only.split(","))]
     os.makedirs(out, exist_ok=True)

@@ -24,9 +24,10 @@ copy program, ``kvlayout.ops.program``) and ``torch.ops.kvlayout.rope_reposition
 from .pages import dummy_flat_page, get_page, page_buffer_meta, page_spans, set_page, zero_page
 from .prepared import PreparedTransfer, prepare
 from .rope import rope_reposition
+from .staged import release_staging
 from .transfer import check_errors, explain, gather, move, plan, scatter, skip_prefix, transfer
 from .views import KVCache, bind
 
 __all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfer", "gather", "scatter", "move",
            "skip_prefix", "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans",
-           "page_buffer_meta", "dummy_flat_page", "rope_reposition"]
+           "page_buffer_meta", "dummy_flat_page", "rope_reposition", "release_staging"]

@@ -21,10 +21,17 @@ program) and splits the chosen layers into groups of at least
   back are the host's own.
 
 Everything is stream-ordered (events, no host synchronization), so a staged
-transfer can be captured in a CUDA graph.  Cost: device memory for staging
-(the host cache's size) for the duration of the call.  Every row still moves
-through the one copy kernel, so the semantics (slots, skip_prefix, recorded
-out-of-range slots) are the kernel's.
+transfer can be captured in a CUDA graph.  Every row still moves through the
+one copy kernel, so the semantics (slots, skip_prefix, recorded out-of-range
+slots) are the kernel's.
+
+Cost: device memory for staging, the host cache's size.  Outside graph
+capture the staging cache is kept for the next staged call on the same
+stream with host caches of the same layout, sizes, strides and dtype (an
+engine moving chunks of one shape reuses one buffer, and the per-layer-group
+kernel calls on it run from kept bindings); the ``KEPT_STAGING`` most
+recently used are kept, :func:`release_staging` frees them.  Calls on one
+stream are ordered, so a kept buffer is never used by two calls at once.
 """
 
 from __future__ import annotations
@@ -173,6 +180,29 @@ def _staging_like(host: KVCache, device: torch.device) -> KVCache:
                    page_size=host.geometry.BS)
 
 
+KEPT_STAGING = 2         # staging caches kept for reuse (the least recently used goes first)
+_KEPT: dict = {}          # (device, stream, host signature, dtype) -> staging KVCache, oldest first
+
+
+def _staging_for(host: KVCache, device: torch.device, stream: torch.cuda.Stream) -> KVCache:
+    """The staging cache of a call on ``stream``: a kept one of the same shape, or a new one (kept)."""
+    if torch.cuda.is_current_stream_capturing():
+        return _staging_like(host, device)   # a graph's memory comes from its own pool: not kept
+    key = (device, stream.cuda_stream, host.signature, host.dtype)
+    staging = _KEPT.pop(key, None)
+    if staging is None:
+        while len(_KEPT) >= KEPT_STAGING:
+            _KEPT.pop(next(iter(_KEPT)))
+        staging = _staging_like(host, device)
+    _KEPT[key] = staging                     # (re)inserted last: the most recently used
+    return staging
+
+
+def release_staging() -> None:
+    """Frees the staging caches kept for reuse (their memory returns to torch's caching allocator)."""
+    _KEPT.clear()
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s storage from its first element on, as a flat uint8 tensor."""
     start = t.storage_offset() * t.element_size()
@@ -197,8 +227,8 @@ def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots
 
     device = choice.device
     host = dst if staged.host_is_dst else src
-    staging = _staging_like(host, device)
     main = torch.cuda.current_stream(device)
+    staging = _staging_for(host, device, main)
     side = _side_stream(device)
     side.wait_stream(main)   # what the caller queued before (the host data, the caches) comes first
     host_bytes = [_bytes(t) for t in host.tensors]

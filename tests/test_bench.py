@@ -120,3 +120,18 @@ def test_ncu_profile_cases_are_bench_rows_and_counters_fold_per_case():
     assert s["ld_sectors_per_request"] == 4.0
     # stall shares are weighted by kernel time (drain: (10*1 + 30*3) / 4 = 25) and sorted, largest first
     assert list(s["stalls_pct"].items()) == [("long_scoreboard", 30.0), ("drain", 25.0)]
+
+
+def test_readme_tables_come_from_the_recorded_run(capsys):
+    """The README's performance tables are printed from the committed H200 run (kvlayout.bench.summary)."""
+    import pathlib
+
+    from kvlayout.bench import summary
+
+    results = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
+    assert summary.main([str(results / "h200.jsonl")]) == 0
+    out = capsys.readouterr().out
+    rows = [r for r in document(str(results / "h200.jsonl"))["results"] if r["group"] == "headline"]
+    some = next(r for r in rows if r["shape"] == "L32_H8_D128" and r["T"] == 4096 and r["direction"] == "to_host")
+    assert f"| L32_H8_D128 | 4096 | to_host | {some['gbps']:.1f} ({some['pct_of_limit']:.0f}%) |" in out
+    assert "one prepared layer call" in out and "<!-- Staged -->" in out

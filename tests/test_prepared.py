@@ -11,6 +11,8 @@ refuse tensors that changed under it; keep autograd's rules; and work inside
 from __future__ import annotations
 
 import gc
+import importlib
+import weakref
 
 import numpy as np
 import pytest
@@ -195,6 +197,59 @@ def test_transfer_rebinds_when_a_cache_moves(device):
         ops.transfer(src, dst, TC.slots([1, 2, 3], device=device))
         TC.sync(device)
         assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :3], _want_rows(src_np, g, [1, 2, 3]).view(np.uint16))
+
+
+def test_repeated_transfer_keeps_its_binding_and_rebinds_a_moved_tensor(device):
+    """A repeated ops.transfer on the same caches runs from a binding kept with its checked choice; a
+    destination tensor re-set to new storage is written there (the binding is made again), not where the
+    memory used to be."""
+    g, src_np, src, dst = _pair(device)
+    transfer = importlib.import_module("kvlayout.ops.transfer")
+    for slots in ([1, 2, 3], [4, 5, 6]):
+        ops.transfer(src, dst, TC.slots(slots, device=device))
+    choice = transfer._pair_choice(src, dst, None, None, None, None, 0, "kernel")
+    assert choice.bound is not None                     # the second call bound the program
+    old = dst.tensors[0]
+    kept = old.clone()
+    moved = torch.zeros_like(old)
+    old_storage = torch.empty(0, dtype=old.dtype, device=old.device).set_(old.untyped_storage())
+    old.set_(moved.untyped_storage(), 0, moved.shape, moved.stride())   # same tensor object, new storage
+    ops.transfer(src, dst, TC.slots([7, 8, 9], device=device))
+    TC.sync(device)
+    assert np.array_equal(TC.bits(old)[:, :, :3], _want_rows(src_np, g, [7, 8, 9]).view(np.uint16))
+    assert np.array_equal(TC.bits(old_storage.view(kept.shape)), TC.bits(kept))   # the old storage: as it was
+
+
+def test_a_kept_binding_lets_the_destination_go(device):
+    """The binding holds the destination's tensors; it is dropped with the destination cache, so a
+    long-lived source does not keep every destination it was copied to alive."""
+    _, _, src, dst = _pair(device)
+    for _ in range(2):
+        ops.transfer(src, dst, TC.slots([0, 1], device=device))
+    gone = weakref.ref(dst.tensors[0])
+    del dst
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_kept_binding_still_honours_dispatch_modes(device):
+    """Under a TorchDispatchMode, a call with a kept binding goes through the dispatcher (the mode sees it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Seen.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    _, _, src, dst = _pair(device)
+    slots = TC.slots([0, 1], device=device)
+    for _ in range(2):
+        ops.transfer(src, dst, slots)
+    with Seen():
+        ops.transfer(src, dst, slots)
+    assert any("kvlayout.copy_program" in op for op in Seen.ops)
 
 
 # ---------------------------------------------------------------------------------------

@@ -183,3 +183,42 @@ def test_staged_transfer_in_a_cuda_graph(cuda_device):
     expected = _chunk(T)
     ops.transfer(_device_cache("cpu"), expected, slots.cpu())
     assert torch.equal(_bytes(chunk), _bytes(expected))
+
+
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+def test_kept_staging_is_reused_per_stream_and_stays_exact(cuda_device, direction, monkeypatch):
+    """Repeated staged calls of one shape on one stream reuse one kept staging cache; each call still moves
+    exactly the kernel's bytes (nothing left over from the previous call); another stream gets its own
+    buffer; release_staging frees them; a graph capture keeps none."""
+    monkeypatch.setattr(staged_mod, "GROUP_BYTES", 1)   # several groups
+    staged_mod.release_staging()
+    T = 40
+
+    def run(seed, engine, stream):
+        cache = _device_cache(cuda_device, seed=seed)
+        chunk = _chunk(T, pin=True, fill=seed)
+        slots = _slots_with_holes(T, cuda_device, seed=seed)
+        with torch.cuda.stream(stream):
+            if direction == "to_host":
+                ops.transfer(cache, chunk, slots, engine=engine)
+            else:   # a host chunk of other bytes each call: a stale staging buffer would show
+                ops.transfer(_chunk(T, pin=True, fill=seed + 1), cache, None, slots, engine=engine)
+        torch.cuda.synchronize()
+        return _bytes(cache), _bytes(chunk)
+
+    main = torch.cuda.current_stream(cuda_device)
+    for seed in (1, 2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(run(seed, "kernel", main), run(seed, "staged", main)))
+    assert len(staged_mod._KEPT) == 1                    # one buffer for three calls of one shape
+    kept = next(iter(staged_mod._KEPT.values()))
+    other = torch.cuda.Stream(cuda_device)
+    assert all(torch.equal(a, b) for a, b in zip(run(4, "kernel", other), run(4, "staged", other)))
+    assert len(staged_mod._KEPT) == 2 and kept in staged_mod._KEPT.values()
+    staged_mod.release_staging()
+    assert not staged_mod._KEPT
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    slots = torch.arange(T, device=cuda_device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.graph(graph):
+        ops.transfer(cache, chunk, slots, engine="staged")
+    assert not staged_mod._KEPT

@@ -185,6 +185,16 @@ void BoundProgram::check_still_bound(int64_t step, at::TensorList src, at::Tenso
   }
 }
 
+bool BoundProgram::still_bound(int64_t step, at::TensorList src, at::TensorList dst) const {
+  if (src.size() != src_prints_.size() || dst.size() != dst_prints_.size()) return false;
+  const Step& s = steps_[static_cast<size_t>(step)];
+  for (int64_t i : s.read)
+    if (!(fingerprint(src[i]) == src_prints_[i])) return false;
+  for (int64_t j : s.written)
+    if (!(fingerprint(dst[j]) == dst_prints_[j])) return false;
+  return true;
+}
+
 bool BoundProgram::still_valid(at::TensorList src, at::TensorList dst) const {
   // Step 0 (every chosen layer) uses every tensor any other step uses.
   for (const auto& l : steps_.front().launches)

@@ -132,6 +132,9 @@ class BoundProgram {
   // re-set tensor is not).
   void check_still_bound(int64_t step, at::TensorList src, at::TensorList dst,
                          const char* who) const;
+  // The same question without raising: false when a tensor of step `step`
+  // (a valid step) has moved, changed size or gone.
+  bool still_bound(int64_t step, at::TensorList src, at::TensorList dst) const;
 
   // Whether every launch's bind-time facts still hold for these tensors.
   bool still_valid(at::TensorList src, at::TensorList dst) const;

@@ -13,6 +13,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -113,6 +114,21 @@ class PreparedCopy {
     run_bound(*bound_, step, dst_, args_);
   }
 
+  // Runs step `step` with these per-call arguments, as run_program would;
+  // false (nothing done) where run_program would not serve the call from
+  // this binding: the call needs the dispatcher, or a bound tensor moved.
+  bool run_with(int64_t step, const std::optional<at::Tensor>& src_slots,
+                const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
+                int64_t skip_prefix, int64_t max_ctas, bool validate) const {
+    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || needs_dispatcher(src_slots) ||
+        needs_dispatcher(dst_slots) || step < 0 || step >= bound_->num_steps() ||
+        !bound_->still_bound(step, src_, dst_))
+      return false;
+    run_bound(*bound_, step, dst_,
+              RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate});
+    return true;
+  }
+
   int64_t num_steps() const { return bound_->num_steps(); }
   std::string device() const { return device_.str(); }
 
@@ -123,6 +139,16 @@ class PreparedCopy {
   std::shared_ptr<const BoundProgram> bound_;
   RunArgs args_;
 };
+
+// A PreparedCopy for ops.transfer to keep per (caches, choice), or null
+// where the tensors must go through the dispatcher on every call.
+std::unique_ptr<PreparedCopy> bind_program(int64_t handle, std::vector<at::Tensor> src,
+                                           std::vector<at::Tensor> dst, const at::Tensor& status) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || needs_dispatcher(src) ||
+      needs_dispatcher(dst))
+    return nullptr;
+  return std::make_unique<PreparedCopy>(handle, std::move(src), std::move(dst), status);
+}
 
 bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
                  const std::vector<at::Tensor>& dst, const std::optional<at::Tensor>& src_slots,
@@ -199,9 +225,18 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dependent_launch"), "The slots and counts of the next runs.")
       .def("run", &PreparedCopy::run, py::arg("step"),
            "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments.")
+      .def("run_with", &PreparedCopy::run_with, py::arg("step"), py::arg("src_slots"),
+           py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"), py::arg("max_ctas"),
+           py::arg("validate"),
+           "Runs step `step` with these arguments; False (nothing done) when the call needs the "
+           "dispatcher or a bound tensor was resized, re-set or freed.")
       .def_property_readonly("num_steps", &PreparedCopy::num_steps)
       .def_property_readonly("device", &PreparedCopy::device);
 
+  m.def("bind_program", &bind_program, py::arg("program"), py::arg("src"), py::arg("dst"),
+        py::arg("status"),
+        "A PreparedCopy of a program bound to these tensors (checked now), or None when they "
+        "need the dispatcher (meta/fake tensors, subclasses, dispatch modes).");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
         py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("status"), py::arg("validate"),
