@@ -512,7 +512,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     if c.bound is not None and c.bound.run_with(0, s_slots, d_slots, T, skip_prefix, c.max_ctas, validate):
         return
     if c.handle is None:
-        from .program import program_for   # (program imports this module)
+        from .program import program_for  # (program imports this module)
         c.handle = program_for(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes)
         c.status = _native.status_tensor(c.device)
     c.kernel_calls += 1
