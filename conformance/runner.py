@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {DEFAULT_EXAMPLES})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case generation (default 0)")
     parser.add_argument("--only", metavar="PATTERN",
-                        help="comma-separated shell patterns over family names "
-                             "(transfer, prepared, gather, scatter, move, pages, rope, fuzz_index, bad_input, hostile)")
+                        help="comma-separated shell patterns over family names (transfer, prepared, staged, "
+                             "gather, scatter, move, pages, rope, fuzz_index, bad_input, hostile)")
     parser.add_argument("--replay", metavar="SAMPLE",
                         help="run one sample, given as its repr (the reproducer of a report), on --device and "
                              "print the outcome with the traceback")

@@ -31,7 +31,7 @@ def test_tiny_cpu_run_passes_and_writes_both_reports(tmp_path, capsys):
     assert code == 0
     assert data["summary"]["status"] == "PASS"
     families = {r["family"] for r in data["results"]}
-    assert families == {"transfer", "prepared", "gather", "scatter", "move", "pages", "rope", "fuzz_index",
+    assert families == {"transfer", "prepared", "staged", "gather", "scatter", "move", "pages", "rope", "fuzz_index",
                         "bad_input", "hostile"}
     assert data["environment"]["torch"] == torch.__version__
     assert any(d["device"] == "xpu" and d["status"] == "not run" for d in data["devices"])

@@ -20,7 +20,7 @@ from kvlayout.conformance.families import FAMILIES, errors, hostile, pages, rope
 
 import torch_cases as TC
 
-EXAMPLES = {"prepared": 12, "gather": 10, "scatter": 10, "move": 8, "rope": 12, "fuzz_index": 8}
+EXAMPLES = {"prepared": 12, "staged": 8, "gather": 10, "scatter": 10, "move": 8, "rope": 12, "fuzz_index": 8}
 """Samples per device in the default run, for the families drawn as a whole."""
 
 LAYOUTS = S.layout_names(include_rows=True)

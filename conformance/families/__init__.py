@@ -15,6 +15,8 @@ Families (:data:`FAMILIES`, in report order):
   the argument or through ``ops.skip_prefix``), CTA budgets, placements
   (CUDA: device, pinned source, pinned destination, pinned slots);
 * ``prepared`` (:mod:`.prepared`) - ``ops.prepare``, all layers or layer by layer;
+* ``staged`` (:mod:`.staged`) - ``engine="staged"``/``"auto"`` between a
+  device cache and a pinned host chunk (on the CPU: refused with the reason);
 * ``gather`` / ``scatter`` / ``move`` (:mod:`.rows`);
 * ``pages`` (:mod:`.pages`) - the page helpers;
 * ``rope`` (:mod:`.rope`) - key repositioning within a stated tolerance;
@@ -30,14 +32,14 @@ import ast
 from kvlayout.reference.layouts import Geometry
 
 from .. import strategies as S
-from . import errors, hostile, pages, prepared, rope, rows, transfer
+from . import errors, hostile, pages, prepared, rope, rows, staged, transfer
 from .core import ErrorInput, ErrorKind, OpFamily
 
 FAMILIES: dict[str, OpFamily] = {f.name: f for f in (
-    transfer.TRANSFER, prepared.PREPARED, rows.GATHER, rows.SCATTER, rows.MOVE, pages.PAGES, rope.ROPE,
+    transfer.TRANSFER, prepared.PREPARED, staged.STAGED, rows.GATHER, rows.SCATTER, rows.MOVE, pages.PAGES, rope.ROPE,
     transfer.FUZZ_INDEX, errors.BAD_INPUT, hostile.HOSTILE)}
 
-SAMPLE_TYPES = {cls.__name__: cls for module in (transfer, prepared, rows, pages, rope, errors, hostile)
+SAMPLE_TYPES = {cls.__name__: cls for module in (transfer, prepared, staged, rows, pages, rope, errors, hostile)
                 for cls in module.SAMPLES}
 """Every sample class by name: what a ``--replay`` text may construct."""
 

@@ -1,0 +1,100 @@
+"""The ``staged`` family: ``ops.transfer(..., engine="staged")`` and ``engine="auto"`` with a host chunk.
+
+A staged transfer (``kvlayout.ops.staged``) moves the rows through a device
+copy of a pinned host chunk, the copy engine crossing PCIe.  It must end
+exactly where the copy kernel (and the reference) ends: the whole
+destination as ``kvlayout.reference.transfer`` says, the source unchanged,
+for every chunk layout, layer subset and ``skip_prefix``.  The host side is
+a chunk addressed by position (its slots ``None``); the device side any
+layout, with slot patterns that include ``-1``.  On CUDA the staged path
+runs; on the CPU there is nothing to stage, and ``engine="staged"`` is
+refused with the reason, before anything is written (``engine="auto"``
+runs the kernel there; a transfer of no tokens moves nothing on any engine).
+
+Reference: ``kvlayout.reference.transfer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from hypothesis import strategies as st
+
+from kvlayout import ops
+
+from .. import strategies as S
+from .core import OpFamily, assert_same, bind, expect_raises, flat, pin_if, slots, sync
+from .transfer import expected_transfer, layout_group, layout_pairs, op_kwargs, transfer_cases
+
+CHUNKS = ("lmcache_kv_2ltd", "lmcache_kv_mla")
+"""Host chunk layouts whose rows lie back to back in token order (what staging copies as spans)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedSample:
+    """A transfer between a device cache and a host chunk (``host_side``), with ``engine``."""
+
+    case: S.TransferCase
+    host_side: str = "dst"          # "src": a load into the device cache; "dst": a store into the chunk
+    engine: str = "staged"          # or "auto" (staged from 64 MiB on: these samples take the kernel)
+    family = "staged"
+
+    def group(self) -> str:
+        return layout_group(self.case)
+
+    def describe(self) -> str:
+        return f"{self.engine} {self.case.describe()} (host {self.host_side})"
+
+    def run(self, device: str) -> None:
+        c = self.case
+        src_np, dst_np = c.caches()
+        src = bind(c.src_layout, src_np, c.src_geom, device, pin=pin_if(device, self.host_side == "src"))
+        dst = bind(c.dst_layout, dst_np, c.dst_geom, device, pin=pin_if(device, self.host_side == "dst"))
+        ss, ds = c.slots()
+        args = (slots(ss, "int64", device), slots(ds, "int64", device))
+        kw = dict(op_kwargs(c), engine=self.engine)
+        if torch.device(device).type != "cuda" and self.engine == "staged" and c.T > 0:
+            expect_raises(lambda: ops.transfer(src, dst, *args, **kw), ValueError,
+                          "cannot stage this transfer: one side must be a CUDA cache")
+            assert_same(dst.tensors, flat(c.dst_layout, dst_np), "destination (refused: unchanged)")
+            return
+        if self.engine == "staged" and torch.device(device).type == "cuda":
+            try:
+                assert ops.explain(src, dst, *args, **kw)["engine"] == "staged"
+            except ValueError as refusal:   # e.g. a row split into column blocks: the same refusal, nothing written
+                expect_raises(lambda: ops.transfer(src, dst, *args, **kw), ValueError, re.escape(str(refusal)))
+                assert_same(dst.tensors, flat(c.dst_layout, dst_np), "destination (refused: unchanged)")
+                return
+        ops.transfer(src, dst, *args, **kw)
+        sync(device)
+        assert_same(dst.tensors, flat(c.dst_layout, expected_transfer(c, src_np, dst_np)), "destination")
+        assert_same(src.tensors, flat(c.src_layout, src_np), "source (must not change)")
+
+
+def _pairs(group: str | None):
+    """(pair, host side) of every layout pair with a chunk on one side and a device cache on the other."""
+    out = []
+    for a, b in layout_pairs(group):
+        if b in CHUNKS and a not in CHUNKS and a != "rows":
+            out.append(((a, b), "dst"))
+        if a in CHUNKS and b not in CHUNKS and b != "rows":
+            out.append(((a, b), "src"))
+    return out
+
+
+def _host_positions(case: S.TransferCase, host_side: str) -> bool:
+    return (case.src_slots if host_side == "src" else case.dst_slots) is None
+
+
+@st.composite
+def staged_samples(draw, device: str, group: str | None = None):
+    pair, host_side = draw(st.sampled_from(_pairs(group)))
+    case = draw(transfer_cases(pair).filter(lambda c: _host_positions(c, host_side)))
+    return StagedSample(case, host_side, draw(st.sampled_from(("staged", "staged", "auto"))))
+
+
+STAGED = OpFamily("staged", "ops.transfer with engine='staged'/'auto' between a device cache and a host chunk",
+                  staged_samples, "transfer")
+SAMPLES = (StagedSample,)
