@@ -40,9 +40,11 @@ Conventions shared by all connectors:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Any, Generator, Mapping
 
 import torch
@@ -54,6 +56,7 @@ from .lmcache import (
     CROSS_LAYER_FORMATS,
     MLA_FORMATS,
     GPUKVFormat,
+    LayerwiseKV,
     MemoryFormat,
     TransferDirection,
     as_memory_format,
@@ -63,8 +66,6 @@ from .lmcache import (
     multi_layer_kv_transfer,
     multi_layer_kv_transfer_unilateral,
     rotary_embedding_k_fused,
-    single_layer_kv_transfer,
-    single_layer_kv_transfer_sgl,
 )
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,7 @@ class _Connector:
         self.geometry = None
         self.gpu_kv_format: GPUKVFormat | None = None
         self._staging: dict[int, torch.Tensor] = {}
+        self._staging_views: dict = {}      # slot -> ((shape, dtype), the last view of it handed out)
         self.load_stream = self.store_stream = None
         self._make_streams()
         if kvcaches is not None:
@@ -294,34 +296,45 @@ class _Connector:
             raise ValueError("no kv caches: pass kvcaches=... or call register_kv_caches first")
         return self.kvcaches
 
-    def _layer(self, l: int):
-        """One layer's cache tensor(s) of a per-layer format."""
-        if self.gpu_kv_format in CROSS_LAYER_FORMATS:
-            raise ValueError(f"layer-wise transfers need a per-layer format, got {self.gpu_kv_format.name}")
-        if self.gpu_kv_format == GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS:
-            return self.kvcaches[0][l], self.kvcaches[1][l]
-        return self.kvcaches[l]
-
     def _current(self):
         return current_stream(self.device)
 
     # -- staging ------------------------------------------------------------------------
+    def _stages(self, tensor: torch.Tensor) -> bool:
+        """Whether a memory object's tensor goes through a device buffer: ``use_gpu`` and it lives elsewhere
+        than the caches."""
+        return self.use_gpu and self.device is not None and tensor.device != self.device
+
     def _staging_view(self, like: torch.Tensor, slot=0) -> torch.Tensor | None:
         """A device buffer shaped like ``like``, or ``None`` when no staging is wanted or needed.
 
         Stores use ``("store", i)`` slots, loads plain ints: they run on different streams and must not
         share a buffer."""
-        if not self.use_gpu or self.device is None or like.device == self.device:
+        if not self._stages(like):
             return None
         return self._device_buffer(like.shape, like.dtype, slot)
 
     def _device_buffer(self, shape, dtype: torch.dtype, slot=0) -> torch.Tensor:
-        """A contiguous ``shape``/``dtype`` view of staging buffer ``slot`` (grown when too small)."""
-        nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+        """A contiguous ``shape``/``dtype`` view of staging buffer ``slot`` (grown when too small).
+
+        Layer after layer asks for the same view: the last one of each slot is handed out again."""
+        want = (tuple(shape), dtype)
+        last = self._staging_views.get(slot)
+        if last is not None and last[0] == want:
+            return last[1]
+        numel = torch.Size(shape).numel()
+        nbytes = max(1, int(numel) * dtype.itemsize)
         buf = self._staging.get(slot)
         if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self._buffers_replaced()
             buf = self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf[:nbytes].view(dtype)[:torch.Size(shape).numel()].view(shape)
+        view = buf[:nbytes].view(dtype)[:numel].view(shape)
+        self._staging_views[slot] = (want, view)
+        return view
+
+    def _buffers_replaced(self) -> None:
+        """A staging buffer was replaced by a larger one (the layer-wise connectors let go of what bound it)."""
 
     @staticmethod
     def _slots(kwargs, start: int, end: int) -> torch.Tensor:
@@ -611,6 +624,66 @@ class SGLangGPUConnector(_ChunkConnector):
 # Layer-wise generators
 # ---------------------------------------------------------------------------------------
 
+class _CallSlots(list):
+    """A generator call's slots, one tensor per chunk; :meth:`joined` concatenates them once per call
+    (``[sum of T]``, for the loads that stage every chunk in one buffer)."""
+
+    _joined = None
+
+    def joined(self) -> torch.Tensor:
+        if self._joined is None:
+            self._joined = torch.cat(list(self))
+        return self._joined
+
+
+class _LayerTransfers:
+    """The layer-by-layer transfers of one registration of the engine's caches.
+
+    A memory object is a new tensor at every call: it moves with one
+    ``ops.transfer`` (:meth:`LayerwiseKV.move`, the cache side bound once per
+    registration).  The connector's own buffers (device staging, CacheBlend's
+    ping-pong buffers) serve layer after layer and call after call: they move
+    with prepared transfers (:meth:`run`), one prepared layer call per layer.
+    A prepared transfer is kept by what it binds - direction, layer (a
+    store's transfer is one layer's), the buffer's address, device, dtype,
+    shape and strides, validation; past ``capacity`` the least recently used
+    one goes.  A call whose slots are other tensors than the ones a transfer
+    holds rebinds them (``set_slots``: once per transfer and call).
+    """
+
+    def __init__(self, kv: LayerwiseKV):
+        self.kv = kv
+        # loads: one per ping-pong buffer; stores: one per layer and chunk shape (full chunks, the last one)
+        self.capacity = 4 * kv.num_layers + 4
+        self._held: collections.OrderedDict = collections.OrderedDict()
+
+    def forget(self) -> None:
+        """Drop every prepared transfer (they hold their buffers: a replaced buffer is freed)."""
+        self._held.clear()
+
+    def run(self, layer: int, buffer: torch.Tensor, slots, direction, validate=None) -> None:
+        """A connector's buffer (one layer: ``[T, 2, D]``, ``[2, T, D]`` or MLA ``[T, D]``) <-> layer ``layer``
+        at ``slots [T]``, as :meth:`LayerwiseKV.move` moves it, with a prepared transfer."""
+        if not 0 <= layer < self.kv.num_layers or (validate is not None and type(validate) is not bool):
+            self.kv.move(layer, buffer, slots, direction, validate)     # it raises what the per-call path raises
+            return
+        load = direction == H2D
+        # validate=None reads KVLAYOUT_VALIDATE at each call: the value read is part of what is prepared
+        key = (load, None if load else layer, buffer.data_ptr(), buffer.device, buffer.dtype, buffer.shape,
+               buffer.stride(), validate, os.environ.get("KVLAYOUT_VALIDATE") if validate is None else None)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = [self.kv.prepare(buffer, slots, direction, layer, validate), slots]
+            if len(self._held) > self.capacity:
+                self._held.popitem(last=False)
+        else:
+            self._held.move_to_end(key)
+            if held[1] is not slots:
+                self.kv.set_slots(held[0], slots, direction)
+                held[1] = slots
+        held[0].layer(layer if load else 0)
+
+
 class _LayerwiseConnector(_Connector):
     """The generator contract of LMCache's layer-wise connectors (see each class for its yield counts).
 
@@ -661,23 +734,49 @@ class _LayerwiseConnector(_Connector):
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs):
         raise NotImplementedError("layer-wise connectors store through the batched_from_gpu generator")
 
-    def _move_layer(self, layer: int, tensor: torch.Tensor, slots: torch.Tensor, direction, validate=None) -> None:
-        """One layer, one token-indexed tensor <-> the paged cache."""
-        single_layer_kv_transfer(tensor, self._layer(layer), slots, direction, self.gpu_kv_format,
-                                 token_major=self.layer_format == MemoryFormat.KV_T2D, validate=validate)
+    def register_kv_caches(self, kvcaches, kv_layout: str | None = None) -> GPUKVFormat:
+        self._layer_transfers = None      # prepared transfers bind the caches: a new registration starts afresh
+        return super().register_kv_caches(kvcaches, kv_layout)
+
+    def _transfers(self) -> _LayerTransfers:
+        """The registered caches' layer transfers (made at the first transfer after a registration)."""
+        transfers = getattr(self, "_layer_transfers", None)
+        if transfers is None:
+            if self.gpu_kv_format in CROSS_LAYER_FORMATS:
+                raise ValueError(f"layer-wise transfers need a per-layer format, got {self.gpu_kv_format.name}")
+            kv = LayerwiseKV(self.kvcaches, self.gpu_kv_format, token_major=self.layer_format == MemoryFormat.KV_T2D)
+            transfers = self._layer_transfers = _LayerTransfers(kv)
+        return transfers
+
+    def _buffers_replaced(self) -> None:
+        if getattr(self, "_layer_transfers", None) is not None:
+            self._layer_transfers.forget()
+
+    def _move_layer(self, layer: int, tensor: torch.Tensor, slots: torch.Tensor, direction, validate=None,
+                    owned: bool = False) -> None:
+        """One layer, one token-indexed tensor <-> the paged cache.  ``owned``: ``tensor`` is one of the
+        connector's buffers (a prepared transfer, kept across layers and calls); else a memory object."""
+        transfers = self._transfers()
+        if owned:
+            transfers.run(layer, tensor, slots, direction, validate)
+        else:
+            transfers.kv.move(layer, tensor, slots, direction, validate)
 
     def _begin(self, kwargs):
         self._caches(kwargs)
+        transfers = getattr(self, "_layer_transfers", None)
+        if transfers is not None and not transfers.kv.serves(self.kvcaches, self.gpu_kv_format):
+            self._layer_transfers = None      # the engine's list holds other tensors now: bind them afresh
         if "slot_mapping" not in kwargs:
             raise ValueError("slot_mapping is required")
         if self.requires_sync and "sync" not in kwargs:
             raise ValueError("sync is required (True: the caller's stream waits for each layer's load)")
         return bool(kwargs.get("sync", False))
 
-    def _chunk_slots(self, kwargs, starts, ends) -> list[torch.Tensor]:
+    def _chunk_slots(self, kwargs, starts, ends) -> _CallSlots:
         """Per chunk: its slots.  Every position of every chunk is written (no prefix skip, as LMCache's
         layer-wise loads)."""
-        return [self._slots(kwargs, s, e) for s, e in zip(starts, ends)]
+        return _CallSlots(self._slots(kwargs, s, e) for s, e in zip(starts, ends))
 
     @staticmethod
     def _layer_objs(objs, given, layer: int):
@@ -687,11 +786,11 @@ class _LayerwiseConnector(_Connector):
             objs = given[layer]
         return objs
 
-    def _load_layer(self, layer: int, objs, starts, ends, chunk_slots, validate=None) -> None:
+    def _load_layer(self, layer: int, objs, starts, ends, chunk_slots: _CallSlots, validate=None) -> None:
         for obj in objs:
             _check_fmt(obj, self._expected_format())
         tensors = [_tensor(o) for o in objs]
-        if self.use_gpu and any(t.device != self.device for t in tensors):
+        if any(self._stages(t) for t in tensors):
             # one ping-pong device buffer per layer parity: copy the chunks in, one transfer out
             dim = self._token_dim
             total = sum(t.shape[dim] for t in tensors)
@@ -700,7 +799,7 @@ class _LayerwiseConnector(_Connector):
             for t in tensors:
                 staged.narrow(dim, off, t.shape[dim]).copy_(t, non_blocking=True)
                 off += t.shape[dim]
-            self._move_layer(layer, staged, torch.cat(chunk_slots), H2D, validate)
+            self._move_layer(layer, staged, chunk_slots.joined(), H2D, validate, owned=True)
         else:
             for t, slots in zip(tensors, chunk_slots):
                 self._move_layer(layer, t, slots, H2D, validate)
@@ -709,8 +808,10 @@ class _LayerwiseConnector(_Connector):
         for obj, slots in zip(objs, chunk_slots):
             dst = _tensor(obj)
             staged = self._staging_view(dst, slot=("store", layer % 2))
-            self._move_layer(layer, staged if staged is not None else dst, slots, D2H, validate)
-            if staged is not None:
+            if staged is None:
+                self._move_layer(layer, dst, slots, D2H, validate)
+            else:
+                self._move_layer(layer, staged, slots, D2H, validate, owned=True)
                 dst.copy_(staged, non_blocking=True)
             _tag_stored(obj, self._expected_format(), self.use_mla)
 
@@ -771,14 +872,6 @@ class SGLangLayerwiseGPUConnector(_LayerwiseConnector):
     """
 
     engine = "sglang"
-
-    def _move_layer(self, layer, tensor, slots, direction, validate=None):
-        if self.use_mla:
-            single_layer_kv_transfer(tensor, self._layer(layer), slots, direction, self.gpu_kv_format,
-                                     validate=validate)
-        else:
-            k, v = self._layer(layer)
-            single_layer_kv_transfer_sgl(tensor, k, v, slots, direction, token_major=True, validate=validate)
 
     def batched_to_gpu(self, starts, ends, **kwargs) -> Generator:
         """Yields ``L + 1`` times: once per layer (the layer's objects are sent in), once at the end."""
@@ -885,6 +978,8 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
     def _buffers(self, dtype, n) -> list[torch.Tensor]:
         bufs = self._pingpong
         if bufs is None or bufs[0].shape[1] < n or bufs[0].dtype != dtype:
+            if bufs is not None:
+                self._buffers_replaced()
             shape = (2, max(n, self.chunk_size), self.hidden_dim_size)
             bufs = self._pingpong = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
         return [b[:, :n] for b in bufs]
@@ -914,7 +1009,7 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
         self.buffer_mapping.clear()
         for step in range(self.num_layers + 2):
             if step > 1:                                     # stage 3: flush layer step - 2
-                self._move_layer(step - 2, self.buffer_mapping.pop(step - 2), slots_all, H2D, validate)
+                self._move_layer(step - 2, self.buffer_mapping.pop(step - 2), slots_all, H2D, validate, owned=True)
             if 0 < step <= self.num_layers:                  # stage 2: layer step - 1 is in the load buffer
                 _synchronize(dev)
                 compute, load = load, compute
@@ -949,7 +1044,7 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
             tmp = self._device_buffer(self.get_shape(int(slots_all.shape[0])), dtype, slot=("store", 0))
             with on_stream(self.store_stream):
                 wait_stream(self.store_stream, cur)
-                self._move_layer(layer, tmp, slots_all, D2H, validate)
+                self._move_layer(layer, tmp, slots_all, D2H, validate, owned=True)
                 off = 0
                 for obj, (s, e), length in zip(memory_objs[layer], zip(starts, ends), lengths):
                     _tensor(obj).copy_(tmp[:, off:off + length], non_blocking=True)

@@ -56,7 +56,7 @@ __all__ = [
     "discover_gpu_kv_format", "canonicalize_kv_caches", "permute_to_contiguous",
     "permute_kv_caches_to_contiguous", "ensure_contiguous_kv_caches", "normalize_and_discover",
     "multi_layer_kv_transfer", "multi_layer_kv_transfer_unilateral", "single_layer_kv_transfer",
-    "single_layer_kv_transfer_sgl", "rotary_embedding_k_fused", "as_gpu_kv_format", "as_memory_format",
+    "single_layer_kv_transfer_sgl", "LayerwiseKV", "rotary_embedding_k_fused", "as_gpu_kv_format", "as_memory_format",
     "get_num_layers", "get_num_blocks", "get_block_size", "get_page_buffer_size", "get_num_heads", "get_head_size",
     "get_hidden_dim_size", "get_tokens_per_layer", "get_elements_per_layer", "get_dtype", "get_kv_size",
     "get_kv_cache_data_ptrs", "is_mla", "is_hnd", "is_cross_layer_format",
@@ -141,6 +141,10 @@ SINGLE_LAYER_FORMATS = frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS
                                   F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS})
 
 
+_SUPPORTED_GPU_KV_FORMATS = f"supported: {sorted(int(f) for f in LAYOUT_OF_FORMAT)}"
+_SUPPORTED_MEMORY_FORMATS = f"supported: {[int(f) for f in MemoryFormat]}"
+
+
 def _enum_int(value, what: str) -> int:
     """The integer behind an enum member of any origin (kvlayout's, LMCache's pybind or Python enums) or an int."""
     raw = value.value if isinstance(value, enum.Enum) or (hasattr(value, "value") and hasattr(value, "name")) \
@@ -154,6 +158,8 @@ def _enum_int(value, what: str) -> int:
 def _as_member(enum_type, value, what: str, unsupported: str):
     """``enum_type``'s member with the integer behind ``value`` (see :func:`_enum_int`); ``ValueError`` naming
     ``what`` and ``unsupported`` (the accepted values) when there is none."""
+    if type(value) is enum_type:      # kvlayout's own member: a connector checks one per object and layer
+        return value
     v = _enum_int(value, what)
     try:
         return enum_type(v)
@@ -163,13 +169,12 @@ def _as_member(enum_type, value, what: str, unsupported: str):
 
 def as_gpu_kv_format(gpu_kv_format) -> GPUKVFormat:
     """kvlayout's :class:`GPUKVFormat` for a member of LMCache's ``GPUKVFormat``/``EngineKVFormat`` (or an int)."""
-    return _as_member(GPUKVFormat, gpu_kv_format, "gpu_kv_format",
-                      f"supported: {sorted(int(f) for f in LAYOUT_OF_FORMAT)}")
+    return _as_member(GPUKVFormat, gpu_kv_format, "gpu_kv_format", _SUPPORTED_GPU_KV_FORMATS)
 
 
 def as_memory_format(fmt) -> MemoryFormat:
     """kvlayout's :class:`MemoryFormat` for a member of LMCache's ``MemoryFormat`` (or an int)."""
-    return _as_member(MemoryFormat, fmt, "fmt", f"supported: {[int(f) for f in MemoryFormat]}")
+    return _as_member(MemoryFormat, fmt, "fmt", _SUPPORTED_MEMORY_FORMATS)
 
 
 def as_direction(direction) -> TransferDirection:
@@ -330,6 +335,21 @@ def _bind_layer_chunk(lmc: torch.Tensor, token_major: bool, mla: bool) -> ops.KV
     return ops.bind("lmcache_kv_t2d" if token_major else "lmcache_kv_2td", lmc)
 
 
+def _check_single_layer_format(fmt: GPUKVFormat) -> None:
+    if fmt not in SINGLE_LAYER_FORMATS:
+        raise ValueError(f"single_layer_kv_transfer supports per-layer formats "
+                         f"{sorted(int(f) for f in SINGLE_LAYER_FORMATS)}, got {fmt.name}")
+
+
+def _bind_sgl_layer(k: torch.Tensor, v: torch.Tensor) -> ops.KVCache:
+    """One SGLang layer's K and V: ``[PBS, NH, HS]``, ``[NB, BS, NH, HS]`` (block and slot axes merged) or
+    ``[PBS, D]`` (one head of D)."""
+    def as3(t):
+        return t.flatten(0, 1) if t.dim() == 4 else (t.unsqueeze(1) if t.dim() == 2 else t)
+
+    return ops.bind("sglang_mha", ([as3(k)], [as3(v)]))
+
+
 def single_layer_kv_transfer(lmc_key_value_cache: torch.Tensor, vllm_key_value_cache: torch.Tensor,
                              slot_mapping: torch.Tensor, direction=TransferDirection.D2H,
                              gpu_kv_format=F.NL_X_TWO_NB_BS_NH_HS, token_major: bool = False, *,
@@ -340,12 +360,11 @@ def single_layer_kv_transfer(lmc_key_value_cache: torch.Tensor, vllm_key_value_c
     ``[2, T, D]`` (KV_2TD); MLA formats ``[T, D]``.  Strided views are fine
     (kvlayout addresses by strides).  ``vllm_key_value_cache``: one layer's
     tensor of a per-layer format (1, 2, 3, 5, 6, 7, 10, 11).  T is
-    ``slot_mapping``'s length.
+    ``slot_mapping``'s length.  (A layer-wise pipeline over the same caches:
+    :class:`LayerwiseKV` binds them once.)
     """
     fmt = as_gpu_kv_format(gpu_kv_format)
-    if fmt not in SINGLE_LAYER_FORMATS:
-        raise ValueError(f"single_layer_kv_transfer supports per-layer formats "
-                         f"{sorted(int(f) for f in SINGLE_LAYER_FORMATS)}, got {fmt.name}")
+    _check_single_layer_format(fmt)
     chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, fmt in MLA_FORMATS)
     paged = ops.bind(layout_of(fmt), [vllm_key_value_cache])
     _move_rows(chunk, paged, slot_mapping, direction, validate=validate)
@@ -361,12 +380,113 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: torch.Tensor, sgl_key_cach
     ``[NB, BS, NH, HS]`` whose block and slot axes merge into one slot axis
     (e.g. SGLang's ``[PBS, 1, NH, HS]`` views).
     """
-    def as3(t):
-        return t.flatten(0, 1) if t.dim() == 4 else (t.unsqueeze(1) if t.dim() == 2 else t)
-
     chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, False)
-    paged = ops.bind("sglang_mha", ([as3(sgl_key_cache)], [as3(sgl_value_cache)]))
+    paged = _bind_sgl_layer(sgl_key_cache, sgl_value_cache)
     _move_rows(chunk, paged, slot_mapping, direction, validate=validate)
+
+
+class LayerwiseKV:
+    """An engine's per-layer caches bound once, for layer-by-layer transfers with one-layer chunks.
+
+    :func:`single_layer_kv_transfer` (and :func:`single_layer_kv_transfer_sgl`)
+    check the format and bind the layer on every call.  A layer-wise pipeline
+    moves every layer of every step over the same caches, so this does the
+    cache side once (each layer is bound when first used):
+
+    * :meth:`move` is the per-call function for a chunk met once (a memory
+      object): one :func:`kvlayout.ops.transfer`, same checks and errors;
+    * :meth:`prepare` checks and plans, once, the transfer between the caches
+      and a chunk tensor that serves layer after layer (a staging buffer):
+      a load is one prepared transfer of every layer (``t.layer(l)`` loads
+      layer l from the chunk); a store writes the chunk, and one transfer may
+      write a destination layer only once, so each layer's store is its own
+      one-layer transfer (``t.layer(0)``).  :meth:`set_slots` rebinds the slots.
+
+    ``kv_caches``: the structure of ``gpu_kv_format``: a list of per-layer
+    tensors of a per-layer format (1, 2, 3, 5, 6, 7, 10, 11), or SGLang MHA's
+    ``[[K_0..K_L-1], [V_0..V_L-1]]`` (format 4, moved as
+    :func:`single_layer_kv_transfer_sgl` moves it).  ``token_major``: chunks
+    are ``[T, 2, D]`` (KV_T2D), else ``[2, T, D]`` (KV_2TD); format 4 chunks
+    are token-major; MLA chunks are ``[T, D]``.
+    """
+
+    def __init__(self, kv_caches, gpu_kv_format, token_major: bool):
+        fmt = as_gpu_kv_format(gpu_kv_format)
+        self.sgl = fmt == F.TWO_X_NL_X_NBBS_NH_HS
+        if not self.sgl:
+            _check_single_layer_format(fmt)
+        self.format, self.kv_caches = fmt, kv_caches
+        self.token_major = bool(token_major) or self.sgl
+        self.mla = fmt in MLA_FORMATS
+        self.tensors = self._leaves(kv_caches)
+        self._layers: dict[int, ops.KVCache] = {}
+        self._all: ops.KVCache | None = None
+
+    def _leaves(self, kv_caches) -> tuple:
+        return tuple(kv_caches[0]) + tuple(kv_caches[1]) if self.sgl else tuple(kv_caches)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors) // 2 if self.sgl else len(self.tensors)
+
+    def serves(self, kv_caches, gpu_kv_format) -> bool:
+        """Whether ``kv_caches`` of ``gpu_kv_format`` are still the bound caches: the same structure holding the
+        same tensors (a tensor put into the engine's list in place of another is a new cache)."""
+        if kv_caches is not self.kv_caches or gpu_kv_format != self.format:
+            return False
+        now = self._leaves(kv_caches)
+        return len(now) == len(self.tensors) and all(a is b for a, b in zip(now, self.tensors))
+
+    def layer(self, l: int) -> ops.KVCache:
+        """Layer ``l`` bound alone, as the per-call functions bind it."""
+        bound = self._layers.get(l)
+        if bound is None:
+            if self.sgl:
+                bound = _bind_sgl_layer(self.kv_caches[0][l], self.kv_caches[1][l])
+            else:
+                bound = ops.bind(layout_of(self.format), [self.kv_caches[l]])
+            self._layers[l] = bound
+        return bound
+
+    def all_layers(self) -> ops.KVCache:
+        """Every layer bound as one cache (what a load of every layer from one chunk reads into)."""
+        if self._all is None:
+            self._all = bind_kv_caches(self.kv_caches, self.format)
+        return self._all
+
+    def chunk(self, tensor: torch.Tensor) -> ops.KVCache:
+        """A one-layer chunk tensor bound (shape checked as the per-call functions check it)."""
+        return _bind_layer_chunk(tensor, self.token_major, self.mla)
+
+    def move(self, l: int, tensor: torch.Tensor, slots, direction, validate: bool | None = None) -> None:
+        """Layer ``l`` <-> ``tensor`` (one layer, ``[T, ...]`` as :meth:`chunk` says) at ``slots [T]``: H2D
+        writes the layer, D2H the chunk."""
+        paged = self.layer(l)
+        _move_rows(self.chunk(tensor), paged, slots, direction, validate=validate)
+
+    def prepare(self, tensor: torch.Tensor, slots, direction, layer: int = 0,
+                validate: bool | None = None) -> ops.PreparedTransfer:
+        """The transfer between the caches and ``tensor`` at ``slots [T]``, checked and planned once.
+
+        H2D: every layer from ``tensor`` (``t.layer(l)`` loads layer l);
+        D2H: layer ``layer`` into ``tensor`` (``t.layer(0)``).
+        """
+        chunk = self.chunk(tensor)
+        if as_direction(direction) == TransferDirection.H2D:
+            paged = self.all_layers()
+            return ops.prepare(chunk, paged, None, indices_on(slots, launch_device(chunk, paged)),
+                               src_layers=[0] * paged.geometry.L, validate=validate)
+        paged = self.layer(layer)
+        return ops.prepare(paged, chunk, indices_on(slots, launch_device(chunk, paged)), None, validate=validate)
+
+    @staticmethod
+    def set_slots(t: ops.PreparedTransfer, slots, direction) -> None:
+        """Give a transfer of :meth:`prepare` other slots ``[T']`` (its chunk must hold ``T'`` tokens)."""
+        s = indices_on(slots, launch_device(t.src, t.dst))
+        if as_direction(direction) == TransferDirection.H2D:
+            t.set_slots(None, s)
+        else:
+            t.set_slots(s, None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -818,7 +818,7 @@ class HostKVPool:
         self.page_size = int(page_size or device_pool.page_size)
         self.dtype = device_pool.store_dtype
         self.max_ctas = max_ctas
-        self._prepared_load = None   # (key, what the key names, prepared transfer): see _layer_load
+        self._prepared_load = None   # (key, what the key names, prepared transfer): see _load_key
         self.size_per_token = self.get_size_per_token()
         size = int(host_size * 1e9 // self.size_per_token) if host_size > 0 else \
             int(device_pool.size * host_to_device_ratio)
@@ -1005,35 +1005,62 @@ class HostKVPool:
 
         SGLang calls it once per layer with the same index tensors: the first
         call of a step prepares the transfer of every layer
-        (:func:`kvlayout.ops.prepare`), the others reuse it (one launch each).
+        (:func:`kvlayout.ops.prepare`; ``direct``: the copy engine's, whose
+        indices - page slots for ``page_first_direct`` - are then made once
+        too), the others reuse it (one launch, or the layer's copies, each).
         """
-        h, d = self._slots(host_indices, device_indices, io_backend)
-        validate = self._validate(io_backend, validate, torch.device(device_pool.device))
-        if io_backend == "kernel" and isinstance(h, torch.Tensor) and isinstance(d, torch.Tensor):
-            load = self._layer_load(device_pool, h, d, validate)
-            if load is not None:
-                load.layer(_layer_index(layer_id, self.layer_num))
-            return
-        _go(self.cache, _bind_device_pool(device_pool), h, d, self.max_ctas, validate, self._engine(io_backend),
-            src_layers=[layer_id], dst_layers=[layer_id])
-
-    def _layer_load(self, device_pool, h: torch.Tensor, d: torch.Tensor, validate):
-        """The prepared load of every layer for these index tensors (None: no tokens); kept for the next call.
-
-        Keyed by the identity and version of the pool and index tensors (held
-        here, so the identities stay theirs): indices rewritten in place, or
-        new ones, prepare again.
-        """
-        key = (id(device_pool), id(h), h._version, id(d), d._version, validate)
+        key = self._load_key(device_pool, host_indices, device_indices, io_backend, validate)
         held = self._prepared_load
-        if held is not None and held[0] == key:
-            return held[2]
+        if key is None or held is None or held[0] != key:
+            h, d = self._slots(host_indices, device_indices, io_backend)
+            validate = self._validate(io_backend, validate, torch.device(device_pool.device))
+            if key is None:
+                _go(self.cache, _bind_device_pool(device_pool), h, d, self.max_ctas, validate,
+                    self._engine(io_backend), src_layers=[layer_id], dst_layers=[layer_id])
+                return
+            held = self._prepared_load = (key, (device_pool, host_indices, device_indices),
+                                          self._prepare_load(device_pool, h, d, io_backend, validate))
+        else:   # the same indices as the held load's: _slots found them fine then
+            validate = self._validate(io_backend, validate, torch.device(device_pool.device))
+        load = held[2]
+        if load is None:      # no tokens
+            return
+        if io_backend == "kernel":
+            load.layer(_layer_index(layer_id, self.layer_num))
+        elif type(layer_id) is int and 0 <= layer_id < load.num_layers:
+            load.layer(layer_id)
+        else:                 # refused as the per-layer copy refuses it
+            h, d = self._slots(host_indices, device_indices, io_backend)
+            _go(self.cache, _bind_device_pool(device_pool), h, d, self.max_ctas, validate, "copy",
+                src_layers=[layer_id], dst_layers=[layer_id])
+
+    def _load_key(self, device_pool, host_indices, device_indices, io_backend: str, validate):
+        """What a prepared per-layer load depends on, or None where loads are not prepared (indices that are
+        not tensors, an unknown backend): the pool, the identity and version of the index tensors (held with
+        the load, so the identities stay theirs: indices rewritten in place, or new ones, prepare again),
+        the backend and the validation asked for."""
+        if io_backend not in IO_BACKENDS or not isinstance(host_indices, torch.Tensor) \
+                or not isinstance(device_indices, torch.Tensor):
+            return None
+        validate = self.validate if validate is None else validate
+        if io_backend == "direct" and validate is None:
+            validate = True                              # as _host_read makes it
+        return (id(device_pool), id(host_indices), host_indices._version, id(device_indices),
+                device_indices._version, io_backend, validate)
+
+    def _prepare_load(self, device_pool, h: torch.Tensor, d: torch.Tensor, io_backend: str, validate):
+        """The load of every layer at slots ``h`` -> ``d`` (None: no tokens).  ``direct``: the copy engine's,
+        with the slots on the host, over the layers both pools have."""
         dst = _bind_device_pool(device_pool)
-        s, dd = _pair(h, d, launch_device(*self.cache.tensors, *dst.tensors))
-        load = None if s.numel() == 0 else ops.prepare(self.cache, dst, s, dd, max_ctas=self.max_ctas,
-                                                         validate=validate)
-        self._prepared_load = (key, (device_pool, h, d), load)
-        return load
+        if io_backend == "kernel":
+            s, dd = _pair(h, d, launch_device(*self.cache.tensors, *dst.tensors))
+            return None if s.numel() == 0 else ops.prepare(self.cache, dst, s, dd, max_ctas=self.max_ctas,
+                                                             validate=validate)
+        s, dd = _pair(h, d, torch.device("cpu"))
+        layers = list(range(min(self.cache.geometry.L, dst.geometry.L)))
+        return None if s.numel() == 0 else ops.prepare(self.cache, dst, s, dd, src_layers=layers, dst_layers=layers,
+                                                         max_ctas=int(self.max_ctas or 0), validate=validate,
+                                                         engine="copy")
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
                                      io_backend: str = "kernel", *, validate=None) -> None:

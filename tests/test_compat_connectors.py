@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvlayout.compat import connectors as C
 from kvlayout.compat.lmcache import MemoryFormat as MF
@@ -432,3 +436,217 @@ def test_validate_reaches_kvlayout_from_connectors(monkeypatch):
     assert seen == [True, False] + [True] * L
     with pytest.raises(IndexError, match=r"out of range"):
         v2.from_gpu(obj, 0, 8, slot_mapping=slots + N)
+
+
+# ---------------------------------------------------------------------------------------
+# Layer-wise connectors: prepared transfers through their own buffers
+# ---------------------------------------------------------------------------------------
+
+def _host_staging(cls):
+    """``cls`` whose memory objects go through its staging buffers (``use_gpu``) on the host too, so the
+    device-staging path runs with CPU caches."""
+    class HostStaging(cls):
+        def _stages(self, tensor):
+            return self.use_gpu
+    return HostStaging
+
+
+def _count_ops(monkeypatch) -> collections.Counter:
+    """Counts ops.transfer, ops.prepare, PreparedTransfer.set_slots and .layer calls (and their validate)."""
+    from kvlayout import ops
+    counts = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            counts[name] += 1
+            counts[(name, k.get("validate"))] += 1
+            return fn(*a, **k)
+        return wrapper
+    monkeypatch.setattr(ops, "transfer", counted("transfer", ops.transfer))
+    monkeypatch.setattr(ops, "prepare", counted("prepare", ops.prepare))
+    for name in ("set_slots", "layer"):
+        monkeypatch.setattr(ops.PreparedTransfer, name, counted(name, getattr(ops.PreparedTransfer, name)))
+    return counts
+
+
+def _leaves(kv):
+    return [kv] if isinstance(kv, torch.Tensor) else [t for x in kv for t in _leaves(x)]
+
+
+def _only_at(fmt, kv, slots, src_kv) -> bool:
+    """Whether ``kv`` holds ``src_kv``'s rows at ``slots`` and zeros everywhere else (every layer and plane)."""
+    want = torch.zeros_like(logical(fmt, src_kv))
+    want[:, :, slots] = logical(fmt, src_kv)[:, :, slots]
+    return same(logical(fmt, kv), want)
+
+
+LAYERWISE_CASES = [(C.VLLMPagedMemLayerwiseGPUConnector, 1), (C.VLLMPagedMemLayerwiseGPUConnector, 3),
+                   (C.VLLMPagedMemLayerwiseGPUConnector, 11), (C.SGLangLayerwiseGPUConnector, 4),
+                   (C.SGLangLayerwiseGPUConnector, 5)]
+
+
+def _layerwise(cls, fmt, kv, **kwargs):
+    mla = fmt in (3, 5)
+    hints = {"kv_layout": "NHD"} if cls is C.VLLMPagedMemLayerwiseGPUConnector else {}
+    width = 24 if mla else H * D
+    return _host_staging(cls)(width, L, use_gpu=True, use_mla=mla, kvcaches=kv, **hints, **kwargs)
+
+
+@pytest.mark.parametrize("cls, fmt", LAYERWISE_CASES)
+def test_layerwise_staging_runs_prepared_transfers_rebound_to_each_calls_slots(monkeypatch, cls, fmt):
+    """Staged loads and stores run prepared transfers (one launch a layer, the ping-pong buffers serving layer
+    after layer), kept across generator calls and rebound to each call's slots: a transfer still bound to
+    the previous call's slots would write (or read) the wrong rows."""
+    gen = torch.Generator().manual_seed(150 + fmt)
+    h, d = (1, 24) if fmt in (3, 5) else (H, D)
+    kv = make_cache(fmt, L, NB, BS, h, d, torch.float32, "cpu", gen)
+    dst = zeros_like(kv)
+    store, load = _layerwise(cls, fmt, kv), _layerwise(cls, fmt, dst)
+    starts, ends = [0, 8], [8, 13]                          # a full chunk and a partial one
+    counts = _count_ops(monkeypatch)
+    lg = logical(fmt, kv)
+    for call in range(3):
+        slots = distinct_slots(13, N, gen, "cpu")           # other slots at every call
+        objs = [[C.MemoryObj(torch.zeros(store.get_shape(e - s))) for s, e in zip(starts, ends)]
+                for _ in range(L)]
+        assert sum(1 for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True)) == L + 1
+        for l in range(L):
+            for obj, s, e in zip(objs[l], starts, ends):
+                got = obj.tensor[None] if fmt in (3, 5) else obj.tensor.transpose(0, 1)
+                assert same(got, lg[:, l, slots[s:e]]), (call, l, s)
+        for t in _leaves(dst):
+            t.zero_()                                        # the same registered tensors, emptied
+        _drive_to_gpu(load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True), objs)
+        assert _only_at(fmt, dst, slots, kv), call
+    assert counts["transfer"] == 0
+    # stores: one transfer per layer and chunk shape; loads: one per ping-pong buffer; made in the first call
+    assert counts["prepare"] == 2 * L + 2
+    assert counts["set_slots"] == 2 * (2 * L + 2)           # each later call rebinds each once
+    assert counts["layer"] == 3 * (2 * L + L)               # a launch per layer and chunk (stores), per layer (loads)
+
+
+@pytest.mark.parametrize("cls, fmt", LAYERWISE_CASES)
+@pytest.mark.parametrize("change", ["register", "replace_in_list", "register_between_layers"])
+def test_layerwise_new_caches_are_not_served_by_old_prepared_transfers(cls, fmt, change):
+    """Prepared transfers bind the caches: registering other caches (between calls, or between two layers of
+    a call), or the engine putting another tensor into the registered list, makes the next transfer bind
+    the caches the connector has now."""
+    gen = torch.Generator().manual_seed(160 + fmt)
+    h, d = (1, 24) if fmt in (3, 5) else (H, D)
+    kv = make_cache(fmt, L, NB, BS, h, d, torch.float32, "cpu", gen)
+    first = zeros_like(kv)
+    load = _layerwise(cls, fmt, first)
+    slots = distinct_slots(8, N, gen, "cpu")
+    objs = [[C.MemoryObj(torch.zeros(load.get_shape(8)))] for _ in range(L)]
+    list(_layerwise(cls, fmt, kv).batched_from_gpu(objs, [0], [8], slot_mapping=slots, sync=True))
+    _drive_to_gpu(load.batched_to_gpu([0], [8], slot_mapping=slots, sync=True), objs)
+    assert _only_at(fmt, first, slots, kv)
+    if change == "replace_in_list":                        # the engine puts a new layer 1 into its list
+        lists = [first[0], first[1]] if fmt == 4 else [first]
+        old = [x[1] for x in lists]
+        for x in lists:
+            x[1] = torch.zeros_like(x[1])
+        second = first
+    else:
+        old, second = _leaves(first), zeros_like(kv)
+    for t in old:
+        t.zero_()
+    if change == "register":
+        load.register_kv_caches(second)
+    gen_obj = load.batched_to_gpu([0], [8], slot_mapping=slots, sync=True)
+    next(gen_obj)
+    for l in range(L):
+        gen_obj.send(objs[l])
+        if change == "register_between_layers" and l == 0:
+            load.register_kv_caches(second)                # layer 0 went to the old caches, the others go here
+    list(gen_obj)
+    if change == "register_between_layers":
+        lg = logical(fmt, kv)
+        assert same(logical(fmt, first)[:, 0, slots], lg[:, 0, slots])
+        assert logical(fmt, first)[:, 1:].abs().sum() == 0 and logical(fmt, second)[:, 0].abs().sum() == 0
+        assert same(logical(fmt, second)[:, 1:, slots], lg[:, 1:, slots])
+        return
+    assert _only_at(fmt, second, slots, kv)
+    assert all(t.abs().sum() == 0 for t in old)            # nothing written where the old caches were
+
+
+def test_cacheblend_ping_pong_buffers_run_prepared_transfers_rebound_to_each_calls_slots(monkeypatch):
+    """CacheBlend's flushes (from its two ping-pong buffers) and its stores (from one staging buffer) run
+    prepared transfers, rebound to every call's slots."""
+    gen = torch.Generator().manual_seed(170)
+    kv = _cache(1, "cpu", gen)
+    dst = zeros_like(kv)
+    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", kvcaches=kv)
+    loader = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", kvcaches=dst)
+    counts = _count_ops(monkeypatch)
+    starts, ends = [0, 6], [6, 10]
+    for call in range(3):
+        slots = distinct_slots(10, N, gen, "cpu")
+        objs = [[C.MemoryObj(torch.zeros(conn.get_shape(e - s))) for s, e in zip(starts, ends)] for _ in range(L)]
+        assert sum(1 for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)) == L + 1
+        for t in dst:
+            t.zero_()
+        assert _drive_to_gpu(loader.batched_to_gpu(starts, ends, slot_mapping=slots), objs) == L + 2
+        assert _only_at(1, dst, slots, kv), call
+    assert counts["transfer"] == 0
+    assert counts["prepare"] == L + 2                       # stores: one per layer; flushes: one per buffer
+    assert counts["set_slots"] == 2 * (L + 2)
+
+
+@pytest.mark.parametrize("cls, fmt", LAYERWISE_CASES[:2])
+def test_layerwise_replaced_staging_buffers_are_let_go(cls, fmt):
+    """A staging buffer outgrown by a larger call is freed: the prepared transfers that bound it are dropped."""
+    gen = torch.Generator().manual_seed(180 + fmt)
+    h, d = (1, 24) if fmt in (3, 5) else (H, D)
+    kv = make_cache(fmt, L, NB, BS, h, d, torch.float32, "cpu", gen)
+    conn = _layerwise(cls, fmt, kv)
+    refs = []
+    for n in (4, 12):
+        slots = distinct_slots(n, N, gen, "cpu")
+        objs = [[C.MemoryObj(torch.zeros(conn.get_shape(n)))] for _ in range(L)]
+        list(conn.batched_from_gpu(objs, [0], [n], slot_mapping=slots, sync=True))
+        _drive_to_gpu(conn.batched_to_gpu([0], [n], slot_mapping=slots, sync=True), objs)
+        refs.append([StorageWeakRef(b.untyped_storage()) for b in conn._staging.values()])
+    gc.collect()
+    assert len(refs[0]) == 4 and all(r.expired() for r in refs[0])      # two load and two store buffers
+    assert not any(r.expired() for r in refs[1])
+
+
+def test_cacheblend_replaced_buffers_are_let_go():
+    gen = torch.Generator().manual_seed(185)
+    kv = _cache(1, "cpu", gen)
+    conn = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", kvcaches=kv, chunk_size=4)
+    loader = C.VLLMBufferLayerwiseGPUConnector(H * D, L, use_gpu=True, kv_layout="NHD", kvcaches=zeros_like(kv),
+                                               chunk_size=4)
+    refs = []
+    for n in (4, 12):
+        slots = distinct_slots(n, N, gen, "cpu")
+        objs = [[C.MemoryObj(torch.zeros(conn.get_shape(n)))] for _ in range(L)]
+        list(conn.batched_from_gpu(objs, [0], [n], slot_mapping=slots))
+        _drive_to_gpu(loader.batched_to_gpu([0], [n], slot_mapping=slots), objs)
+        refs.append([StorageWeakRef(b.untyped_storage()) for b in [*conn._staging.values(), *loader._pingpong]])
+    gc.collect()
+    assert len(refs[0]) == 3 and all(r.expired() for r in refs[0])      # the store buffer, the ping-pong pair
+    assert not any(r.expired() for r in refs[1])
+
+
+def test_layerwise_validate_reaches_prepared_transfers(monkeypatch):
+    """validate (the connector's, or the call's) is prepared with the transfer; with None, KVLAYOUT_VALIDATE
+    is read at each call."""
+    gen = torch.Generator().manual_seed(190)
+    kv = _cache(1, "cpu", gen)
+    conn = _layerwise(C.VLLMPagedMemLayerwiseGPUConnector, 1, kv, validate=True)
+    counts = _count_ops(monkeypatch)
+    slots = distinct_slots(8, N, gen, "cpu")
+    objs = [[C.MemoryObj(torch.zeros(conn.get_shape(8)))] for _ in range(L)]
+    list(conn.batched_from_gpu(objs, [0], [8], slot_mapping=slots, sync=True))
+    _drive_to_gpu(conn.batched_to_gpu([0], [8], slot_mapping=slots, sync=True, validate=False), objs)
+    # stores: a transfer per layer; loads: one per ping-pong buffer
+    assert counts[("prepare", True)] == L and counts[("prepare", False)] == 2
+    for env, prepared in (("0", 2), ("1", 4), ("1", 4)):
+        monkeypatch.setenv("KVLAYOUT_VALIDATE", env)
+        _drive_to_gpu(conn.batched_to_gpu([0], [8], slot_mapping=slots, sync=True, validate=None), objs)
+        assert counts[("prepare", None)] == prepared, env
+    with pytest.raises(IndexError, match=r"dst_slots\[2\] = 99 is out of range"):
+        _drive_to_gpu(conn.batched_to_gpu([0], [3], slot_mapping=torch.tensor([0, 1, 99]), sync=True),
+                      [[C.MemoryObj(torch.zeros(conn.get_shape(3)), MF.KV_T2D)] for _ in range(L)])

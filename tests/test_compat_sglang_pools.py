@@ -291,25 +291,35 @@ def test_small_host_pool_only_warns(caplog):
     assert host.size == (32 // P + 1) * P and "not larger than the device pool" in caplog.text
 
 
-def test_per_layer_loads_prepare_once_per_index_tensors(monkeypatch):
-    """SGLang's per-layer loads reuse one prepared transfer while the index tensors stay the same."""
-    prepared = []
-    prepare = ops.prepare
-    monkeypatch.setattr(ops, "prepare", lambda *a, **k: (prepared.append(1), prepare(*a, **k))[1])
+@pytest.mark.parametrize("layout, io", [("layer_first", "kernel"), ("layer_first", "direct"),
+                                        ("page_first_direct", "direct")])
+def test_per_layer_loads_prepare_once_per_index_tensors(monkeypatch, layout, io):
+    """SGLang's per-layer loads reuse one prepared transfer while the index tensors stay the same (direct: the
+    copy engine's, with page_first_direct's page slots made once)."""
+    prepared, transfers = [], []
+    prepare, transfer = ops.prepare, ops.transfer
+    monkeypatch.setattr(ops, "prepare", lambda *a, **k: (prepared.append(k.get("engine")), prepare(*a, **k))[1])
+    monkeypatch.setattr(ops, "transfer", lambda *a, **k: (transfers.append(1), transfer(*a, **k))[1])
+    page_slots = S.page_slots
+    made = []
+    monkeypatch.setattr(S, "page_slots", lambda *a, **k: (made.append(1), page_slots(*a, **k))[1])
     gen = torch.Generator().manual_seed(8)
     dev = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, gen)
-    host = S.HostKVPool(dev, 2.0, 0, P, "layer_first")
+    host = S.HostKVPool(dev, 2.0, 0, P, layout)
     h, d = host.alloc(4), torch.arange(4, 8)
     host.backup_from_device_all_layer(dev, h, d)
     fresh = SGLangLikeMHAPool(16, P, torch.bfloat16, H, D, L, torch.Generator().manual_seed(9))
     for layer in range(L):
-        host.load_to_device_per_layer(fresh, h, d, layer)
-    assert len(prepared) == 1
+        host.load_to_device_per_layer(fresh, h, d, layer, io)
+    assert prepared == [None if io == "kernel" else "copy"] and transfers == [1]      # (the backup)
+    assert len(made) == (2 if layout == "page_first_direct" else 0)                  # host's and device's
     for layer in range(L):
         assert torch.equal(fresh.k_buffer[layer][d], dev.k_buffer[layer][d])
         assert torch.equal(fresh.v_buffer[layer][d], dev.v_buffer[layer][d])
     d[:] = torch.arange(8, 12)                       # rewritten in place: prepared again
-    host.load_to_device_per_layer(fresh, h, d, 0)
+    host.load_to_device_per_layer(fresh, h, d, 0, io)
     assert len(prepared) == 2 and torch.equal(fresh.k_buffer[0][d], dev.k_buffer[0][torch.arange(4, 8)])
-    with pytest.raises(IndexError, match="layer_id = 99 is out of range"):
-        host.load_to_device_per_layer(fresh, h, d, 99)
+    # a layer out of range is refused as the unprepared path refuses it
+    refused = "layer_id = 99 is out of range" if io == "kernel" else "src_layers contains 99, out of range"
+    with pytest.raises(IndexError, match=refused):
+        host.load_to_device_per_layer(fresh, h, d, 99, io)
