@@ -1,9 +1,10 @@
 """The build wires every backend: CPU always, CUDA and SYCL sources when their toolchains exist.
 
 No machine here has an XPU or icpx, so the SYCL sources are checked for
-presence, for sharing the address/kernel headers with CUDA, for registering
-the XPU dispatch key, and for being handed to ``SyclExtension`` by setup.py
-when torch reports XPU and icpx is on the PATH.
+presence, for sharing the address/kernel headers and the launchers with CUDA,
+for registering the XPU dispatch key and bound-launch factory, and for being
+handed to ``SyclExtension`` by setup.py when torch reports XPU and icpx is on
+the PATH.
 """
 
 import pathlib
@@ -25,6 +26,10 @@ def test_device_sources_share_the_kernel_headers_and_register_their_key(backend,
     assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["copy_rows"]
     assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["rope"]
     assert SHARED_HEADERS[0] in sources["copy_rows"] and SHARED_HEADERS[1] in sources["rope"]
+    # one launcher per op for every device backend, and prepared copy programs on each
+    assert '#include "../copy_rows_launch.h"' in sources["copy_rows"]
+    assert '#include "../rope_launch.h"' in sources["rope"]
+    assert f"register_bound_launch_factory(c10::DeviceType::{key}, &make_rows_launch<" in sources["copy_rows"]
     # no backend knows layout names: the address math lives in the shared header
     for text in sources.values():
         assert "vllm" not in text and "hicache" not in text and "sglang" not in text

@@ -212,7 +212,7 @@ def test_many_layers_several_launches(device, src_layout, dst_layout):
 
 
 def vector_width(launch) -> int:
-    """The vector width (bytes) the CUDA launcher picks for one launch (mirrors copy_rows.cu)."""
+    """The vector width (bytes) a device launcher picks for one launch (mirrors widest_vector_bytes)."""
     pb, n = launch.piece_bytes, launch.num_pieces
     sg, dg = launch.src_geometry, launch.dst_geometry    # [num_slots, page, stride_page, stride_in_page, stride_piece]
     if (n == 1 or sg[4] == pb) and (n == 1 or dg[4] == pb):

@@ -503,4 +503,25 @@ void check_status_tensor(const at::Tensor& status, c10::Device device) {
               " (use kvlayout.ops._native.status_tensor(device))");
 }
 
+std::optional<c10::Device> first_device_of_type(c10::DeviceType type, at::TensorList dst,
+                                                at::TensorList src) {
+  for (const at::TensorList side : {dst, src})
+    for (const at::Tensor& t : side)
+      if (t.defined() && t.device().type() == type) return t.device();
+  return std::nullopt;
+}
+
+c10::Device copy_rows_device(c10::DeviceType type, at::TensorList src, at::TensorList dst,
+                             const std::optional<at::Tensor>& src_slots,
+                             const std::optional<at::Tensor>& dst_slots,
+                             const at::Tensor& status) {
+  if (const auto dev = first_device_of_type(type, dst, src)) return *dev;
+  for (const auto* slots : {&src_slots, &dst_slots})
+    if (slots->has_value() && (*slots)->defined() && (*slots)->device().type() == type)
+      return (*slots)->device();
+  TORCH_CHECK(status.defined() && status.device().type() == type, "kvlayout::copy_rows: no ",
+              c10::DeviceTypeName(type), " tensor among the arguments");
+  return status.device();
+}
+
 }  // namespace kvlayout

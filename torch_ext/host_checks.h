@@ -80,10 +80,10 @@ void check_slots_not_written(const WrittenRanges& written, const std::optional<a
 // device placement) and returns the normalised plan. Slot tensors are read
 // through SlotArray (data pointer + element stride); any stride is accepted.
 //
-// The op's argument list is written out once more in each backend's
-// implementation (cpu/copy_rows.cpp, cuda/copy_rows.cu, cuda/copy_runs.cu,
-// sycl/copy_rows.sycl), deliberately: torch.library binds each backend by
-// that exact signature, and each passes the arguments straight here.
+// The op's argument list is written out once more in each implementation
+// (cpu/copy_rows.cpp, copy_rows_launch.h for the device backends,
+// cuda/copy_runs.cu), deliberately: torch.library binds each backend by that
+// exact signature, and each passes the arguments straight here.
 CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
                         const std::optional<at::Tensor>& src_slots,
                         const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
@@ -183,6 +183,19 @@ void read_positions_once(RopeParams& p, std::vector<int64_t>& old_copy,
 // Validates the status tensor of device backends: int64, >= kStatusNumel
 // elements, contiguous, on `device`.
 void check_status_tensor(const at::Tensor& status, c10::Device device);
+
+// The device of the first tensor of device type `type` among dst, then src:
+// the device a copy between them runs on (nullopt: none is of that type).
+std::optional<c10::Device> first_device_of_type(c10::DeviceType type, at::TensorList dst,
+                                                at::TensorList src);
+
+// The device a backend of device type `type` runs kvlayout::copy_rows on: the
+// first tensor of that type among dst, src, src_slots, dst_slots, status
+// (the others may be pinned host tensors). Raises when there is none.
+c10::Device copy_rows_device(c10::DeviceType type, at::TensorList src, at::TensorList dst,
+                             const std::optional<at::Tensor>& src_slots,
+                             const std::optional<at::Tensor>& dst_slots,
+                             const at::Tensor& status);
 
 // Where a device kernel finds each segment's rows, and the vector width it
 // moves them in: the widest of 16, 8, 4, 2, 1 bytes dividing the piece size,

@@ -1,4 +1,6 @@
-// CUDA implementation of kvlayout::copy_rows.
+// CUDA implementation of kvlayout::copy_rows: the kernel and the policy
+// (CudaRows) that the launcher shared with SYCL (copy_rows_launch.h) runs it
+// with.
 //
 // No host synchronisation, no allocation: the segment base pointers travel
 // by value in the kernel parameters (__grid_constant__), so the op can be
@@ -17,13 +19,11 @@
 // should leave SMs to it); n > 0 caps the grid at n CTAs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <vector>
 
-#include "../host_checks.h"
+#include "../copy_rows_launch.h"
 #include "../program.h"
 #include "cuda_common.h"
 #include "kvlayout/copy_rows_kernel.h"
@@ -31,37 +31,40 @@
 namespace kvlayout {
 namespace {
 
-// Segment tables per launch, in two sizes: a launch passes its whole
-// parameter block, and its host cost grows with it, so a layer call (K and V
-// of one layer: 2 segments) carries a table of 8, others one of 128 (about
-// 2 KiB, under the classic 4 KiB parameter limit); calls with more segments
-// are split into launches of 128.
-constexpr int kFewSegments = 8;
-constexpr int kMaxSegmentsPerLaunch = 128;
-static_assert(sizeof(CopyRowsParams<kMaxSegmentsPerLaunch>) <= 4096,
-              "copy_rows parameters exceed 4 KiB");
-
 constexpr int kDefaultCtasPerSmHost = 1;
 
 // Vector loads/stores with streaming (evict-first) cache hints.
-template <class T>
-struct StreamingMemOf {
-  using vec_type = T;
+template <int VEC>
+struct StreamingMem {
+  using vec_type = VecOf<VEC, uint4, uint2>;
+  static_assert(sizeof(vec_type) == VEC, "vector type of the wrong width");
   __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
   __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
 };
-template <int VEC>
-struct StreamingMem;
-template <>
-struct StreamingMem<16> : StreamingMemOf<uint4> {};
-template <>
-struct StreamingMem<8> : StreamingMemOf<uint2> {};
-template <>
-struct StreamingMem<4> : StreamingMemOf<unsigned int> {};
-template <>
-struct StreamingMem<2> : StreamingMemOf<unsigned short> {};
-template <>
-struct StreamingMem<1> : StreamingMemOf<unsigned char> {};
+
+// The CUDA backend of copy_rows_launch.h.
+struct CudaRows : cuda::Backend {
+  // Segment tables per launch, in two sizes: a launch passes its whole
+  // parameter block, and its host cost grows with it, so a layer call (K and
+  // V of one layer: 2 segments) carries a table of 8, others one of 128
+  // (about 2 KiB, under the classic 4 KiB parameter limit); calls with more
+  // segments are split into launches of 128.
+  static constexpr int kFewSegments = 8;
+  static constexpr int kMaxSegmentsPerLaunch = 128;
+  static constexpr size_t kMaxParamBytes = 4096;
+
+  template <int VEC>
+  using Mem = StreamingMem<VEC>;
+
+  // Programmatic dependent launch needs compute capability 9.0 or later.
+  static bool supports_dependent_launch(c10::Device dev) {
+    return at::cuda::getDeviceProperties(dev.index())->major >= 9;
+  }
+
+  template <int VEC, int UNROLL, class P>
+  static void launch(const P& p, int64_t max_ctas, bool host, bool dependent,
+                     cudaStream_t stream);
+};
 
 template <int VEC, int UNROLL, class P>
 __global__ void __launch_bounds__(kCopyThreadsPerBlock)
@@ -87,8 +90,8 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
   __syncthreads();
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  copy_rows_walk<VEC, UNROLL, StreamingMem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
-                                                 cuda::StatusRecorder{p.a.status});
+  copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
+                                                  cuda::StatusRecorder{p.a.status});
 }
 
 // CTAs of one kernel instance resident on one SM at once, from the compiled
@@ -105,19 +108,14 @@ int64_t resident_ctas_per_sm() {
   return ctas;
 }
 
-// Whether the device supports programmatic dependent launch (compute
-// capability 9.0 and later).
-bool supports_dependent_launch(c10::DeviceIndex dev) {
-  return at::cuda::getDeviceProperties(dev)->major >= 9;
-}
-
 // Grid size: max_ctas when given; else one CTA per SM for host memory (the
 // host variant keeps 64 KiB in flight per CTA), and for device memory every
 // CTA that is resident at once (one full wave: the work is split evenly over
 // the grid, so CTAs beyond one wave would run a second, partial wave at a
 // fraction of the occupancy). Never more threads than items.
 template <int VEC, int UNROLL, class P>
-void launch(const P& p, int64_t max_ctas, bool host, bool dependent, cudaStream_t stream) {
+void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent,
+                      cudaStream_t stream) {
   const int64_t budget =
       max_ctas > 0 ? max_ctas
                    : int64_t(cuda::num_sms()) *
@@ -145,170 +143,11 @@ void launch(const P& p, int64_t max_ctas, bool host, bool dependent, cudaStream_
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
-// The host variant when either side is host memory, else the device variant.
-template <int VEC, class P>
-void launch_variant(const P& p, int64_t max_ctas, bool host, bool dependent,
-                    cudaStream_t stream) {
-  if (host)
-    launch<VEC, kHostUnroll>(p, max_ctas, host, dependent, stream);
-  else
-    launch<VEC, kDeviceUnroll>(p, max_ctas, host, dependent, stream);
-}
-
-// One launch with a segment table of N entries: `a` and segments
-// [first, first + a.num_segments) of the bound bases.
-template <int N>
-void launch_table(const CopyRowsArgs& a, const std::vector<const char*>& src_bases,
-                  const std::vector<char*>& dst_bases, int64_t first, int vec, bool host,
-                  int64_t max_ctas, bool dependent, cudaStream_t stream) {
-  CopyRowsParams<N> p;
-  p.a = a;
-  std::copy_n(src_bases.begin() + first, a.num_segments, p.src_base);
-  std::copy_n(dst_bases.begin() + first, a.num_segments, p.dst_base);
-  switch (vec) {
-    case 16: launch_variant<16>(p, max_ctas, host, dependent, stream); break;
-    case 8: launch_variant<8>(p, max_ctas, host, dependent, stream); break;
-    case 4: launch_variant<4>(p, max_ctas, host, dependent, stream); break;
-    case 2: launch_variant<2>(p, max_ctas, host, dependent, stream); break;
-    default: launch_variant<1>(p, max_ctas, host, dependent, stream); break;
-  }
-}
-
-// Which device runs the op: the first CUDA tensor among dst, src, slots, status.
-c10::Device launch_device(at::TensorList src, at::TensorList dst,
-                          const std::optional<at::Tensor>& src_slots,
-                          const std::optional<at::Tensor>& dst_slots, const at::Tensor& status) {
-  if (const auto dev = cuda::first_cuda_device(dst, src)) return *dev;
-  if (src_slots.has_value() && src_slots->is_cuda()) return src_slots->device();
-  if (dst_slots.has_value() && dst_slots->is_cuda()) return dst_slots->device();
-  TORCH_CHECK(status.is_cuda(), "kvlayout::copy_rows: no CUDA tensor among the arguments");
-  return status.device();
-}
-
-// A launch bound to tensors: device addresses, vector width and the segment
-// bases of each <= kMaxSegmentsPerLaunch chunk are resolved once; a run
-// fills in the slots and token counts and launches.
-class CudaLaunch final : public BoundLaunch {
- public:
-  CudaLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst, c10::Device dev,
-             const at::Tensor& status)
-      : dev_(dev), dependent_ok_(supports_dependent_launch(dev.index())) {
-    check_status_tensor(status, dev);
-    // Device-visible addresses of every tensor (pinned host memory through UVA).
-    SegmentBases bases =
-        segment_bases(plan, src, dst, [&](const at::Tensor& t, bool is_src, int64_t i) {
-          char* address = cuda::device_address(t, dev, is_src ? "src" : "dst", i);
-          if (!t.is_cuda()) (is_src ? host_src_ : host_dst_).emplace_back(i, address);
-          return address;
-        });
-    touches_host_ = !host_src_.empty() || !host_dst_.empty();
-    vec_ = bases.vec_bytes;
-    src_bases_ = std::move(bases.src);
-    dst_bases_ = std::move(bases.dst);
-    for (int64_t first = 0; first < plan.num_segments; first += kMaxSegmentsPerLaunch) {
-      CopyRowsArgs a{};
-      a.src_geom = plan.src_geom;
-      a.dst_geom = plan.dst_geom;
-      a.num_segments = std::min<int64_t>(kMaxSegmentsPerLaunch, plan.num_segments - first);
-      a.status = status.data_ptr<int64_t>();
-      a.record_errors = first == 0 ? 1 : 0;
-      prepare_copy_rows_args(a, plan.num_pieces, plan.piece_bytes / vec_);
-      chunks_.push_back({a, first});
-    }
-  }
-
-  void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
-           const RunArgs& args) const override {
-    const c10::cuda::CUDAGuard guard(dev_);
-    if (args.validate) {
-      validate_slots_on_host(plan_for_run(plan, src_slots, dst_slots, args), args.src_slots,
-                             args.dst_slots);
-    }
-    SlotArray ss = src_slots, ds = dst_slots;
-    ss.data = cuda::index_address(args.src_slots, dev_, "src_slots");
-    ds.data = cuda::index_address(args.dst_slots, dev_, "dst_slots");
-    const bool dependent = args.dependent_launch && dependent_ok_;
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(dev_.index()).stream();
-    for (const Chunk& chunk : chunks_) {
-      CopyRowsArgs a = chunk.args;  // a bound launch may run on several threads at once
-      a.src_slots = ss;
-      a.dst_slots = ds;
-      a.skip_prefix = args.skip_prefix;
-      a.tokens = args.num_tokens - args.skip_prefix;
-      if (a.num_segments <= kFewSegments)
-        launch_table<kFewSegments>(a, src_bases_, dst_bases_, chunk.first, vec_, touches_host_,
-                                   args.max_ctas, dependent, stream);
-      else
-        launch_table<kMaxSegmentsPerLaunch>(a, src_bases_, dst_bases_, chunk.first, vec_,
-                                            touches_host_, args.max_ctas, dependent, stream);
-    }
-  }
-
-  // A host tensor at the same address must still be pinned with the same
-  // device alias (it may have been freed and its address reused).
-  bool still_valid(at::TensorList src, at::TensorList dst) const override {
-    auto same_alias = [&](const at::Tensor& t, const char* alias) {
-      cudaPointerAttributes attr{};
-      if (cudaPointerGetAttributes(&attr, t.data_ptr()) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-      }
-      return attr.type == cudaMemoryTypeHost && attr.devicePointer == alias;
-    };
-    for (const auto& [i, alias] : host_src_)
-      if (!same_alias(src[i], alias)) return false;
-    for (const auto& [j, alias] : host_dst_)
-      if (!same_alias(dst[j], alias)) return false;
-    return true;
-  }
-
- private:
-  c10::Device dev_;
-  // Launches of at most kMaxSegmentsPerLaunch segments each: their slot-free
-  // arguments and the index of their first segment in src_bases_/dst_bases_.
-  struct Chunk {
-    CopyRowsArgs args;
-    int64_t first;
-  };
-  std::vector<Chunk> chunks_;
-  std::vector<const char*> src_bases_;
-  std::vector<char*> dst_bases_;
-  std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
-  bool touches_host_ = false;
-  bool dependent_ok_ = false;  // the device supports programmatic dependent launch
-  int vec_ = 16;
-};
-
-std::unique_ptr<BoundLaunch> make_cuda_launch(const CopyPlan& plan, at::TensorList src,
-                                              at::TensorList dst, c10::Device device,
-                                              const at::Tensor& status) {
-  const c10::cuda::CUDAGuard guard(device);
-  return std::make_unique<CudaLaunch>(plan, src, dst, device, status);
-}
-
 const bool registered =
-    (register_bound_launch_factory(c10::DeviceType::CUDA, &make_cuda_launch), true);
-
-void copy_rows_cuda(at::TensorList src, at::TensorList dst,
-                    const std::optional<at::Tensor>& src_slots,
-                    const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
-                    int64_t skip_prefix, c10::IntArrayRef src_segments,
-                    c10::IntArrayRef dst_segments, c10::IntArrayRef src_geometry,
-                    c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes,
-                    int64_t max_ctas, const at::Tensor& status, bool validate) {
-  const CopyPlan plan =
-      plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
-                     dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, max_ctas);
-  const c10::Device dev = launch_device(src, dst, src_slots, dst_slots, status);
-  const c10::cuda::CUDAGuard guard(dev);
-  check_status_tensor(status, dev);
-  if (plan.empty()) return;
-  const RunArgs args{src_slots, dst_slots, plan.num_tokens, plan.skip_prefix, max_ctas, validate};
-  CudaLaunch(plan, src, dst, dev, status).run(plan, plan.src_slots, plan.dst_slots, args);
-}
+    (register_bound_launch_factory(c10::DeviceType::CUDA, &make_rows_launch<CudaRows>), true);
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvlayout, CUDA, m) { m.impl("copy_rows", &copy_rows_cuda); }
+TORCH_LIBRARY_IMPL(kvlayout, CUDA, m) { m.impl("copy_rows", &copy_rows_impl<CudaRows>); }
 
 }  // namespace kvlayout

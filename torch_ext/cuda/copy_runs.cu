@@ -147,7 +147,7 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
   const CopyPlan plan =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
-  const auto cuda_dev = cuda::first_cuda_device(dst, src);
+  const auto cuda_dev = first_device_of_type(c10::DeviceType::CUDA, dst, src);
   TORCH_CHECK(cuda_dev.has_value(), "kvlayout::copy_runs: no CUDA tensor among src and dst");
   const c10::Device dev = *cuda_dev;
   const c10::cuda::CUDAGuard guard(dev);

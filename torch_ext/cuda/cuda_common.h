@@ -1,11 +1,13 @@
 // Helpers shared by kvlayout's CUDA launchers: where a tensor's bytes are for
 // the kernel (a CUDA tensor on the launch device, or pinned host memory
-// reached through unified addressing), the device to launch on, and the error
-// recorder of the status tensor.
+// reached through unified addressing), the error recorder of the status
+// tensor, and the device part of the backend policy the shared launch
+// templates take (cuda::Backend; see copy_rows_launch.h).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
@@ -83,17 +85,40 @@ struct StatusRecorder {
   }
 };
 
-// The device of the first CUDA tensor among dst, then src (nullopt when all
-// are host tensors): the device a copy between them runs on.
-inline std::optional<c10::Device> first_cuda_device(at::TensorList dst, at::TensorList src) {
-  for (const auto& t : dst)
-    if (t.is_cuda()) return t.device();
-  for (const auto& t : src)
-    if (t.is_cuda()) return t.device();
-  return std::nullopt;
-}
-
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// What every CUDA launch policy shares (copy_rows.cu and rope.cu derive their
+// policies from it): the device type, its guard and current stream, and the
+// addresses a kernel sees.
+struct Backend {
+  static constexpr c10::DeviceType kDeviceType = c10::DeviceType::CUDA;
+  using Guard = c10::cuda::CUDAGuard;
+  using Stream = cudaStream_t;
+
+  static Stream stream(c10::Device dev) {
+    return at::cuda::getCurrentCUDAStream(dev.index()).stream();
+  }
+  static char* device_address(const at::Tensor& t, c10::Device dev, const char* name,
+                              int64_t index) {
+    return cuda::device_address(t, dev, name, index);
+  }
+  static const void* index_address(const std::optional<at::Tensor>& t, c10::Device dev,
+                                   const char* name) {
+    return cuda::index_address(t, dev, name);
+  }
+  // Whether host tensor `t`, whose device alias was `alias` when a launch was
+  // bound, is still pinned with that alias (it may have been freed and its
+  // address reused by other memory). The registration is looked up by
+  // address alone: no device needed.
+  static bool host_alias_valid(const at::Tensor& t, c10::Device /*dev*/, const char* alias) {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, t.data_ptr()) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.type == cudaMemoryTypeHost && attr.devicePointer == alias;
+  }
+};
 
 }  // namespace cuda
 }  // namespace kvlayout

@@ -1,10 +1,13 @@
 // Helpers shared by kvlayout's SYCL (XPU) launchers; the counterpart of
 // torch_ext/cuda/cuda_common.h. A tensor reaches the kernel when it is an XPU
 // tensor of the launch device (USM device memory) or a host tensor in USM host
-// memory (torch's pinned memory on XPU, sycl::malloc_host).
+// memory (torch's pinned memory on XPU, sycl::malloc_host). xpu::Backend is
+// the device part of the backend policy the shared launch templates take
+// (see copy_rows_launch.h).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <c10/xpu/XPUStream.h>
 
@@ -12,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "kvlayout/status.h"
 
@@ -59,6 +63,34 @@ inline const void* index_address(const std::optional<at::Tensor>& t, c10::Device
   if (!t.has_value() || !t->defined()) return nullptr;
   return usm_address(t->data_ptr(), t->is_xpu(), t->device(), dev, q, name, 0, false);
 }
+
+// What every SYCL launch policy shares (copy_rows.sycl and rope.sycl derive
+// their policies from it): the device type, its guard and current queue, and
+// the addresses a kernel sees (USM pointers are the same on host and device).
+struct Backend {
+  static constexpr c10::DeviceType kDeviceType = c10::DeviceType::XPU;
+  using Guard = c10::DeviceGuard;
+  using Stream = sycl::queue&;
+
+  static Stream stream(c10::Device dev) {
+    return c10::xpu::getCurrentXPUStream(dev.index()).queue();
+  }
+  static char* device_address(const at::Tensor& t, c10::Device dev, const char* name,
+                              int64_t index) {
+    return xpu::device_address(t, dev, stream(dev), name, index);
+  }
+  static const void* index_address(const std::optional<at::Tensor>& t, c10::Device dev,
+                                   const char* name) {
+    return xpu::index_address(t, dev, stream(dev), name);
+  }
+  // Whether host tensor `t`, bound at `alias` (its own address), is still USM
+  // host memory of the queue's context (it may have been freed and its address
+  // reused by an unpinned allocation).
+  static bool host_alias_valid(const at::Tensor& t, c10::Device dev, const char* alias) {
+    return t.data_ptr() == alias &&
+           sycl::get_pointer_type(alias, stream(dev).get_context()) == sycl::usm::alloc::host;
+  }
+};
 
 // The status-word recorder (kvlayout/status.h) with a SYCL atomic add.
 struct StatusRecorder {

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvlayout/address.h"
 #include "kvlayout/status.h"
@@ -197,6 +198,18 @@ struct TokenRows {
     return bad_which == kStatusSrcSlots ? a.src_geom.num_slots : a.dst_geom.num_slots;
   }
 };
+
+// The type a backend moves one VEC-byte vector in (VEC = 16, 8, 4, 2 or 1):
+// Wide16 and Wide8 are the backend's 16- and 8-byte vector types (CUDA
+// uint4/uint2, SYCL sycl::vec<uint32_t, 4/2>), the narrower widths plain
+// unsigned integers. A backend's Mem (copy_rows_walk below) wraps it with
+// its own load and store.
+template <int VEC, class Wide16, class Wide8>
+using VecOf = std::conditional_t<
+    VEC == 16, Wide16,
+    std::conditional_t<VEC == 8, Wide8,
+                       std::conditional_t<VEC == 4, uint32_t,
+                                          std::conditional_t<VEC == 2, uint16_t, uint8_t>>>>;
 
 // The body of thread `thread` of `num_threads` (a multiple of kWalkLanes).
 // src_base/dst_base: the launch's segment table (num_segments entries), in
