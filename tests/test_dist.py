@@ -327,6 +327,7 @@ def failure_worker(rank: int, store_path: str, job_path: str, out_dir: str) -> N
         slots = torch.from_numpy(job["src_slots"] if group_rank == 0 else job["dst_slots"])
         start = time.monotonic()
         result.update(name=name, role=group_rank)
+        stream = None
         try:
             if group_rank == 0:
                 stream = ep.start(7, slots)
@@ -348,10 +349,13 @@ def failure_worker(rank: int, store_path: str, job_path: str, out_dir: str) -> N
         except Exception as e:     # noqa: BLE001
             result["outcome"] = (type(e).__name__, str(e))
         result["seconds"] = time.monotonic() - start
-        result["complete"] = stream.complete
-        result["state"] = stream.state
+        if stream is None:      # start() itself raised: the peer was gone before the request began
+            result.update(complete=False, state="failed", layers=0)
+        else:
+            result["complete"] = stream.complete
+            result["state"] = stream.state
+            result["layers"] = getattr(stream, "layers_received", getattr(stream, "layers_sent", None))
         result.pop("stream", None)
-        result["layers"] = getattr(stream, "layers_received", getattr(stream, "layers_sent", None))
     except BaseException:          # noqa: BLE001
         result["crash"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
