@@ -14,6 +14,7 @@ from test_ops_compile import copy_rows_samples
 from kvlayout import ops
 from kvlayout import reference as R
 from kvlayout.conformance import strategies as S
+from kvlayout.conformance.families.transfer import TransferSample
 from kvlayout.reference import Geometry
 
 import torch_cases as TC
@@ -30,25 +31,20 @@ def page_slots(rng, num_pages, page, count):
 @pytest.mark.parametrize("src_layout,dst_layout", PAIRS)
 @pytest.mark.parametrize("pattern", ["pages", "random", "with -1"])
 def test_copy_engine_equals_the_reference(device, src_layout, dst_layout, pattern):
+    """A sample of the case database's transfer family with engine="copy" (destination pinned on CUDA)."""
     rng = np.random.default_rng(len(pattern) + len(src_layout))
     mla = R.get(src_layout).is_mla
     g = Geometry(P=1 if mla else 2, L=3, NB=6, BS=4, H=1 if mla else 2, E=24 if mla else 8)
-    src_np = S.random_cache(src_layout, g, "bfloat16", rng)
-    dst_np = S.random_cache(dst_layout, g, "bfloat16", rng)
     if pattern == "pages":
         s, d = page_slots(rng, g.NB, g.BS, 3), page_slots(rng, g.NB, g.BS, 3)
     else:
         s, d = rng.permutation(g.N)[:10], rng.permutation(g.N)[:10]
         if pattern == "with -1":
             s[2] = d[5] = -1
-    pin = device == "cuda"
-    src = ops.bind(src_layout, TC.to_torch(src_layout, src_np, device), page_size=g.BS)
-    dst = ops.bind(dst_layout, TC.to_torch(dst_layout, dst_np, "cpu", pin=pin), page_size=g.BS)
-    ops.transfer(src, dst, torch.from_numpy(s), torch.from_numpy(d), engine="copy")
-    TC.sync(device)
-    want = TC.jitted_reference.transfer(src_layout, src_np, dst_layout, dst_np, s, d)
-    for got, expected in zip(dst.tensors, R.flat_arrays(dst_layout, want)):
-        assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))
+    case = S.TransferCase(src_layout, g, dst_layout, g, "bfloat16", tuple(int(x) for x in s),
+                          tuple(int(x) for x in d), seed=len(pattern))
+    TransferSample(case, placement="pinned dst" if device == "cuda" else "device", dst_fill="random",
+                   engine="copy").run(device)
 
 
 def test_copy_engine_rejects_bad_slots_before_copying(device):
