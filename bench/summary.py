@@ -107,8 +107,9 @@ def ncu(doc: dict) -> str:
         dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
         pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
         words = r["key"].split()       # shape T=.. ps=.. layouts direction all layers ctas=..
-        out.append([" ".join([words[0], words[1], words[4], words[-1]]), f"{r['time_us']:.1f}", f"{r.get('grid', 0):.0f}",
-                    f"{r.get('registers', 0):.0f}", f"{r.get('occupancy_achieved_pct') or 0:.0f}",
+        out.append([" ".join([words[0], words[1], words[4], words[-1]]), f"{r['time_us']:.1f}",
+                    f"{r.get('grid', 0):.0f}", f"{r.get('registers', 0):.0f}",
+                    f"{r.get('occupancy_achieved_pct') or 0:.0f}",
                     f"{dram:.0f} ({r.get('dram_peak_pct') or 0:.0f}%)", f"{pcie:.1f}",
                     f"{r.get('ld_sectors_per_request') or 0:.1f} / {r.get('st_sectors_per_request') or 0:.1f}",
                     stalls])

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from kvlayout import ops
 
 from .. import strategies as S
-from .core import OpFamily, assert_same, bind, flat, slots, sync
-from .transfer import expected_transfer, layout_group, layout_pairs, op_kwargs, transfer_cases
+from .core import OpFamily, assert_same, flat, slots, sync
+from .transfer import OnTransferCase, expected_transfer, layout_pairs, op_kwargs, transfer_cases
 
 CALLS = ("all layers", "layer by layer")
 
 
 @dataclasses.dataclass(frozen=True)
-class PreparedSample:
+class PreparedSample(OnTransferCase):
     """``ops.prepare(src, dst, src_slots, dst_slots, ...)`` on one case, then ``t()`` or ``t.layer(i)`` for each i."""
 
     case: S.TransferCase
@@ -32,17 +32,13 @@ class PreparedSample:
     slot_dtypes: tuple[str, str] = ("int32", "int64")
     family = "prepared"
 
-    def group(self) -> str:
-        return layout_group(self.case)
-
     def describe(self) -> str:
         return f"prepared {self.case.describe()} ({self.call}, {'/'.join(dict.fromkeys(self.slot_dtypes))})"
 
     def run(self, device: str) -> None:
         c = self.case
         src_np, dst_np = c.caches()
-        src = bind(c.src_layout, src_np, c.src_geom, device)
-        dst = bind(c.dst_layout, dst_np, c.dst_geom, device)
+        src, dst = self.bound(device, src_np, dst_np)
         ss, ds = c.slots()
         t = ops.prepare(src, dst, slots(ss, self.slot_dtypes[0], device), slots(ds, self.slot_dtypes[1], device),
                         **op_kwargs(c))

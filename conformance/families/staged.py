@@ -25,15 +25,15 @@ from hypothesis import strategies as st
 from kvlayout import ops
 
 from .. import strategies as S
-from .core import OpFamily, assert_same, bind, expect_raises, flat, pin_if, slots, sync
-from .transfer import expected_transfer, layout_group, layout_pairs, op_kwargs, transfer_cases
+from .core import OpFamily, assert_same, expect_raises, flat, slots, sync
+from .transfer import OnTransferCase, expected_transfer, layout_pairs, op_kwargs, transfer_cases
 
 CHUNKS = ("lmcache_kv_2ltd", "lmcache_kv_mla")
 """Host chunk layouts whose rows lie back to back in token order (what staging copies as spans)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class StagedSample:
+class StagedSample(OnTransferCase):
     """A transfer between a device cache and a host chunk (``host_side``), with ``engine``."""
 
     case: S.TransferCase
@@ -41,17 +41,13 @@ class StagedSample:
     engine: str = "staged"          # or "auto" (staged from 64 MiB on: these samples take the kernel)
     family = "staged"
 
-    def group(self) -> str:
-        return layout_group(self.case)
-
     def describe(self) -> str:
         return f"{self.engine} {self.case.describe()} (host {self.host_side})"
 
     def run(self, device: str) -> None:
         c = self.case
         src_np, dst_np = c.caches()
-        src = bind(c.src_layout, src_np, c.src_geom, device, pin=pin_if(device, self.host_side == "src"))
-        dst = bind(c.dst_layout, dst_np, c.dst_geom, device, pin=pin_if(device, self.host_side == "dst"))
+        src, dst = self.bound(device, src_np, dst_np, pinned=self.host_side)
         ss, ds = c.slots()
         args = (slots(ss, "int64", device), slots(ds, "int64", device))
         kw = dict(op_kwargs(c), engine=self.engine)

@@ -75,8 +75,19 @@ def layout_group(case: S.TransferCase) -> str:
     return f"{family_of(case.src_layout)}->{family_of(case.dst_layout)}"
 
 
+class OnTransferCase:
+    """Base of the samples of one transfer case (a ``case`` field): the report row is its layout pair's."""
+
+    def bound(self, device: str, src_np, dst_np, pinned: str | None = None):
+        """``(src, dst)``: the case's two sides on ``device`` from these contents; ``pinned`` (``"src"`` or
+        ``"dst"``): that side in pinned host memory instead, on CUDA."""
+        c = self.case
+        return (bind(c.src_layout, src_np, c.src_geom, device, pin=pin_if(device, pinned == "src")),
+                bind(c.dst_layout, dst_np, c.dst_geom, device, pin=pin_if(device, pinned == "dst")))
+
+
 @dataclasses.dataclass(frozen=True)
-class TransferSample:
+class TransferSample(OnTransferCase):
     """``ops.transfer`` on one case; compares the whole destination and the (unchanged) source."""
 
     case: S.TransferCase
@@ -91,9 +102,6 @@ class TransferSample:
     src_fill: str = "random"        # or "nan": every source element a NaN pattern (S.NAN_DTYPES only)
     strided_slots: bool = False     # slot tensors as views with stride 2 (core.STRIDE_FILLER between)
     family = "transfer"
-
-    def group(self) -> str:
-        return layout_group(self.case)
 
     def describe(self) -> str:
         extra = ["/".join(dict.fromkeys(self.slot_dtypes))]
@@ -123,8 +131,7 @@ class TransferSample:
     def run(self, device: str) -> None:
         c = self.case
         src_np, dst_np = self.initial()
-        src = bind(c.src_layout, src_np, c.src_geom, device, pin=pin_if(device, self.placement == "pinned src"))
-        dst = bind(c.dst_layout, dst_np, c.dst_geom, device, pin=pin_if(device, self.placement == "pinned dst"))
+        src, dst = self.bound(device, src_np, dst_np, self.placement.removeprefix("pinned "))
         ss, ds = c.slots()
         pin = pin_if(device, self.pinned_slots)
         slot_device = device if self.engine == "kernel" else "cpu"
@@ -142,7 +149,7 @@ class TransferSample:
 
 
 @dataclasses.dataclass(frozen=True)
-class FuzzIndexSample:
+class FuzzIndexSample(OnTransferCase):
     """A transfer whose slots carry fuzzed values: huge negatives ("no token") and out-of-range ones.
 
     An out-of-range slot of a token that would be copied raises
@@ -163,9 +170,6 @@ class FuzzIndexSample:
         return [t for t in range(self.case.T)
                 if (s is not None and s[t] >= self.case.src_geom.N) or (d is not None and d[t] >= self.case.dst_geom.N)]
 
-    def group(self) -> str:
-        return layout_group(self.case)
-
     def describe(self) -> str:
         return (f"{self.case.describe()} ({self.slot_dtype}, {self.path} path, {self.engine} engine, "
                 f"out of range at tokens {self.bad_tokens()})")
@@ -174,8 +178,7 @@ class FuzzIndexSample:
         c = self.case
         bad = self.bad_tokens()
         src_np, dst_np = c.caches()
-        src = bind(c.src_layout, src_np, c.src_geom, device)
-        dst = bind(c.dst_layout, dst_np, c.dst_geom, device)
+        src, dst = self.bound(device, src_np, dst_np)
         ss, ds = c.slots()
         slot_device = device if self.engine == "kernel" else "cpu"
 
