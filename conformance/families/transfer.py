@@ -78,6 +78,9 @@ def layout_group(case: S.TransferCase) -> str:
 class OnTransferCase:
     """Base of the samples of one transfer case (a ``case`` field): the report row is its layout pair's."""
 
+    def group(self) -> str:
+        return layout_group(self.case)
+
     def bound(self, device: str, src_np, dst_np, pinned: str | None = None):
         """``(src, dst)``: the case's two sides on ``device`` from these contents; ``pinned`` (``"src"`` or
         ``"dst"``): that side in pinned host memory instead, on CUDA."""
