@@ -69,7 +69,8 @@ class Case:
     max_ctas: int = 0
     engine: str = "kernel"  # or "copy": the copy engine, page-granular runs; or "staged" (ops.staged)
     call: str = "transfer"  # layer-wise: "transfer" (ops.transfer per layer), "prepared" (a prepared
-    #                         transfer's layer calls) or "graph" (those calls captured once, replayed)
+    #                         transfer's layer calls), "prepared-serial" (the same without programmatic
+    #                         dependent launch) or "graph" (those calls captured once, replayed)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -151,11 +152,12 @@ def plan_cases(quick: bool) -> list[Case]:
 
 def host_cost_cases(direction: str) -> list[Case]:
     """Host time per call with nothing to move (every slot -1): ops.transfer of all layers, of one layer, and a
-    prepared layer call."""
+    prepared layer call (with and without programmatic dependent launch)."""
     return [Case("host_cost", "L32_H8_D128", "vllm_flash_attn_nhd", buf, 256, 16, direction, layerwise=layerwise,
                  call=call, empty=True)
             for buf, layerwise, call in (("lmcache_kv_2ltd", False, "transfer"), ("lmcache_kv_t2d", True, "transfer"),
-                                         ("lmcache_kv_t2d", True, "prepared"))]
+                                         ("lmcache_kv_t2d", True, "prepared"),
+                                         ("lmcache_kv_t2d", True, "prepared-serial"))]
 
 
 def cpu_cases() -> list[Case]:
@@ -305,17 +307,19 @@ def kvlayout_fn(case: Case, data: dict):
             for kw in choices:
                 ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, **kw)
         return per_layer
+    pdl = case.call != "prepared-serial"
     if case.buffer_layout.startswith("lmcache"):
         # one-layer chunks: one prepared transfer per layer (as a layer-wise connector keeps per layer)
-        layers = [ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, **kw) for kw in choices]
+        layers = [ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl, **kw)
+                  for kw in choices]
     else:
-        t = ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas)
+        t = ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl)
         layers = [functools.partial(t.layer, i) for i in range(t.num_layers)]
 
     def prepared():
         for call in layers:
             call()
-    if case.call == "prepared":
+    if case.call in ("prepared", "prepared-serial"):
         return prepared
     # "graph": the layer calls captured once (on a side stream, as capture requires) and replayed
     prepared()

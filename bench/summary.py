@@ -71,7 +71,8 @@ def layerwise(rows: list[dict]) -> str:
 
 def host_cost(rows: list[dict]) -> str:
     names = {(False, "transfer"): "one all-layer `ops.transfer`", (True, "transfer"): "one one-layer `ops.transfer`",
-             (True, "prepared"): "one prepared layer call"}
+             (True, "prepared"): "one prepared layer call",
+             (True, "prepared-serial"): "one prepared layer call without programmatic dependent launch"}
     parts = [f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs"
              for r in rows if r["group"] == "host_cost"]
     return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + "."
