@@ -289,6 +289,11 @@ class _RequestStream:
     def complete(self) -> bool:
         return self.state == "complete"
 
+    def _ring(self, heads: int) -> "_Ring | None":
+        """The staging ring of one run of ``heads`` heads of this request (None: no tokens to move)."""
+        e = self.endpoint
+        return _Ring.make(e.cache, self.num_tokens, heads, e.head_size, e.depth) if self.num_tokens else None
+
     def _guard(self, fn, *args):
         if self.state != "open":
             raise TransferError(f"request {self.request_id} is {self.state}: {self.error or self.NOTHING_LEFT}")
@@ -317,8 +322,7 @@ class SendStream(_RequestStream):
         # one ring per distinct run of this rank's heads; each may go to several receivers (replicas)
         self._runs = []
         for (start, count), dsts in s._runs.items():
-            ring = _Ring.make(s.cache, self.num_tokens, count, s.head_size, s.depth) if self.num_tokens else None
-            self._runs.append((s._views[(start, count)], ring, dsts))
+            self._runs.append((s._views[(start, count)], self._ring(count), dsts))
 
     def send_layer(self, layer: int | None = None) -> None:
         """Gather layer ``layer`` (default: the next) for every route and send it; layers go in order."""
@@ -443,9 +447,7 @@ class ReceiveStream(_RequestStream):
         # per route, by sender rank: (group rank, view of my heads, ring, slots to write)
         self._routes = []
         for route in sorted(r.routes, key=lambda x: x.src_rank):
-            ring = _Ring.make(r.cache, self.num_tokens, route.num_heads, r.head_size, r.depth) \
-                if self.num_tokens else None
-            self._routes.append([r.peers.senders[route.src_rank], r._views[route], ring, slots])
+            self._routes.append([r.peers.senders[route.src_rank], r._views[route], self._ring(route.num_heads), slots])
         self._done_works = []
 
     def _post(self, layer: int) -> None:
