@@ -30,6 +30,7 @@ import sys
 import torch
 
 from . import cases as C
+from .report import _fmt, markdown_table
 
 # Counters, by what they explain.  Each is read per kernel; rates are the bytes over gpu__time_duration.
 METRICS = {
@@ -208,8 +209,32 @@ def run_ncu(out: str, stem: str, only: str | None = None) -> int:
     return 1 if bad else 0
 
 
-def _fmt(v, spec=".0f"):
-    return "–" if v is None else format(v, spec)
+NCU_HEADER = ["case", "kernel µs", "CTAs", "registers", "achieved occupancy %", "DRAM rd+wr GB/s (% peak)",
+              "PCIe rd+wr GB/s", "sectors/request ld / st", "top stalls (% of warp cycles)"]
+
+
+def ncu_cells(r: dict) -> list[str]:
+    """One profiled case (:data:`NCU_HEADER`), named by shape, T, direction and CTA budget."""
+    words = r["key"].split()       # shape T=.. ps=.. layouts direction all layers ctas=..
+    label = " ".join([words[0], words[1], words[4], words[-1]])
+    if "error" in r:
+        return [label, f"no counters (exit {r['returncode']})"] + ["–"] * (len(NCU_HEADER) - 2)
+    dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
+    pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
+    stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(r["stalls_pct"].items())[:2])
+    return [label, f"{r['time_us']:.1f}", _fmt(r.get("grid"), ".0f"), _fmt(r.get("registers"), ".0f"),
+            _fmt(r.get("occupancy_achieved_pct"), ".0f"), f"{dram:.0f} ({r.get('dram_peak_pct') or 0:.0f}%)",
+            f"{pcie:.1f}",
+            f"{_fmt(r.get('ld_sectors_per_request'))} / {_fmt(r.get('st_sectors_per_request'))}", stalls]
+
+
+def ncu_markdown(doc: dict) -> str:
+    """The Markdown report of a ``<stem>_ncu.json`` document."""
+    return "\n".join([f"# ncu counters ({doc['gpu']}, {doc['ncu']})", "",
+                      "Command: `kvlayout bench --device cuda --ncu` (one ncu process per case, "
+                      "`--clock-control none`, the case's second call only). Rates are bytes over the kernels' "
+                      "summed `gpu__time_duration`.", "",
+                      markdown_table(NCU_HEADER, [ncu_cells(r) for r in doc["results"]])]) + "\n"
 
 
 def _write(results: list[dict], metrics: list[str], out: str, stem: str, ncu: str) -> None:
@@ -218,25 +243,5 @@ def _write(results: list[dict], metrics: list[str], out: str, stem: str, ncu: st
            "command": "kvlayout bench --device cuda --ncu", "metrics": metrics, "results": results}
     with open(os.path.join(out, f"{stem}_ncu.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    head = ["case", "kernels", "grid", "regs", "µs", "DRAM rd+wr GB/s", "DRAM % peak", "PCIe rd/wr GB/s",
-            "occupancy achieved/theor. %", "sectors/req ld/st", "top stalls (% of warp cycles)"]
-    lines = [f"# ncu counters ({doc['gpu']}, {doc['ncu']})", "",
-             "Command: `kvlayout bench --device cuda --ncu` (one ncu process per case, `--clock-control none`, "
-             "the case's second call only). Rates are bytes over the kernels' summed `gpu__time_duration`.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['key']} | no counters (exit {r['returncode']}) |" + " |" * (len(head) - 2))
-            continue
-        dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
-        pcie = "–" if r.get("pcie_read_gbps") is None else \
-            f"{r['pcie_read_gbps']:.1f} / {r.get('pcie_write_gbps') or 0:.1f}"
-        stalls = ", ".join(f"{k} {v:.0f}" for k, v in list(r["stalls_pct"].items())[:3])
-        lines.append("| " + " | ".join([
-            r["key"], str(r["kernels"]), _fmt(r.get("grid")), _fmt(r.get("registers")), _fmt(r["time_us"], ".1f"),
-            _fmt(dram), _fmt(r.get("dram_peak_pct")), pcie,
-            f"{_fmt(r.get('occupancy_achieved_pct'))} / {_fmt(r.get('occupancy_theoretical_pct'))}",
-            f"{_fmt(r.get('ld_sectors_per_request'), '.1f')} / {_fmt(r.get('st_sectors_per_request'), '.1f')}",
-            stalls]) + " |")
     with open(os.path.join(out, f"{stem}_ncu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(ncu_markdown(doc))

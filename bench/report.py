@@ -70,28 +70,31 @@ HEADLINE_HEADER = ["shape", "T", "direction", "kvlayout GB/s (% ceiling)", "kern
                    "torch GB/s", "best peer: GB/s (% of its limit)", "vs peer (end to end / kernel)"]
 
 
-def headline_rows(doc: dict) -> list[list[str]]:
-    """The headline group (all layers, default CTAs): kvlayout, torch and the peers side by side."""
-    rows = []
-    for r in doc["results"]:
-        if r["group"] != "headline" or "gbps" not in r:
-            continue
-        kernel = r.get("kernel_gbps")
-        kernel_cell = "–" if kernel is None else f"{kernel:.1f} ({100 * kernel / r['limit_gbps']:.0f}%)"
-        peer = "–" if "peer" not in r else f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%)"
-        vs = "–" if "peer" not in r else f"{r['vs_peer']} / {r.get('vs_peer_kernel', '–')}"
-        rows.append([r["shape"], str(r["T"]), r["direction"], f"{r['gbps']:.1f} ({r['pct_of_limit']:.0f}%)",
-                     kernel_cell, _fmt(r.get("torch_gbps")), peer, vs])
-    return rows
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (no trailing newline)."""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def headline_cells(r: dict) -> list[str]:
+    """One headline row (:data:`HEADLINE_HEADER`): kvlayout, torch and the peers side by side."""
+    kernel = r.get("kernel_gbps")
+    kernel_cell = "–" if kernel is None else f"{kernel:.1f} ({100 * kernel / r['limit_gbps']:.0f}%)"
+    peer = "–" if "peer" not in r else f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%)"
+    vs = "–" if "peer" not in r else f"{r['vs_peer']} / {r.get('vs_peer_kernel', '–')}"
+    return [r["shape"], str(r["T"]), r["direction"], f"{r['gbps']:.1f} ({r['pct_of_limit']:.0f}%)",
+            kernel_cell, _fmt(r.get("torch_gbps")), peer, vs]
+
+
+def headline_results(doc: dict) -> list[dict]:
+    """The measured rows of the headline group (all layers, default CTAs)."""
+    return [r for r in doc["results"] if r["group"] == "headline" and "gbps" in r]
 
 
 def headline_markdown(doc: dict) -> str:
-    """A Markdown table of :func:`headline_rows` (the README's Performance table)."""
-    rows = headline_rows(doc)
-    if not rows:
-        return ""
-    lines = ["| " + " | ".join(HEADLINE_HEADER) + " |", "|" + "---|" * len(HEADLINE_HEADER)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    """A Markdown table of the headline group."""
+    rows = [headline_cells(r) for r in headline_results(doc)]
+    return markdown_table(HEADLINE_HEADER, rows) + "\n" if rows else ""
 
 
 def markdown(doc: dict) -> str:
@@ -108,9 +111,7 @@ def markdown(doc: dict) -> str:
     head = headline_markdown(doc)
     if head:
         out += ["", "## Headline", "", head.rstrip("\n")]
-    out += ["", "## Results", "", EXPLAIN, "",
-            "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    out += ["| " + " | ".join(r) + " |" for r in table_rows(doc)]
+    out += ["", "## Results", "", EXPLAIN, "", markdown_table(HEADER, table_rows(doc))]
     return "\n".join(out) + "\n"
 
 

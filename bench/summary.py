@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from .profile import NCU_HEADER, ncu_cells
+from .report import HEADLINE_HEADER, headline_cells, headline_results, markdown_table
 from .run import document
 
 
@@ -24,11 +26,6 @@ def _pct(r: dict, key: str = "gbps") -> str:
     return f"{r[key]:.1f} ({100 * r[key] / r['limit_gbps']:.0f}%)"
 
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                     + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def _find(rows: list[dict], **want) -> dict | None:
     for r in rows:
         if all(r.get(k) == v for k, v in want.items()):
@@ -36,18 +33,11 @@ def _find(rows: list[dict], **want) -> dict | None:
     return None
 
 
-def headline(rows: list[dict]) -> str:
-    out = []
-    for r in rows:
-        if r["group"] != "headline" or not r["shape"].startswith("L32") or r["T"] not in (256, 4096):
-            continue
-        peer = f"{r['peer']}: {r['peer_gbps']:.1f} ({r['peer_pct']:.0f}%)" if "peer" in r else "–"
-        vs = f"{r['vs_peer']} / {r.get('vs_peer_kernel', '–')}" if "peer" in r else "–"
-        out.append([r["shape"], str(r["T"]), r["direction"], _pct(r), _pct(r, "kernel_gbps"),
-                    f"{r['torch_gbps']:.1f}" if "torch_gbps" in r else "–", peer, vs, f"{r['host_us']:.0f}"])
-    return _table(["shape", "T", "direction", "kvlayout GB/s (% ceiling)", "kernel only GB/s (% ceiling)",
-                   "torch GB/s", "best peer: GB/s (% of its limit)", "vs peer (end to end / kernel)",
-                   "host µs/call"], out)
+def headline(doc: dict) -> str:
+    """The headline group's L32 rows at T = 256 and 4096, with the host time per call."""
+    rows = [headline_cells(r) + [f"{r['host_us']:.0f}"] for r in headline_results(doc)
+            if r["shape"].startswith("L32") and r["T"] in (256, 4096)]
+    return markdown_table(HEADLINE_HEADER + ["host µs/call"], rows)
 
 
 def layerwise(rows: list[dict]) -> str:
@@ -64,9 +54,9 @@ def layerwise(rows: list[dict]) -> str:
         out.append([r["shape"], str(r["T"]), r["direction"], f"{r['device_layout']}{arrow}{r['buffer_layout']}",
                     _pct(r), _pct(prepared), _pct(graph), _pct(whole),
                     f"{r['peer']}: {r['peer_pct']:.0f}%" if "peer" in r else "–", host])
-    return _table(["shape", "T", "direction", "layouts", "ops.transfer ×L: GB/s (% ceiling)",
-                   "prepared `t.layer(i)` ×L", "graph replay", "all layers, one `ops.transfer`",
-                   "best peer (% of its limit)", "host µs per layer call (transfer / prepared)"], out)
+    return markdown_table(["shape", "T", "direction", "layouts", "ops.transfer ×L: GB/s (% ceiling)",
+                           "prepared `t.layer(i)` ×L", "graph replay", "all layers, one `ops.transfer`",
+                           "best peer (% of its limit)", "host µs per layer call (transfer / prepared)"], out)
 
 
 def host_cost(rows: list[dict]) -> str:
@@ -87,8 +77,9 @@ def staged(rows: list[dict]) -> str:
                        direction=r["direction"], max_ctas=r["max_ctas"])
         out.append([r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"] or "default"), _pct(r),
                     _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}"])
-    return _table(["shape", "T", "direction", "CTAs", "staged GB/s (% ceiling)", "staged kernel only (% ceiling)",
-                   "kernel engine, same case (% ceiling)", "host µs/call (staged)"], out)
+    return markdown_table(["shape", "T", "direction", "CTAs", "staged GB/s (% ceiling)",
+                           "staged kernel only (% ceiling)", "kernel engine, same case (% ceiling)",
+                           "host µs/call (staged)"], out)
 
 
 def ctas(rows: list[dict]) -> str:
@@ -96,26 +87,7 @@ def ctas(rows: list[dict]) -> str:
     for r in rows:
         if r["group"] == "ctas" and r["max_ctas"] in (1, 4, 16):
             out.append([r["shape"], r["direction"], str(r["max_ctas"]), _pct(r), _pct(r, "kernel_gbps")])
-    return _table(["shape", "direction", "CTAs", "GB/s (% ceiling)", "kernel only (% ceiling)"], out)
-
-
-def ncu(doc: dict) -> str:
-    out = []
-    for r in doc["results"]:
-        if "error" in r:
-            continue
-        stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(r["stalls_pct"].items())[:2])
-        dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
-        pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
-        words = r["key"].split()       # shape T=.. ps=.. layouts direction all layers ctas=..
-        out.append([" ".join([words[0], words[1], words[4], words[-1]]), f"{r['time_us']:.1f}",
-                    f"{r.get('grid', 0):.0f}", f"{r.get('registers', 0):.0f}",
-                    f"{r.get('occupancy_achieved_pct') or 0:.0f}",
-                    f"{dram:.0f} ({r.get('dram_peak_pct') or 0:.0f}%)", f"{pcie:.1f}",
-                    f"{r.get('ld_sectors_per_request') or 0:.1f} / {r.get('st_sectors_per_request') or 0:.1f}",
-                    stalls])
-    return _table(["case", "kernel µs", "CTAs", "registers", "achieved occupancy %", "DRAM rd+wr GB/s (% peak)",
-                   "PCIe rd+wr GB/s", "sectors/request ld / st", "top stalls (% of warp cycles)"], out)
+    return markdown_table(["shape", "direction", "CTAs", "GB/s (% ceiling)", "kernel only (% ceiling)"], out)
 
 
 def main(argv=None) -> int:
@@ -123,12 +95,13 @@ def main(argv=None) -> int:
     parser.add_argument("jsonl")
     parser.add_argument("--ncu", default=None, help="the <stem>_ncu.json of `kvlayout bench --ncu`")
     args = parser.parse_args(argv)
-    rows = document(args.jsonl)["results"]
-    sections = [("Headline", headline(rows)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
+    doc = document(args.jsonl)
+    rows = doc["results"]
+    sections = [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
                 ("Staged", staged(rows)), ("CTA budget", ctas(rows))]
     if args.ncu:
         with open(args.ncu) as f:
-            sections.append(("ncu", ncu(json.load(f))))
+            sections.append(("ncu", markdown_table(NCU_HEADER, [ncu_cells(r) for r in json.load(f)["results"]])))
     for name, text in sections:
         sys.stdout.write(f"<!-- {name} -->\n{text}\n\n")
     return 0
