@@ -335,6 +335,13 @@ def kvlayout_fn(case: Case, data: dict):
 # The pure-torch baseline
 # ---------------------------------------------------------------------------------------------
 
+def torch_op_fn(device: torch.device):
+    """The host cost yardstick of the host_cost rows: one torch op launching one kernel (``zero_`` of a
+    one-element tensor on ``device``), what any eager op costs the host on this machine."""
+    x = torch.ones(1, device=device)
+    return x.zero_
+
+
 def _row_views(cache: KVCache, layers) -> list[torch.Tensor]:
     """Per (plane, layer): an ``[NB, BS, H*E]`` or ``[NB, BS, H, E]`` strided view of the rows."""
     g = cache.geometry

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from .profile import NCU_HEADER, ncu_cells
@@ -63,9 +64,12 @@ def host_cost(rows: list[dict]) -> str:
     names = {(False, "transfer"): "one all-layer `ops.transfer`", (True, "transfer"): "one one-layer `ops.transfer`",
              (True, "prepared"): "one prepared layer call",
              (True, "prepared-serial"): "one prepared layer call without programmatic dependent launch"}
-    parts = [f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs"
-             for r in rows if r["group"] == "host_cost"]
-    return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + "."
+    costs = [r for r in rows if r["group"] == "host_cost"]
+    parts = [f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs" for r in costs]
+    yardstick = [r["torch_op_host_us"] for r in costs if "torch_op_host_us" in r]
+    torch_op = (f" (one torch op launching one kernel, `x.zero_()` of a one-element tensor, in the same run: "
+                f"{statistics.median(yardstick):.1f} µs)") if yardstick else ""
+    return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + torch_op + "."
 
 
 def staged(rows: list[dict]) -> str:

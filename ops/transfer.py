@@ -282,13 +282,35 @@ def validating(validate: bool | None) -> bool:
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be True, False or None, got {validate!r}")
         return validate
-    raw = os.environ.get("KVLAYOUT_VALIDATE", "0")
-    value = raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"KVLAYOUT_VALIDATE = {raw!r} is not understood: use 1/true/yes/on or 0/false/no/off")
+    raw = _environ_value()
+    known = _VALIDATE_READS.get(raw)
+    if known is not None:
+        return known
+    if raw is None:
+        value = ""
+    else:
+        value = os.environ.decodevalue(raw) if _ENV_KEY is not None else raw
+    flag = value.strip().lower()
+    if flag not in _ON and flag not in _OFF:
+        raise ValueError(f"KVLAYOUT_VALIDATE = {value!r} is not understood: use 1/true/yes/on or 0/false/no/off")
+    if len(_VALIDATE_READS) < 64:
+        _VALIDATE_READS[raw] = flag in _ON
+    return flag in _ON
+
+
+# os.environ.get runs Mapping.get and the key's encoding in Python (about 0.8 µs, a tenth of a
+# layer call's host budget); CPython's os.environ keeps the encoded variables in a dict that
+# every change of os.environ updates, so the variable is looked up there.
+_ENV_KEY = (os.environ.encodekey("KVLAYOUT_VALIDATE")
+            if isinstance(getattr(os.environ, "_data", None), dict) and hasattr(os.environ, "encodekey") else None)
+_VALIDATE_READS: dict = {}    # raw value of the variable -> its reading
+
+
+def _environ_value():
+    """The raw value of KVLAYOUT_VALIDATE in os.environ (None when unset)."""
+    if _ENV_KEY is not None:
+        return os.environ._data.get(_ENV_KEY)
+    return os.environ.get("KVLAYOUT_VALIDATE")
 
 
 @dataclasses.dataclass
@@ -378,9 +400,14 @@ def _choice_key(chosen):
     """A layer/plane choice as a memo key: ``None`` or a tuple of exact ints (anything else: not memoized)."""
     if chosen is None:
         return None
-    if type(chosen) in (list, tuple) and all(type(c) is int for c in chosen):
-        return tuple(chosen)
+    if type(chosen) in (list, tuple):
+        key = tuple(chosen)
+        if (len(key) == 1 and type(key[0]) is int) or set(map(type, key)) <= _INT_ONLY:   # (one layer: the
+            return key                                                                     # common call)
     raise TypeError   # checked the long way (it may be an error worth its message)
+
+
+_INT_ONLY = frozenset((int,))
 
 
 @dataclasses.dataclass

@@ -40,6 +40,7 @@ def walk_lib(tmp_path_factory):
                                      i64, i64, i32, i32, i64, p]
     lib.kvl_emulate_walk.restype = ctypes.c_int
     lib.kvl_fast_divmod.argtypes = [i64, i64, i64, p, p]
+    lib.kvl_wait_counts.argtypes = [p]
     return lib
 
 
@@ -152,7 +153,17 @@ def _run(walk_lib, c, unroll, num_threads):
         c["vec"], unroll, num_threads, _ptr(status))
     assert rc == 0
     assert np.array_equal(c["src_buf"], src_before), "the walk wrote its source"
+    waits, writes_before, loads_before = _wait_counts(walk_lib)
+    # every thread waits once (an early-loads grid ends after the previous kernel), and nothing is
+    # written before its wait
+    assert waits == num_threads and writes_before == 0
     return dst, status
+
+
+def _wait_counts(walk_lib) -> tuple[int, int, int]:
+    out = np.zeros(3, np.int64)
+    walk_lib.kvl_wait_counts(_ptr(out))
+    return tuple(int(x) for x in out)
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -169,6 +180,22 @@ def test_walk_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
             assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
             if c["invalid"]:
                 assert tuple(int(x) for x in status[1:5]) in c["invalid"]
+
+
+def test_a_threads_first_batch_loads_before_its_wait(walk_lib):
+    """The early-loads kernel's point: a thread issues its first UNROLL loads, then waits, then writes."""
+    tokens, row = 64, 16
+    geometry = np.array([tokens, 1, row, row, row], np.int64)
+    src = np.arange(tokens * row, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offsets = np.zeros(1, np.int64)
+    status = np.zeros(5, np.int64)
+    # identity slots, one segment, 32 threads: each lane moves 2 of the 64 rows, both in its first batch
+    rc = walk_lib.kvl_emulate_walk(_ptr(geometry), _ptr(geometry), None, 1, None, 1, 8, 0, tokens, 1,
+                                   _ptr(offsets), _ptr(offsets), _ptr(src), _ptr(dst), 1, row, 16, HOST_UNROLL,
+                                   32, _ptr(status))
+    assert rc == 0 and np.array_equal(dst, src) and status[0] == 0
+    assert _wait_counts(walk_lib) == (32, 0, tokens)
 
 
 def test_walk_with_a_thousand_segments(walk_lib):

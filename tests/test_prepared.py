@@ -10,6 +10,7 @@ refuse tensors that changed under it; keep autograd's rules; and work inside
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import weakref
@@ -292,3 +293,100 @@ def test_cuda_graph_of_a_step_replays_with_new_slots(cuda_device):
         assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :n], _want_rows(src_np, g, values[:n]).view(np.uint16))
         assert not TC.bits(dst.tensors[0])[:, :, n:].any()
     ops.check_errors()
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA: early loads of layer calls captured in a graph
+# ---------------------------------------------------------------------------------------
+
+def _host_chunk_pair(cuda_device, L=6, seed=1):
+    """A random vLLM-style device cache and a zeroed pinned LMCache chunk of 256 tokens (layer calls over PCIe)."""
+    g = Geometry(P=2, L=L, NB=64, BS=16, H=2, E=64)
+    src_np = S.random_cache("vllm_flash_attn_nhd", g, "float16", np.random.default_rng(seed))
+    cache = bind_np("vllm_flash_attn_nhd", src_np, g, cuda_device)
+    chunk = torch.zeros(2, L, 256, g.H * g.E, dtype=torch.float16).pin_memory()
+    return g, src_np, cache, ops.bind("lmcache_kv_2ltd", chunk)
+
+
+def _capture(calls) -> torch.cuda.CUDAGraph:
+    """``calls`` captured once (on a side stream, as capture requires); returns the graph."""
+    for call in calls:
+        call()                                    # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph
+
+
+def test_captured_layer_calls_load_early_after_their_sibling(cuda_device):
+    """In a graph, each layer call after the first may load before the previous one ends (it writes
+    nothing the next reads); every replay still moves exactly the reference bytes, with new slots."""
+    from kvlayout import _C
+
+    g, src_np, cache, chunk = _host_chunk_pair(cuda_device)
+    slots = torch.full((256,), -1, dtype=torch.int64, device=cuda_device)
+    store = ops.prepare(cache, chunk, slots)                        # device cache -> pinned chunk
+    back = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
+    load = ops.prepare(chunk, back, None, slots)                    # pinned chunk -> another device cache
+    before = _C.early_load_launches()
+    stores = _capture([functools.partial(store.layer, i) for i in range(g.L)])
+    assert _C.early_load_launches() - before == g.L - 1, "every store after the first follows its sibling"
+    before = _C.early_load_launches()
+    loads = _capture([functools.partial(load.layer, i) for i in range(g.L)])
+    assert _C.early_load_launches() - before == g.L - 1, "every load after the first follows its sibling"
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        values = rng.permutation(g.N)[:256]
+        slots.copy_(torch.from_numpy(values))
+        stores.replay()
+        loads.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(TC.bits(chunk.tensors[0]), _want_rows(src_np, g, values).view(np.uint16))
+        _assert_same_rows(back, cache, values)
+    ops.check_errors()
+
+
+def _assert_same_rows(a, b, slots):
+    """The rows of two vLLM-style caches at ``slots`` hold the same bytes, in every layer."""
+    for x, y in zip(a.tensors, b.tensors):           # [2, NB, BS, H, E] per layer
+        idx = torch.as_tensor(slots, device=x.device)
+        assert torch.equal(x.flatten(1, 2)[:, idx].view(torch.int16), y.flatten(1, 2)[:, idx].view(torch.int16))
+
+
+def test_captured_launch_waits_when_its_predecessor_writes_what_it_reads(cuda_device):
+    """A layer load right after the store that fills its chunk, or after another kernel on the stream,
+    is not an early-loads launch; the replay moves exactly the reference bytes."""
+    from kvlayout import _C
+
+    g, src_np, cache, chunk = _host_chunk_pair(cuda_device, L=3)
+    values = np.random.default_rng(4).permutation(g.N)[:256]
+    slots = torch.from_numpy(values).to(cuda_device)
+    back = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
+    store, load = ops.prepare(cache, chunk, slots), ops.prepare(chunk, back, None, slots)
+    other = torch.zeros(8, device=cuda_device)
+    calls = []
+    for i in range(g.L):
+        calls += [functools.partial(store.layer, i), functools.partial(load.layer, i),
+                  functools.partial(other.add_, 1.0)]
+    before = _C.early_load_launches()
+    graph = _capture(calls)
+    assert _C.early_load_launches() == before, "each load reads its store's writes; each store follows add_"
+    chunk.tensors[0].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(TC.bits(chunk.tensors[0]), _want_rows(src_np, g, values).view(np.uint16))
+    _assert_same_rows(back, cache, values)
+
+
+def test_eager_layer_calls_never_load_early(cuda_device):
+    from kvlayout import _C
+
+    g, _, cache, chunk = _host_chunk_pair(cuda_device, L=4)
+    t = ops.prepare(cache, chunk, torch.arange(256, device=cuda_device))
+    before = _C.early_load_launches()
+    for i in range(g.L):
+        t.layer(i)
+    torch.cuda.synchronize()
+    assert _C.early_load_launches() == before

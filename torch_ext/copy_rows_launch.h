@@ -32,6 +32,12 @@
 //                          `alias`, still is pinned there (still_valid)
 //   supports_dependent_launch(dev) -> bool
 //                          whether RunArgs::dependent_launch can be honoured
+//   LaunchOrder            constructed from the stream before a run's launches:
+//                          previous_writes_miss(reads) says whether a dependent
+//                          launch may issue its loads before the previous kernel
+//                          of the stream ends (that kernel writes none of the
+//                          kernel-visible byte ranges `reads`), launched(writes)
+//                          records each launch made (NoLaunchOrder: never)
 //   kMaxSegmentsPerLaunch  segments of one launch's table
 //   kFewSegments           a smaller table for launches of at most that many
 //                          segments (its parameter block costs less host time
@@ -39,11 +45,13 @@
 //   kMaxParamBytes         the kernel parameter limit the largest table obeys
 //   Mem<VEC>               the vector load/store its kernel hands copy_rows_walk
 //                          (VecOf<VEC, ...> with the backend's instructions)
-//   launch<VEC, UNROLL>(params, max_ctas, host, dependent, stream)
+//   launch<VEC, UNROLL>(params, max_ctas, host, dependent, early_loads, stream)
 //                          one kernel launch of CopyRowsParams<N>, N one of
 //                          the table sizes: the grid from max_ctas (0: the
 //                          backend's default for the host or device variant)
-//                          and the launch's items
+//                          and the launch's items; early_loads (only for a
+//                          dependent launch of the host variant that
+//                          LaunchOrder allowed): loads may precede the wait
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -61,6 +69,14 @@
 #include "program.h"
 
 namespace kvlayout {
+
+// The LaunchOrder of a backend whose launches never overlap the previous kernel.
+struct NoLaunchOrder {
+  template <class Stream>
+  explicit NoLaunchOrder(const Stream&) {}
+  bool previous_writes_miss(const std::vector<ByteRange>&) const { return false; }
+  void launched(const std::vector<ByteRange>&) {}
+};
 
 // A launch bound to tensors: kernel-visible addresses, vector width and the
 // segment bases of each <= kMaxSegmentsPerLaunch chunk are resolved once; a
@@ -86,6 +102,7 @@ class RowsLaunch final : public BoundLaunch {
           char* address = Backend::device_address(t, dev, is_src ? "src" : "dst", i);
           if (t.device().type() != Backend::kDeviceType)
             (is_src ? host_src_ : host_dst_).emplace_back(i, address);
+          (is_src ? reads_ : writes_).push_back(kernel_range(t, address));
           return address;
         });
     touches_host_ = !host_src_.empty() || !host_dst_.empty();
@@ -117,20 +134,24 @@ class RowsLaunch final : public BoundLaunch {
     ds.data = Backend::index_address(args.dst_slots, dev_, "dst_slots");
     const bool dependent = args.dependent_launch && dependent_ok_;
     Stream stream = Backend::stream(dev_);
+    std::optional<typename Backend::LaunchOrder> order;
+    std::vector<ByteRange> reads;  // what this run reads: the bound sources and the slots
+    if (dependent && touches_host_) {
+      order.emplace(stream);
+      reads = reads_;
+      if (ss.data != nullptr) reads.push_back(kernel_range(*args.src_slots, ss.data));
+      if (ds.data != nullptr) reads.push_back(kernel_range(*args.dst_slots, ds.data));
+    }
     for (const Chunk& chunk : chunks_) {
       CopyRowsArgs a = chunk.args;  // a bound launch may run on several threads at once
       a.src_slots = ss;
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
-      if constexpr (Backend::kFewSegments > 0) {
-        if (a.num_segments <= Backend::kFewSegments) {
-          launch_table<Backend::kFewSegments>(a, chunk.first, args.max_ctas, dependent, stream);
-          continue;
-        }
-      }
-      launch_table<Backend::kMaxSegmentsPerLaunch>(a, chunk.first, args.max_ctas, dependent,
-                                                   stream);
+      const bool early = order.has_value() && order->previous_writes_miss(reads);
+      if (early) count_early_load_launch();
+      launch_chunk(a, chunk.first, args.max_ctas, dependent, early, stream);
+      if (order.has_value()) order->launched(writes_);
     }
   }
 
@@ -145,31 +166,52 @@ class RowsLaunch final : public BoundLaunch {
   }
 
  private:
+  // One launch with the smallest segment table that holds a.num_segments.
+  void launch_chunk(const CopyRowsArgs& a, int64_t first, int64_t max_ctas, bool dependent,
+                    bool early, Stream stream) const {
+    if constexpr (Backend::kFewSegments > 0) {
+      if (a.num_segments <= Backend::kFewSegments) {
+        launch_table<Backend::kFewSegments>(a, first, max_ctas, dependent, early, stream);
+        return;
+      }
+    }
+    launch_table<Backend::kMaxSegmentsPerLaunch>(a, first, max_ctas, dependent, early, stream);
+  }
+
   // One launch with a segment table of N entries: `a` and segments
   // [first, first + a.num_segments) of the bound bases.
   template <int N>
   void launch_table(const CopyRowsArgs& a, int64_t first, int64_t max_ctas, bool dependent,
-                    Stream stream) const {
+                    bool early, Stream stream) const {
     CopyRowsParams<N> p;
     p.a = a;
     std::copy_n(src_bases_.begin() + first, a.num_segments, p.src_base);
     std::copy_n(dst_bases_.begin() + first, a.num_segments, p.dst_base);
     switch (vec_) {
-      case 16: launch_variant<16>(p, max_ctas, dependent, stream); break;
-      case 8: launch_variant<8>(p, max_ctas, dependent, stream); break;
-      case 4: launch_variant<4>(p, max_ctas, dependent, stream); break;
-      case 2: launch_variant<2>(p, max_ctas, dependent, stream); break;
-      default: launch_variant<1>(p, max_ctas, dependent, stream); break;
+      case 16: launch_variant<16>(p, max_ctas, dependent, early, stream); break;
+      case 8: launch_variant<8>(p, max_ctas, dependent, early, stream); break;
+      case 4: launch_variant<4>(p, max_ctas, dependent, early, stream); break;
+      case 2: launch_variant<2>(p, max_ctas, dependent, early, stream); break;
+      default: launch_variant<1>(p, max_ctas, dependent, early, stream); break;
     }
   }
 
   // The host variant when either side is host memory, else the device variant.
   template <int VEC, class P>
-  void launch_variant(const P& p, int64_t max_ctas, bool dependent, Stream stream) const {
+  void launch_variant(const P& p, int64_t max_ctas, bool dependent, bool early,
+                      Stream stream) const {
     if (touches_host_)
-      Backend::template launch<VEC, kHostUnroll>(p, max_ctas, true, dependent, stream);
+      Backend::template launch<VEC, kHostUnroll>(p, max_ctas, true, dependent, early, stream);
     else
-      Backend::template launch<VEC, kDeviceUnroll>(p, max_ctas, false, dependent, stream);
+      Backend::template launch<VEC, kDeviceUnroll>(p, max_ctas, false, dependent, false, stream);
+  }
+
+  // The bytes tensor `t` spans, at its kernel-visible address `address`.
+  static ByteRange kernel_range(const at::Tensor& t, const void* address) {
+    const ByteRange r = byte_range(t);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(address);
+    const uintptr_t data = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return r.begin < r.end ? ByteRange{r.begin - data + at, r.end - data + at} : ByteRange{};
   }
 
   c10::Device dev_;
@@ -183,6 +225,9 @@ class RowsLaunch final : public BoundLaunch {
   std::vector<const char*> src_bases_;
   std::vector<char*> dst_bases_;
   std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
+  // Kernel-visible bytes of the bound tensors (whole tensors: a coarse but
+  // sure answer to what a launch may read or write).
+  std::vector<ByteRange> reads_, writes_;
   bool touches_host_ = false;
   bool dependent_ok_ = false;  // the device supports programmatic dependent launch
   int vec_ = 16;

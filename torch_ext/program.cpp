@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -270,16 +271,27 @@ c10::Device program_device(at::TensorList src, at::TensorList dst,
   return c10::Device(c10::kCPU);
 }
 
-void check_writable(const at::Tensor& t, const std::string& op, const std::string& what) {
-  TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad() && t.is_leaf()), op, ": ",
-              what,
+void check_writable(const at::Tensor& t, const std::string& op, const std::string& name,
+                    int64_t index) {
+  const bool grad_leaf = c10::GradMode::is_enabled() && t.requires_grad() && t.is_leaf();
+  const bool inference = t.is_inference() && !c10::InferenceMode::is_enabled();
+  if (!grad_leaf && !inference) return;  // (the name is only spelled out for an error)
+  const std::string what = index < 0 ? name : name + "[" + std::to_string(index) + "]";
+  TORCH_CHECK(!grad_leaf, op, ": ", what,
               " is a leaf tensor that requires grad; a leaf Variable that requires grad is "
               "being used in an in-place operation (write under torch.no_grad() or into a "
               "tensor that does not require grad)");
-  TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), op, ": ", what,
+  TORCH_CHECK(!inference, op, ": ", what,
               " is an inference tensor; inplace update to inference tensor outside "
               "InferenceMode is not allowed (make a clone to get a normal tensor first)");
 }
+
+namespace {
+std::atomic<int64_t> early_loads{0};
+}  // namespace
+
+int64_t early_load_launches() { return early_loads.load(); }
+void count_early_load_launch() { early_loads.fetch_add(1, std::memory_order_relaxed); }
 
 void copy_program(int64_t handle, at::TensorList src, at::TensorList dst,
                   const std::optional<at::Tensor>& src_slots,

@@ -180,8 +180,16 @@ c10::Device program_device(at::TensorList src, at::TensorList dst,
 
 // What autograd requires of a tensor written in place (torch's own rules for
 // in-place ops: no leaf that requires grad under grad mode, no inference
-// tensor outside inference mode); `what` names it in the error.
-void check_writable(const at::Tensor& t, const std::string& op, const std::string& what);
+// tensor outside inference mode); `name`, or `name[index]` for index >= 0,
+// names it in the error.
+void check_writable(const at::Tensor& t, const std::string& op, const std::string& name,
+                    int64_t index = -1);
+
+// How many launches this process made in early-loads form (a dependent
+// launch that may load before the previous kernel of its stream ends; see
+// LaunchOrder in copy_rows_launch.h), and the counter's increment.
+int64_t early_load_launches();
+void count_early_load_launch();
 
 // The kvlayout::copy_program op (every backend): runs step `step` of the
 // program `handle` on these tensors.

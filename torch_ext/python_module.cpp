@@ -71,7 +71,7 @@ bool needs_dispatcher(const std::optional<at::Tensor>& t) {
 void check_written(const BoundProgram& bound, int64_t step, at::TensorList dst) {
   if (step < 0 || step >= bound.num_steps()) return;  // run() raises the error
   for (int64_t j : bound.written(step))
-    check_writable(dst[j], "kvlayout", "dst[" + std::to_string(j) + "]");
+    check_writable(dst[j], "kvlayout", "dst", j);
 }
 
 void bump_written(const BoundProgram& bound, int64_t step, at::TensorList dst) {
@@ -237,6 +237,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("status"),
         "A PreparedCopy of a program bound to these tensors (checked now), or None when they "
         "need the dispatcher (meta/fake tensors, subclasses, dispatch modes).");
+  m.def("early_load_launches", &early_load_launches,
+        "How many copy launches this process made whose loads could start before the previous "
+        "kernel of their stream ended (dependent launches captured in a CUDA graph after a "
+        "launch that writes nothing they read).");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
         py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("status"), py::arg("validate"),

@@ -1,6 +1,7 @@
 // Runs the device kernel's work walk (kvlayout/copy_rows_kernel.h) on the
 // host, one thread after the other, so that the walk every GPU backend uses is
-// checked on machines without a GPU. Loaded by tests/test_kernel_walk.py
+// checked on machines without a GPU (in its early-loads form, which covers the
+// other: that one waits before the walk). Loaded by tests/test_kernel_walk.py
 // through ctypes.
 #include <cstdint>
 #include <cstring>
@@ -8,6 +9,24 @@
 #include "kvlayout/copy_rows_kernel.h"
 
 namespace {
+
+// The walk runs as an early-loads kernel does (copy_rows.cu): each thread
+// waits once, before its first write and at its end. These count, over the
+// last emulated launch, the waits, and the loads and writes made by a thread
+// that had not waited yet (writes must be none).
+struct WaitCounts {
+  int64_t waits = 0, writes_before = 0, loads_before = 0;
+  bool waited = false;  // the current thread's
+} g_counts;
+
+struct WaitOnce {
+  void operator()() const {
+    if (!g_counts.waited) {
+      g_counts.waited = true;
+      ++g_counts.waits;
+    }
+  }
+};
 
 template <int VEC>
 struct Bytes {
@@ -18,16 +37,21 @@ template <int VEC>
 struct HostMem {
   using vec_type = Bytes<VEC>;
   static vec_type load(const vec_type* p) {
+    if (!g_counts.waited) ++g_counts.loads_before;
     vec_type v;
     std::memcpy(&v, p, VEC);
     return v;
   }
-  static void store(vec_type* p, vec_type v) { std::memcpy(p, &v, VEC); }
+  static void store(vec_type* p, vec_type v) {
+    if (!g_counts.waited) ++g_counts.writes_before;
+    std::memcpy(p, &v, VEC);
+  }
 };
 
 struct HostRecorder {
   int64_t* status;
   void operator()(int64_t token, int64_t value, int64_t bound, int64_t which) const {
+    if (!g_counts.waited) ++g_counts.writes_before;
     if (status[0]++ == 0) {
       status[1] = token;
       status[2] = value;
@@ -42,9 +66,14 @@ kvlayout::RowGeometry geometry(const int64_t* g) { return {g[0], g[1], g[2], g[3
 template <int VEC, int UNROLL>
 void walk_all(const kvlayout::CopyRowsArgs& a, const char* const* src, char* const* dst,
               int64_t num_threads) {
-  for (int64_t thread = 0; thread < num_threads; ++thread)
+  g_counts = WaitCounts{};
+  for (int64_t thread = 0; thread < num_threads; ++thread) {
+    g_counts.waited = false;
+    WaitOnce before_write;
     kvlayout::copy_rows_walk<VEC, UNROLL, HostMem<VEC>>(a, src, dst, thread, num_threads,
-                                                        HostRecorder{a.status});
+                                                        HostRecorder{a.status}, before_write);
+    before_write();
+  }
 }
 
 template <int UNROLL>
@@ -95,6 +124,13 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
   if (unroll == kvlayout::kDeviceUnroll) return walk_vec<kvlayout::kDeviceUnroll>(vec, a, src, dst, num_threads);
   if (unroll == kvlayout::kHostUnroll) return walk_vec<kvlayout::kHostUnroll>(vec, a, src, dst, num_threads);
   return -1;
+}
+
+// [waits, writes before a wait, loads before a wait] of the last emulated launch.
+void kvl_wait_counts(int64_t* out) {
+  out[0] = g_counts.waits;
+  out[1] = g_counts.writes_before;
+  out[2] = g_counts.loads_before;
 }
 
 // q and r of n / d through FastDivmod::make(d, max_dividend).

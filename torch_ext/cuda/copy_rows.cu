@@ -62,22 +62,44 @@ struct CudaRows : cuda::Backend {
   }
 
   template <int VEC, int UNROLL, class P>
-  static void launch(const P& p, int64_t max_ctas, bool host, bool dependent,
+  static void launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                      cudaStream_t stream);
 };
 
-template <int VEC, int UNROLL, class P>
-__global__ void __launch_bounds__(kCopyThreadsPerBlock)
-    copy_rows_kernel(const __grid_constant__ P p) {
+// Programmatic dependent launch (consecutive layer calls): a kernel launched
+// with that attribute may start while the previous kernel of the stream still
+// runs. griddepcontrol.wait waits for that kernel to finish and its writes to
+// be visible; griddepcontrol.launch_dependents then lets the next dependent
+// launch start its CTAs. Without the launch attribute both do nothing.
+__device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as a programmatic dependent launch (consecutive layer calls),
-  // the kernel may start while the previous kernel of the stream still runs:
-  // wait for it to finish and its writes to be visible before touching
-  // memory, then let the next dependent launch start its CTAs. Without that
-  // launch attribute both instructions do nothing.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+}
+
+// The walk's before_write of an early-loads kernel: the thread's first write
+// waits for the previous kernel (once).
+struct WaitOnce {
+  bool pending = true;
+  __device__ void operator()() {
+    if (pending) {
+      wait_for_previous_kernel();
+      pending = false;
+    }
+  }
+};
+
+// EARLY_LOADS: the launcher proved that the previous kernel of the stream
+// writes nothing this launch reads (CudaRows::LaunchOrder), so the loads of a
+// thread's first batch are issued before the wait and their PCIe round trip
+// overlaps the previous kernel; every write still waits. Each thread waits
+// before it exits, so this grid never ends before the previous one (a later
+// early-loads launch relies on that).
+template <int VEC, int UNROLL, class P, bool EARLY_LOADS>
+__global__ void __launch_bounds__(kCopyThreadsPerBlock)
+    copy_rows_kernel(const __grid_constant__ P p) {
+  if constexpr (!EARLY_LOADS) wait_for_previous_kernel();  // before touching memory
   // The segment table, read once per CTA from the parameter block: lanes of
   // one warp index it with different segments, which the constant cache
   // would serialize.
@@ -90,8 +112,16 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
   __syncthreads();
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
-                                                  cuda::StatusRecorder{p.a.status});
+  if constexpr (EARLY_LOADS) {
+    WaitOnce before_write;
+    copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
+                                                    cuda::StatusRecorder{p.a.status},
+                                                    before_write);
+    before_write();
+  } else {
+    copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
+                                                    cuda::StatusRecorder{p.a.status});
+  }
 }
 
 // CTAs of one kernel instance resident on one SM at once, from the compiled
@@ -102,7 +132,7 @@ int64_t resident_ctas_per_sm() {
   static const int64_t ctas = [] {
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, copy_rows_kernel<VEC, UNROLL, P>, kCopyThreadsPerBlock, 0));
+        &n, copy_rows_kernel<VEC, UNROLL, P, false>, kCopyThreadsPerBlock, 0));
     return std::max(n, 1);
   }();
   return ctas;
@@ -112,9 +142,10 @@ int64_t resident_ctas_per_sm() {
 // host variant keeps 64 KiB in flight per CTA), and for device memory every
 // CTA that is resident at once (one full wave: the work is split evenly over
 // the grid, so CTAs beyond one wave would run a second, partial wave at a
-// fraction of the occupancy). Never more threads than items.
+// fraction of the occupancy). Never more threads than items. `early_loads`
+// (a dependent launch of the host variant only) picks the early-loads kernel.
 template <int VEC, int UNROLL, class P>
-void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent,
+void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
   const int64_t budget =
       max_ctas > 0 ? max_ctas
@@ -124,7 +155,10 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent,
   const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
   int64_t blocks = (items + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
-  auto* kernel = copy_rows_kernel<VEC, UNROLL, P>;
+  auto* kernel = copy_rows_kernel<VEC, UNROLL, P, false>;
+  if constexpr (UNROLL == kHostUnroll) {
+    if (early_loads) kernel = copy_rows_kernel<VEC, UNROLL, P, true>;
+  }
   if (!dependent) {
     kernel<<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -217,10 +217,15 @@ using VecOf = std::conditional_t<
 // static vec_type load(const vec_type*); static void store(vec_type*,
 // vec_type). Record is called as record(token, value, bound, which) for an
 // out-of-range slot.
-template <int VEC, int UNROLL, class Mem, class Record>
+//
+// before_write() is called before the thread's first store and its first
+// error record (and may be called again: it must act once). A kernel that
+// loads before the previous kernel of its stream has finished (early loads,
+// see copy_rows.cu) waits there; the others pass NoWait.
+template <int VEC, int UNROLL, class Mem, class Record, class BeforeWrite>
 KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_base,
                                  char* const* dst_base, int64_t thread, int64_t num_threads,
-                                 const Record& record) {
+                                 const Record& record, BeforeWrite& before_write) {
   using V = typename Mem::vec_type;
   const int64_t lane = thread % kWalkLanes;
   const int64_t group = thread / kWalkLanes;
@@ -286,6 +291,7 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
           buf[k] = Mem::load(reinterpret_cast<const V*>(src_base[seg] + rows.src_row + so));
           out[k] = dst_base[seg] + rows.dst_row + dof;
         } else if (rows.invalid && a.record_errors && seg == 0 && v == 0) {
+          before_write();
           record(a.skip_prefix + t, rows.bad_value, rows.bad_bound(a), int64_t(rows.bad_which));
         }
         // Next item of this lane: kWalkLanes further.
@@ -304,11 +310,25 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
         }
       }
     }
+    before_write();
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k) {
       if (out[k] != nullptr) Mem::store(reinterpret_cast<V*>(out[k]), buf[k]);
     }
   }
+}
+
+// The before_write of a walk that may write from its start.
+struct NoWait {
+  KVL_D void operator()() const {}
+};
+
+template <int VEC, int UNROLL, class Mem, class Record>
+KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_base,
+                                 char* const* dst_base, int64_t thread, int64_t num_threads,
+                                 const Record& record) {
+  const NoWait no_wait;
+  copy_rows_walk<VEC, UNROLL, Mem>(a, src_base, dst_base, thread, num_threads, record, no_wait);
 }
 
 }  // namespace kvlayout
