@@ -335,11 +335,15 @@ def kvlayout_fn(case: Case, data: dict):
 # The pure-torch baseline
 # ---------------------------------------------------------------------------------------------
 
-def torch_op_fn(device: torch.device):
-    """The host cost yardstick of the host_cost rows: one torch op launching one kernel (``zero_`` of a
-    one-element tensor on ``device``), what any eager op costs the host on this machine."""
+def torch_op_fn(device: torch.device, calls: int):
+    """The host cost yardstick of the host_cost rows: ``calls`` torch ops launching one kernel each
+    (``zero_`` of a one-element tensor on ``device``), what an eager op costs the host on this machine."""
     x = torch.ones(1, device=device)
-    return x.zero_
+
+    def ops():
+        for _ in range(calls):
+            x.zero_()
+    return ops
 
 
 def _row_views(cache: KVCache, layers) -> list[torch.Tensor]:

@@ -40,6 +40,7 @@ class PreparedTransfer:
         self.src, self.dst = src, dst
         self._args = args
         self._dependent = bool(dependent_launch)
+        self._num_layers = len(args.src_layers)
         self._status = _native.status_tensor(args.device)
         if args.engine == "copy":
             self._steps = program_steps(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
@@ -63,12 +64,15 @@ class PreparedTransfer:
 
     def __call__(self) -> None:
         """Copy every chosen layer (one launch per row geometry)."""
-        self._run(0)
+        if self._native is not None and not torch.compiler.is_compiling():
+            self._native.run(0)        # (nothing to move: C++ returns before launching)
+        else:
+            self._run(0)
 
     def layer(self, i: int) -> None:
         """Copy the ``i``-th chosen layer only (one launch)."""
-        if type(i) is not int or not 0 <= i < len(self._args.src_layers):
-            i = as_int("layer", i, lo=0, hi=len(self._args.src_layers) - 1)
+        if type(i) is not int or not 0 <= i < self._num_layers:
+            i = as_int("layer", i, lo=0, hi=self._num_layers - 1)
         if self._native is not None and not torch.compiler.is_compiling():
             self._native.run(1 + i)    # the hot path of a layer-wise pipeline: straight to C++
         else:

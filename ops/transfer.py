@@ -510,6 +510,9 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     """
     c = _pair_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     validate = validating(validate)
+    if (c.bound is not None and engine == "kernel" and num_tokens is None and type(skip_prefix) is int
+            and c.bound.run_checking(0, src_slots, dst_slots, skip_prefix, c.max_ctas, validate)):
+        return      # a repeated call with plain slots: checked and run in C++
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
     if T == 0 or not c.src_layers or not c.src_planes:
@@ -546,7 +549,8 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     if c.kernel_calls >= 2:
         # a repeated call (memoized choice: same src and dst objects): keep the binding (re-made when a
         # tensor moved); a one-off call leaves it to run_program's cache by address
-        c.bound = _C.bind_program(c.handle, list(src.tensors), list(dst.tensors), c.status)
+        c.bound = _C.bind_program(c.handle, list(src.tensors), list(dst.tensors), c.status, src.geometry.N,
+                                  dst.geometry.N)
         if c.bound is not None and c.bound.run_with(0, s_slots, d_slots, T, skip_prefix, c.max_ctas, validate):
             return
     if not _C.run_program(c.handle, src.tensors, dst.tensors, s_slots, d_slots, 0, T, skip_prefix, c.max_ctas,

@@ -221,6 +221,41 @@ def test_repeated_transfer_keeps_its_binding_and_rebinds_a_moved_tensor(device):
     assert np.array_equal(TC.bits(old_storage.view(kept.shape)), TC.bits(kept))   # the old storage: as it was
 
 
+def _error_of(call):
+    try:
+        call()
+    except Exception as exc:   # noqa: BLE001 - the exception itself is what is compared
+        return type(exc), str(exc)
+    return None
+
+
+def test_a_repeated_transfer_checks_its_slots_as_a_first_call_does(device):
+    """A repeated call checks its slots in C++ (the common case) and leaves anything else to the full
+    checks: every bad slot argument gets the error a first call gets; lists and shorter calls still work."""
+    dev = torch.device(device)
+    bad = {"float slots": dict(src_slots=torch.ones(3, device=dev)),
+           "2-D slots": dict(src_slots=torch.zeros(1, 3, dtype=torch.int64, device=dev)),
+           "lengths differ": dict(src_slots=TC.slots([1, 2, 3], device=device),
+                                  dst_slots=TC.slots([0, 1], device=device)),
+           "skip beyond T": dict(src_slots=TC.slots([1, 2, 3], device=device), skip_prefix=4),
+           "more tokens than chunk positions": dict(src_slots=TC.slots(list(range(7)), device=device)),
+           "negative skip": dict(src_slots=TC.slots([1, 2, 3], device=device), skip_prefix=-1)}
+    for name, kwargs in bad.items():
+        _, _, src, fresh = _pair(device)
+        first = _error_of(lambda: ops.transfer(src, fresh, **kwargs))
+        _, _, src, dst = _pair(device)
+        for _ in range(2):
+            ops.transfer(src, dst, TC.slots([4, 5], device=device))
+        assert first is not None and _error_of(lambda: ops.transfer(src, dst, **kwargs)) == first, name
+    g, src_np, src, dst = _pair(device)
+    for slots in ([1, 2, 3], [4, 5, 6], [9, 8]):                   # the last two from the kept binding
+        ops.transfer(src, dst, TC.slots(slots, device=device))
+    ops.transfer(src, dst, [10, 11, 12], skip_prefix=1)              # a list: converted by the full checks
+    TC.sync(device)
+    want = _want_rows(src_np, g, [9, 11, 12]).view(np.uint16)
+    assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :3], want)
+
+
 def test_a_kept_binding_lets_the_destination_go(device):
     """The binding holds the destination's tensors; it is dropped with the destination cache, so a
     long-lived source does not keep every destination it was copied to alive."""

@@ -32,12 +32,15 @@
 //                          `alias`, still is pinned there (still_valid)
 //   supports_dependent_launch(dev) -> bool
 //                          whether RunArgs::dependent_launch can be honoured
-//   LaunchOrder            constructed from the stream before a run's launches:
-//                          previous_writes_miss(reads) says whether a dependent
-//                          launch may issue its loads before the previous kernel
-//                          of the stream ends (that kernel writes none of the
-//                          kernel-visible byte ranges `reads`), launched(writes)
-//                          records each launch made (NoLaunchOrder: never)
+//   LaunchOrder            made from the stream before a run's launches (only
+//                          for dependent launches touching host memory):
+//                          capturing() says whether it can tell what precedes
+//                          a launch (else it is dropped); previous_writes_miss
+//                          (reads) whether a dependent launch may issue its
+//                          loads before the previous kernel of the stream ends
+//                          (that kernel writes none of the kernel-visible byte
+//                          ranges `reads`); launched(writes) records each
+//                          launch made (NoLaunchOrder: never)
 //   kMaxSegmentsPerLaunch  segments of one launch's table
 //   kFewSegments           a smaller table for launches of at most that many
 //                          segments (its parameter block costs less host time
@@ -74,6 +77,7 @@ namespace kvlayout {
 struct NoLaunchOrder {
   template <class Stream>
   explicit NoLaunchOrder(const Stream&) {}
+  bool capturing() const { return false; }
   bool previous_writes_miss(const std::vector<ByteRange>&) const { return false; }
   void launched(const std::vector<ByteRange>&) {}
 };
@@ -134,13 +138,19 @@ class RowsLaunch final : public BoundLaunch {
     ds.data = Backend::index_address(args.dst_slots, dev_, "dst_slots");
     const bool dependent = args.dependent_launch && dependent_ok_;
     Stream stream = Backend::stream(dev_);
+    // Under graph capture only (where LaunchOrder can tell what precedes a launch): what this run
+    // reads, the bound sources and the slots.
     std::optional<typename Backend::LaunchOrder> order;
-    std::vector<ByteRange> reads;  // what this run reads: the bound sources and the slots
+    std::vector<ByteRange> reads;
     if (dependent && touches_host_) {
       order.emplace(stream);
-      reads = reads_;
-      if (ss.data != nullptr) reads.push_back(kernel_range(*args.src_slots, ss.data));
-      if (ds.data != nullptr) reads.push_back(kernel_range(*args.dst_slots, ds.data));
+      if (order->capturing()) {
+        reads = reads_;
+        if (ss.data != nullptr) reads.push_back(kernel_range(*args.src_slots, ss.data));
+        if (ds.data != nullptr) reads.push_back(kernel_range(*args.dst_slots, ds.data));
+      } else {
+        order.reset();
+      }
     }
     for (const Chunk& chunk : chunks_) {
       CopyRowsArgs a = chunk.args;  // a bound launch may run on several threads at once

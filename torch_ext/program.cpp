@@ -125,8 +125,8 @@ void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory fact
 
 BoundProgram::Fingerprint BoundProgram::fingerprint(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return {};
-  return {t.data_ptr(), t.storage().unsafeGetStorageImpl(),
-          static_cast<int64_t>(t.storage().nbytes())};
+  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();  // (no reference count)
+  return {t.data_ptr(), storage.unsafeGetStorageImpl(), static_cast<int64_t>(storage.nbytes())};
 }
 
 BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList dst,

@@ -11,6 +11,7 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with the at::Tensor casters (lighter than torch/extension.h)
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <iterator>
 #include <memory>
@@ -93,9 +94,16 @@ void run_bound(const BoundProgram& bound, int64_t step, at::TensorList dst, cons
 // A program bound to tensors it keeps alive.
 class PreparedCopy {
  public:
+  // src_positions/dst_positions: how many slots each side holds (a side
+  // without slot tensor reads or writes positions 0..T-1); -1: not known.
   PreparedCopy(int64_t handle, std::vector<at::Tensor> src, std::vector<at::Tensor> dst,
-               std::optional<at::Tensor> status)
-      : src_(std::move(src)), dst_(std::move(dst)), status_(status.value_or(at::Tensor())) {
+               std::optional<at::Tensor> status, int64_t src_positions = -1,
+               int64_t dst_positions = -1)
+      : src_(std::move(src)),
+        dst_(std::move(dst)),
+        status_(status.value_or(at::Tensor())),
+        src_positions_(src_positions),
+        dst_positions_(dst_positions) {
     device_ = program_device(src_, dst_, std::nullopt, std::nullopt);
     bound_ = std::make_shared<const BoundProgram>(handle, src_, dst_, device_, status_);
   }
@@ -129,12 +137,51 @@ class PreparedCopy {
     return true;
   }
 
+  // run_with for slots not checked yet: the common call (each slot argument
+  // None or a 1-D int32/int64 tensor on the launch device or the host, of
+  // one length T when both are given; a side without slots holding T
+  // positions; 0 <= skip_prefix <= T) runs here with T from the slots; false
+  // (nothing done) for anything else, which the caller checks the long way
+  // (its errors name the argument).
+  bool run_checking(int64_t step, py::handle src_slots, py::handle dst_slots, int64_t skip_prefix,
+                    int64_t max_ctas, bool validate) const {
+    std::optional<at::Tensor> ss, ds;
+    if (!plain_slots(src_slots, ss) || !plain_slots(dst_slots, ds)) return false;
+    int64_t T = -1;
+    if (ss.has_value()) {
+      T = ss->size(0);
+      if (ds.has_value() ? ds->size(0) != T : (dst_positions_ < 0 || T > dst_positions_))
+        return false;
+    } else if (ds.has_value()) {
+      T = ds->size(0);
+      if (src_positions_ < 0 || T > src_positions_) return false;
+    } else {
+      return false;
+    }
+    if (skip_prefix < 0 || skip_prefix > T) return false;
+    return run_with(step, ss, ds, T, skip_prefix, max_ctas, validate);
+  }
+
   int64_t num_steps() const { return bound_->num_steps(); }
   std::string device() const { return device_.str(); }
 
  private:
+  // None, or a 1-D int32/int64 tensor on the launch device or the host (into `out`).
+  bool plain_slots(py::handle h, std::optional<at::Tensor>& out) const {
+    if (h.is_none()) return true;
+    if (!THPVariable_Check(h.ptr())) return false;
+    const at::Tensor& t = THPVariable_Unpack(h.ptr());
+    const auto dtype = t.scalar_type();
+    if (t.dim() != 1 || (dtype != at::kInt && dtype != at::kLong) ||
+        !(t.device().is_cpu() || t.device() == device_))
+      return false;
+    out = t;
+    return true;
+  }
+
   std::vector<at::Tensor> src_, dst_;
   at::Tensor status_;
+  int64_t src_positions_ = -1, dst_positions_ = -1;
   c10::Device device_{c10::kCPU};
   std::shared_ptr<const BoundProgram> bound_;
   RunArgs args_;
@@ -143,11 +190,13 @@ class PreparedCopy {
 // A PreparedCopy for ops.transfer to keep per (caches, choice), or null
 // where the tensors must go through the dispatcher on every call.
 std::unique_ptr<PreparedCopy> bind_program(int64_t handle, std::vector<at::Tensor> src,
-                                           std::vector<at::Tensor> dst, const at::Tensor& status) {
+                                           std::vector<at::Tensor> dst, const at::Tensor& status,
+                                           int64_t src_positions, int64_t dst_positions) {
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || needs_dispatcher(src) ||
       needs_dispatcher(dst))
     return nullptr;
-  return std::make_unique<PreparedCopy>(handle, std::move(src), std::move(dst), status);
+  return std::make_unique<PreparedCopy>(handle, std::move(src), std::move(dst), status,
+                                        src_positions, dst_positions);
 }
 
 bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
@@ -230,11 +279,15 @@ PYBIND11_MODULE(_C, m) {
            py::arg("validate"),
            "Runs step `step` with these arguments; False (nothing done) when the call needs the "
            "dispatcher or a bound tensor was resized, re-set or freed.")
+      .def("run_checking", &PreparedCopy::run_checking, py::arg("step"), py::arg("src_slots"),
+           py::arg("dst_slots"), py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("validate"),
+           "run_with for slots not checked yet: runs the common call (plain slot tensors, T "
+           "from their length); False (nothing done) for anything else.")
       .def_property_readonly("num_steps", &PreparedCopy::num_steps)
       .def_property_readonly("device", &PreparedCopy::device);
 
   m.def("bind_program", &bind_program, py::arg("program"), py::arg("src"), py::arg("dst"),
-        py::arg("status"),
+        py::arg("status"), py::arg("src_positions") = -1, py::arg("dst_positions") = -1,
         "A PreparedCopy of a program bound to these tensors (checked now), or None when they "
         "need the dispatcher (meta/fake tensors, subclasses, dispatch modes).");
   m.def("early_load_launches", &early_load_launches,

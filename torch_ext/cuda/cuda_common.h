@@ -106,6 +106,9 @@ class LaunchOrder {
     capturing_ = only_dependency(only_dep_);
   }
 
+  // Whether the stream is being captured (else nothing here applies).
+  bool capturing() const { return capturing_; }
+
   // Whether the stream's only dependency is the last launch recorded in this
   // capture and none of its writes meet `reads`.
   bool previous_writes_miss(const std::vector<ByteRange>& reads) const {
