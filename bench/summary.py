@@ -67,7 +67,7 @@ def host_cost(rows: list[dict]) -> str:
     costs = [r for r in rows if r["group"] == "host_cost"]
     parts = [f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs" for r in costs]
     yardstick = [r["torch_op_host_us"] for r in costs if "torch_op_host_us" in r]
-    torch_op = (f" (one torch op launching one kernel, `x.zero_()` of a one-element tensor, in the same run: "
+    torch_op = (f" (one torch op, `x.zero_()` of a one-element tensor on the bench's device, in the same run: "
                 f"{statistics.median(yardstick):.1f} µs)") if yardstick else ""
     return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + torch_op + "."
 
