@@ -69,8 +69,9 @@ class Case:
     max_ctas: int = 0
     engine: str = "kernel"  # or "copy": the copy engine, page-granular runs; or "staged" (ops.staged)
     call: str = "transfer"  # layer-wise: "transfer" (ops.transfer per layer), "prepared" (a prepared
-    #                         transfer's layer calls), "prepared-serial" (the same without programmatic
-    #                         dependent launch) or "graph" (those calls captured once, replayed)
+    #                         transfer's layer calls), "prepared-early" (the same with early_loads=True),
+    #                         "prepared-serial" (without programmatic dependent launch) or "graph" (the
+    #                         prepared calls captured once, replayed)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -118,7 +119,8 @@ def plan_cases(quick: bool) -> list[Case]:
     # layer-wise pipeline: L calls of one layer each (ops.transfer, prepared layer calls, and those calls
     # replayed from a CUDA graph), against the all-layer figure of the headline group
     for name, T, direction, call in itertools.product(shapes[:3], [256] if quick else [256, 4096],
-                                                      ("to_host", "from_host"), ("transfer", "prepared", "graph")):
+                                                      ("to_host", "from_host"),
+                                                      ("transfer", "prepared", "prepared-early", "graph")):
         shape = SHAPES[name]
         dev = "vllm_mla" if shape.mla else "vllm_flash_attn_nhd"
         buf = "lmcache_kv_mla_layer" if shape.mla else "lmcache_kv_t2d"
@@ -307,19 +309,19 @@ def kvlayout_fn(case: Case, data: dict):
             for kw in choices:
                 ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, **kw)
         return per_layer
-    pdl = case.call != "prepared-serial"
+    pdl, early = case.call != "prepared-serial", case.call == "prepared-early"
     if case.buffer_layout.startswith("lmcache"):
         # one-layer chunks: one prepared transfer per layer (as a layer-wise connector keeps per layer)
-        layers = [ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl, **kw)
-                  for kw in choices]
+        layers = [ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl, early_loads=early,
+                              **kw) for kw in choices]
     else:
-        t = ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl)
+        t = ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl, early_loads=early)
         layers = [functools.partial(t.layer, i) for i in range(t.num_layers)]
 
     def prepared():
         for call in layers:
             call()
-    if case.call in ("prepared", "prepared-serial"):
+    if case.call in ("prepared", "prepared-early", "prepared-serial"):
         return prepared
     # "graph": the layer calls captured once (on a side stream, as capture requires) and replayed
     prepared()

@@ -49,14 +49,16 @@ def layerwise(rows: list[dict]) -> str:
         same = dict(group="layerwise", shape=r["shape"], T=r["T"], direction=r["direction"],
                     buffer_layout=r["buffer_layout"], device_layout=r["device_layout"])
         prepared, graph = _find(rows, call="prepared", **same), _find(rows, call="graph", **same)
+        early = _find(rows, call="prepared-early", **same)
         whole = _find(rows, group="headline", shape=r["shape"], T=r["T"], direction=r["direction"])
         arrow = "↔" if r["buffer_layout"].startswith("lmcache") else "←"
         host = f"{r['host_us_per_call']:.1f} / {prepared['host_us_per_call']:.1f}" if prepared else "–"
         out.append([r["shape"], str(r["T"]), r["direction"], f"{r['device_layout']}{arrow}{r['buffer_layout']}",
-                    _pct(r), _pct(prepared), _pct(graph), _pct(whole),
+                    _pct(r), _pct(prepared), _pct(early), _pct(graph), _pct(whole),
                     f"{r['peer']}: {r['peer_pct']:.0f}%" if "peer" in r else "–", host])
     return markdown_table(["shape", "T", "direction", "layouts", "ops.transfer ×L: GB/s (% ceiling)",
-                           "prepared `t.layer(i)` ×L", "graph replay", "all layers, one `ops.transfer`",
+                           "prepared `t.layer(i)` ×L", "prepared, `early_loads=True`", "graph replay",
+                           "all layers, one `ops.transfer`",
                            "best peer (% of its limit)", "host µs per layer call (transfer / prepared)"], out)
 
 

@@ -36,10 +36,12 @@ class PreparedTransfer:
     slot tensors (and token count) for the next step.
     """
 
-    def __init__(self, src: KVCache, dst: KVCache, args: TransferArgs, dependent_launch: bool):
+    def __init__(self, src: KVCache, dst: KVCache, args: TransferArgs, dependent_launch: bool,
+                 early_loads: bool = False):
         self.src, self.dst = src, dst
         self._args = args
         self._dependent = bool(dependent_launch)
+        self._early_loads = bool(early_loads)
         self._num_layers = len(args.src_layers)
         self._status = _native.status_tensor(args.device)
         if args.engine == "copy":
@@ -92,9 +94,9 @@ class PreparedTransfer:
         if self._native is not None:
             if a.src_planes:
                 self._native.set_call(a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate,
-                                      self._dependent)
+                                      self._dependent, self._early_loads)
             else:   # no planes chosen: nothing to move, a run with no tokens launches nothing
-                self._native.set_call(None, None, 0, 0, a.max_ctas, a.validate, self._dependent)
+                self._native.set_call(None, None, 0, 0, a.max_ctas, a.validate, self._dependent, self._early_loads)
 
     def _run(self, step: int) -> None:
         a = self._args
@@ -117,8 +119,8 @@ class PreparedTransfer:
 
 def prepare(src, dst, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None, src_planes=None,
             dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None, max_ctas: int = 0,
-            validate: bool | None = None, engine: str = "kernel", dependent_launch: bool = True
-            ) -> PreparedTransfer:
+            validate: bool | None = None, engine: str = "kernel", dependent_launch: bool = True,
+            early_loads: bool = False) -> PreparedTransfer:
     """A :class:`PreparedTransfer`: :func:`~kvlayout.ops.transfer`'s arguments, checked and planned once.
 
     Same arguments and rules as :func:`~kvlayout.ops.transfer` (``src`` and
@@ -126,6 +128,15 @@ def prepare(src, dst, src_slots=None, dst_slots=None, *, src_layers=None, dst_la
     (CUDA, compute capability 9.0+): each launch may start while the previous
     kernel of the stream finishes (programmatic dependent launch); it still
     waits for that kernel's writes before it reads or writes anything.
+    Captured in a CUDA graph, a layer call whose stream's only dependency is
+    the previous kvlayout launch, writing nothing it reads, issues its loads
+    before that wait (its writes still wait): a layer's PCIe round trip then
+    overlaps the previous layer. ``early_loads=True`` does the same outside
+    capture, on the caller's promise that between two calls the stream runs
+    only kvlayout calls, kernels launched without programmatic dependent
+    launch, copies, and event records and waits (a dedicated load stream);
+    another library's kernel launched with it could still be writing what an
+    early load reads.
     ``engine``: ``"kernel"`` or ``"copy"``; ``"auto"`` prepares the kernel
     (layer calls are small, where the kernel's direct path wins); ``"staged"``
     is refused (it allocates staging per call: use ``ops.transfer``).
@@ -133,10 +144,13 @@ def prepare(src, dst, src_slots=None, dst_slots=None, *, src_layers=None, dst_la
     if engine == "staged":
         raise ValueError("prepare: engine='staged' is not supported (a staged transfer allocates its staging "
                          "memory per call); use ops.transfer(..., engine='staged')")
+    if early_loads and not dependent_launch:
+        raise ValueError("prepare: early_loads=True needs dependent_launch=True (a launch loads early only while "
+                         "the previous kernel of its stream may still run)")
     engine = "kernel" if engine == "auto" else engine
     src = src if isinstance(src, KVCache) else bind(*src)
     dst = dst if isinstance(dst, KVCache) else bind(*dst)
     args = transfer_args(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
                          src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix,
                          num_tokens=num_tokens, max_ctas=max_ctas, validate=validate, engine=engine)
-    return PreparedTransfer(src, dst, args, dependent_launch)
+    return PreparedTransfer(src, dst, args, dependent_launch, early_loads)

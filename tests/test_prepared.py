@@ -425,3 +425,38 @@ def test_eager_layer_calls_never_load_early(cuda_device):
         t.layer(i)
     torch.cuda.synchronize()
     assert _C.early_load_launches() == before
+
+
+def test_promised_stream_layer_calls_load_early_outside_capture(cuda_device):
+    """early_loads=True: on a stream that runs only these calls, each layer call after its sibling loads
+    early without a graph; a load right after the store that fills its chunk does not; the bytes are exact."""
+    from kvlayout import _C
+
+    g, src_np, cache, chunk = _host_chunk_pair(cuda_device)
+    values = np.random.default_rng(5).permutation(g.N)[:256]
+    slots = torch.from_numpy(values).to(cuda_device)
+    back = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
+    store = ops.prepare(cache, chunk, slots, early_loads=True)
+    load = ops.prepare(chunk, back, None, slots, early_loads=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        store.layer(0)                                  # (whatever ran on this stream before: not counted)
+        before = _C.early_load_launches()
+        for i in range(1, g.L):
+            store.layer(i)
+        assert _C.early_load_launches() - before == g.L - 1, "every store after its sibling"
+        before = _C.early_load_launches()
+        for i in range(g.L):
+            load.layer(i)
+        assert _C.early_load_launches() - before == g.L - 1, "every load but the first, which reads the stores"
+    torch.cuda.synchronize()
+    assert np.array_equal(TC.bits(chunk.tensors[0]), _want_rows(src_np, g, values).view(np.uint16))
+    _assert_same_rows(back, cache, values)
+    ops.check_errors()
+
+
+def test_early_loads_need_dependent_launch(device):
+    _, _, src, dst = _pair(device)
+    with pytest.raises(ValueError, match="early_loads=True needs dependent_launch=True"):
+        ops.prepare(src, dst, TC.slots([1, 2], device=device), dependent_launch=False, early_loads=True)

@@ -32,15 +32,16 @@
 //                          `alias`, still is pinned there (still_valid)
 //   supports_dependent_launch(dev) -> bool
 //                          whether RunArgs::dependent_launch can be honoured
-//   LaunchOrder            made from the stream before a run's launches (only
-//                          for dependent launches touching host memory):
-//                          capturing() says whether it can tell what precedes
-//                          a launch (else it is dropped); previous_writes_miss
-//                          (reads) whether a dependent launch may issue its
-//                          loads before the previous kernel of the stream ends
-//                          (that kernel writes none of the kernel-visible byte
-//                          ranges `reads`); launched(writes) records each
-//                          launch made (NoLaunchOrder: never)
+//   LaunchOrder            made from the stream and RunArgs::early_loads before
+//                          the launches of a dependent run (they are made
+//                          while it lives): may_load_early() says whether it
+//                          can tell what precedes a launch on the stream,
+//                          previous_writes_miss(reads) whether a launch may
+//                          issue its loads before the previous kernel of the
+//                          stream ends (that kernel writes none of the
+//                          kernel-visible byte ranges `reads`),
+//                          launched(writes) records each launch made
+//                          (NoLaunchOrder: never)
 //   kMaxSegmentsPerLaunch  segments of one launch's table
 //   kFewSegments           a smaller table for launches of at most that many
 //                          segments (its parameter block costs less host time
@@ -76,10 +77,10 @@ namespace kvlayout {
 // The LaunchOrder of a backend whose launches never overlap the previous kernel.
 struct NoLaunchOrder {
   template <class Stream>
-  explicit NoLaunchOrder(const Stream&) {}
-  bool capturing() const { return false; }
+  NoLaunchOrder(const Stream&, bool) {}
+  bool may_load_early() const { return false; }
   bool previous_writes_miss(const std::vector<ByteRange>&) const { return false; }
-  void launched(const std::vector<ByteRange>&) {}
+  void launched(const std::shared_ptr<const std::vector<ByteRange>>&) {}
 };
 
 // A launch bound to tensors: kernel-visible addresses, vector width and the
@@ -101,14 +102,16 @@ class RowsLaunch final : public BoundLaunch {
     check_status_tensor(status, dev);
     // Kernel-visible addresses of every tensor (pinned host memory through its
     // device alias, which still_valid checks again on reuse).
+    std::vector<ByteRange> writes;
     SegmentBases bases =
         segment_bases(plan, src, dst, [&](const at::Tensor& t, bool is_src, int64_t i) {
           char* address = Backend::device_address(t, dev, is_src ? "src" : "dst", i);
           if (t.device().type() != Backend::kDeviceType)
             (is_src ? host_src_ : host_dst_).emplace_back(i, address);
-          (is_src ? reads_ : writes_).push_back(kernel_range(t, address));
+          (is_src ? reads_ : writes).push_back(kernel_range(t, address));
           return address;
         });
+    writes_ = std::make_shared<const std::vector<ByteRange>>(std::move(writes));
     touches_host_ = !host_src_.empty() || !host_dst_.empty();
     vec_ = bases.vec_bytes;
     src_bases_ = std::move(bases.src);
@@ -138,19 +141,17 @@ class RowsLaunch final : public BoundLaunch {
     ds.data = Backend::index_address(args.dst_slots, dev_, "dst_slots");
     const bool dependent = args.dependent_launch && dependent_ok_;
     Stream stream = Backend::stream(dev_);
-    // Under graph capture only (where LaunchOrder can tell what precedes a launch): what this run
-    // reads, the bound sources and the slots.
+    // A dependent run records its launches in the stream's order; where that
+    // order tells what precedes a launch, a host-variant launch may load
+    // early. What this run reads: the bound sources and the slots.
     std::optional<typename Backend::LaunchOrder> order;
     std::vector<ByteRange> reads;
-    if (dependent && touches_host_) {
-      order.emplace(stream);
-      if (order->capturing()) {
-        reads = reads_;
-        if (ss.data != nullptr) reads.push_back(kernel_range(*args.src_slots, ss.data));
-        if (ds.data != nullptr) reads.push_back(kernel_range(*args.dst_slots, ds.data));
-      } else {
-        order.reset();
-      }
+    if (dependent) order.emplace(stream, args.early_loads);
+    const bool may_load_early = touches_host_ && order.has_value() && order->may_load_early();
+    if (may_load_early) {
+      reads = reads_;
+      if (ss.data != nullptr) reads.push_back(kernel_range(*args.src_slots, ss.data));
+      if (ds.data != nullptr) reads.push_back(kernel_range(*args.dst_slots, ds.data));
     }
     for (const Chunk& chunk : chunks_) {
       CopyRowsArgs a = chunk.args;  // a bound launch may run on several threads at once
@@ -158,7 +159,7 @@ class RowsLaunch final : public BoundLaunch {
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
-      const bool early = order.has_value() && order->previous_writes_miss(reads);
+      const bool early = may_load_early && order->previous_writes_miss(reads);
       if (early) count_early_load_launch();
       launch_chunk(a, chunk.first, args.max_ctas, dependent, early, stream);
       if (order.has_value()) order->launched(writes_);
@@ -236,8 +237,10 @@ class RowsLaunch final : public BoundLaunch {
   std::vector<char*> dst_bases_;
   std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
   // Kernel-visible bytes of the bound tensors (whole tensors: a coarse but
-  // sure answer to what a launch may read or write).
-  std::vector<ByteRange> reads_, writes_;
+  // sure answer to what a launch may read or write; the writes are shared
+  // with the stream order's record of the last launch).
+  std::vector<ByteRange> reads_;
+  std::shared_ptr<const std::vector<ByteRange>> writes_;
   bool touches_host_ = false;
   bool dependent_ok_ = false;  // the device supports programmatic dependent launch
   int vec_ = 16;

@@ -71,6 +71,11 @@ struct RunArgs {
   int64_t max_ctas = 0;
   bool validate = false;
   bool dependent_launch = false;  // CUDA: may start before the previous kernel on the stream ends
+  // CUDA, dependent launches outside graph capture: the caller promises that
+  // between its calls the stream runs no kernel of other code launched with
+  // programmatic dependent launch, so a launch may load before the previous
+  // kvlayout launch of the stream ends (see LaunchOrder in cuda_common.h).
+  bool early_loads = false;
 };
 
 // `plan` (a bound launch's plan) with this run's token counts and slots.

@@ -112,9 +112,9 @@ class PreparedCopy {
   // passes only its step.
   void set_call(std::optional<at::Tensor> src_slots, std::optional<at::Tensor> dst_slots,
                 int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, bool validate,
-                bool dependent_launch) {
+                bool dependent_launch, bool early_loads) {
     args_ = RunArgs{std::move(src_slots), std::move(dst_slots), num_tokens, skip_prefix, max_ctas,
-                    validate, dependent_launch};
+                    validate, dependent_launch, early_loads};
   }
 
   void run(int64_t step) const {
@@ -271,7 +271,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("program"), py::arg("src"), py::arg("dst"), py::arg("status"))
       .def("set_call", &PreparedCopy::set_call, py::arg("src_slots"), py::arg("dst_slots"),
            py::arg("num_tokens"), py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("validate"),
-           py::arg("dependent_launch"), "The slots and counts of the next runs.")
+           py::arg("dependent_launch"), py::arg("early_loads") = false,
+           "The slots and counts of the next runs.")
       .def("run", &PreparedCopy::run, py::arg("step"),
            "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments.")
       .def("run_with", &PreparedCopy::run_with, py::arg("step"), py::arg("src_slots"),

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -91,58 +92,83 @@ struct StatusRecorder {
 
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-// What precedes a launch on a stream under CUDA graph capture, so that a
-// dependent launch may load before the previous kernel ends (the early-loads
-// kernel of copy_rows.cu) exactly when that is safe: when the stream's only
-// dependency is the last node this class recorded in the same capture, and
-// that kernel writes nothing the new launch reads. Every kernel launched with
-// this order waits for its own predecessor before its writes and before it
-// exits, so everything before that node has finished when the new launch
-// starts. Outside capture nothing says what else was queued on the stream
-// since, so early loads are never allowed there.
+// What precedes a launch on a stream, so that a dependent launch may load
+// before the previous kernel ends (the early-loads kernel of copy_rows.cu)
+// only where that is safe. Every dependent kvlayout launch is recorded with
+// the bytes it writes, and every one waits for its own predecessor before
+// its writes and before it exits, so when a launch starts, everything before
+// the previous kernel of the stream has finished; the new launch may load
+// early when that previous kernel is the recorded launch and writes nothing
+// it reads. Which kernel precedes a launch is known:
+//   * under CUDA graph capture, from the stream's capture dependencies: the
+//     only one must be the node of the last recorded launch of the capture;
+//   * outside capture only by the caller's promise (RunArgs::early_loads):
+//     between its calls the stream runs no kernel of other code launched
+//     with programmatic dependent launch (ordinary kernels, copies and event
+//     waits start after everything before them has finished, so they cannot
+//     overlap a load); without the promise eager launches never load early.
+// An order holds a process-wide lock while it lives, so that the launches of
+// other threads cannot come between its check and its launch.
 class LaunchOrder {
  public:
-  explicit LaunchOrder(cudaStream_t stream) : stream_(stream) {
+  LaunchOrder(cudaStream_t stream, bool promised)
+      : stream_(stream), lock_(mutex()) {
     capturing_ = only_dependency(only_dep_);
+    promised_ = promised && !capturing_;
   }
 
-  // Whether the stream is being captured (else nothing here applies).
-  bool capturing() const { return capturing_; }
+  // Whether this order can tell what precedes a launch on the stream.
+  bool may_load_early() const { return capturing_ || promised_; }
 
-  // Whether the stream's only dependency is the last launch recorded in this
-  // capture and none of its writes meet `reads`.
+  // Whether the previous kernel of the stream is the last recorded launch and
+  // none of its writes meet `reads`.
   bool previous_writes_miss(const std::vector<ByteRange>& reads) const {
-    if (!capturing_ || only_dep_ == nullptr) return false;
-    std::lock_guard<std::mutex> lock(mutex());
-    const auto it = last().find(capture_id_);
-    if (it == last().end() || it->second.node != only_dep_) return false;
-    for (const ByteRange& w : it->second.writes)
+    const Tail* tail = nullptr;
+    if (capturing_) {
+      const auto it = by_capture().find(capture_id_);
+      if (only_dep_ != nullptr && it != by_capture().end() && it->second.node == only_dep_)
+        tail = &it->second;
+    } else if (promised_) {
+      const auto it = by_stream().find(stream_);
+      if (it != by_stream().end()) tail = &it->second;
+    }
+    if (tail == nullptr || !tail->writes) return false;
+    for (const ByteRange& w : *tail->writes)
       for (const ByteRange& r : reads)
         if (ranges_meet(w, r)) return false;
     return true;
   }
 
-  // Records the launch just made on the stream (the node it added, now the
-  // stream's only dependency) and what it writes.
-  void launched(const std::vector<ByteRange>& writes) {
-    if (!capturing_ || !only_dependency(only_dep_) || only_dep_ == nullptr) return;
-    std::lock_guard<std::mutex> lock(mutex());
-    if (last().size() >= 64) last().clear();  // finished captures; a live one just loses its record
-    last()[capture_id_] = Tail{only_dep_, writes};
+  // Records the launch just made on the stream and what it writes (under
+  // capture: the node it added, now the stream's only dependency).
+  void launched(const std::shared_ptr<const std::vector<ByteRange>>& writes) {
+    if (capturing_) {
+      if (!only_dependency(only_dep_) || only_dep_ == nullptr) return;
+      if (by_capture().size() >= 64) by_capture().clear();  // finished captures; a live one
+      by_capture()[capture_id_] = Tail{only_dep_, writes};  // only loses its record
+    } else {
+      if (by_stream().size() >= 256) by_stream().clear();
+      by_stream()[stream_] = Tail{nullptr, writes};
+    }
   }
 
  private:
   struct Tail {
-    cudaGraphNode_t node;
-    std::vector<ByteRange> writes;
+    cudaGraphNode_t node;  // under capture
+    std::shared_ptr<const std::vector<ByteRange>> writes;
   };
   static std::mutex& mutex() {
     static std::mutex m;
     return m;
   }
-  // The last recorded launch of each capture sequence (by capture id).
-  static std::unordered_map<unsigned long long, Tail>& last() {
+  // The last recorded launch of each capture sequence (by capture id) and of
+  // each stream outside capture.
+  static std::unordered_map<unsigned long long, Tail>& by_capture() {
     static std::unordered_map<unsigned long long, Tail> tails;
+    return tails;
+  }
+  static std::unordered_map<cudaStream_t, Tail>& by_stream() {
+    static std::unordered_map<cudaStream_t, Tail> tails;
     return tails;
   }
 
@@ -175,7 +201,9 @@ class LaunchOrder {
   }
 
   cudaStream_t stream_;
+  std::unique_lock<std::mutex> lock_;
   bool capturing_ = false;
+  bool promised_ = false;
   unsigned long long capture_id_ = 0;
   cudaGraphNode_t only_dep_ = nullptr;
 };
