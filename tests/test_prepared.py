@@ -415,7 +415,7 @@ def test_captured_launch_waits_when_its_predecessor_writes_what_it_reads(cuda_de
     _assert_same_rows(back, cache, values)
 
 
-def test_eager_layer_calls_never_load_early(cuda_device):
+def test_eager_layer_calls_without_the_promise_never_load_early(cuda_device):
     from kvlayout import _C
 
     g, _, cache, chunk = _host_chunk_pair(cuda_device, L=4)
