@@ -99,17 +99,16 @@ class PreparedTransfer:
                 self._native.set_call(None, None, 0, 0, a.max_ctas, a.validate, self._dependent, self._early_loads)
 
     def _run(self, step: int) -> None:
+        """The calls that do not go straight to C++: the copy engine's, and traced ones (through the op)."""
         a = self._args
         if a.num_tokens == 0 or not a.src_planes:
             return
         if self._native is None:
             copy_engine_run(self._steps[step], a)
-        elif torch.compiler.is_compiling():
+        else:
             torch.ops.kvlayout.copy_program(self._handle, list(self.src.tensors), list(self.dst.tensors),
                                             a.src_slots, a.dst_slots, step, a.num_tokens, a.skip_prefix,
                                             a.max_ctas, self._status, a.validate)
-        else:
-            self._native.run(step)
 
     def __repr__(self) -> str:
         a = self._args
