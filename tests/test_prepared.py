@@ -427,6 +427,13 @@ def test_eager_layer_calls_without_the_promise_never_load_early(cuda_device):
     assert _C.early_load_launches() == before
 
 
+def _promised_stream():
+    """A side stream that runs only what the test puts on it (after the current stream's work)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
+
+
 def test_promised_stream_layer_calls_load_early_outside_capture(cuda_device):
     """early_loads=True: on a stream that runs only these calls, each layer call after its sibling loads
     early without a graph; a load right after the store that fills its chunk does not; the bytes are exact."""
@@ -438,9 +445,7 @@ def test_promised_stream_layer_calls_load_early_outside_capture(cuda_device):
     back = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
     store = ops.prepare(cache, chunk, slots, early_loads=True)
     load = ops.prepare(chunk, back, None, slots, early_loads=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(_promised_stream()):
         store.layer(0)                                  # (whatever ran on this stream before: not counted)
         before = _C.early_load_launches()
         for i in range(1, g.L):
@@ -452,6 +457,65 @@ def test_promised_stream_layer_calls_load_early_outside_capture(cuda_device):
         assert _C.early_load_launches() - before == g.L - 1, "every load but the first, which reads the stores"
     torch.cuda.synchronize()
     assert np.array_equal(TC.bits(chunk.tensors[0]), _want_rows(src_np, g, values).view(np.uint16))
+    _assert_same_rows(back, cache, values)
+    ops.check_errors()
+
+
+def test_promised_early_load_waits_for_every_launch_that_may_still_run(cuda_device):
+    """An early-loads layer call lets the next one start at once, so a launch may overlap the few before
+    it: a load reading what the launch two back writes (the one just before writes elsewhere) does not
+    load early; every byte lands as the reference says."""
+    from kvlayout import _C
+
+    g, src_np, cache, chunk = _host_chunk_pair(cuda_device, L=2)
+    values = np.random.default_rng(6).permutation(g.N)[:256]
+    slots = torch.from_numpy(values).to(cuda_device)
+    want = _want_rows(src_np, g, values)
+    other = ops.bind("lmcache_kv_2ltd", torch.from_numpy(np.ascontiguousarray(want)).pin_memory())
+    back = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
+    back_other = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
+    store = ops.prepare(cache, chunk, slots, early_loads=True)
+    load = ops.prepare(chunk, back, None, slots, early_loads=True)
+    load_other = ops.prepare(other, back_other, None, slots, early_loads=True)
+    with torch.cuda.stream(_promised_stream()):
+        store.layer(0)
+        before = _C.early_load_launches()
+        store.layer(1)              # follows store.layer(0), writes nothing it reads
+        load_other.layer(0)         # reads `other`, which no launch that may still run writes
+        assert _C.early_load_launches() - before == 2
+        before = _C.early_load_launches()
+        load.layer(0)               # reads the chunk store.layer(1), two launches back, may still write
+        assert _C.early_load_launches() == before
+        load.layer(1)
+        load_other.layer(1)
+    torch.cuda.synchronize()
+    assert np.array_equal(TC.bits(chunk.tensors[0]), want.view(np.uint16))
+    _assert_same_rows(back, cache, values)
+    _assert_same_rows(back_other, cache, values)
+    ops.check_errors()
+
+
+def test_promised_early_load_after_a_plain_transfer_sees_its_writes(cuda_device):
+    """A plain ops.transfer between promised layer calls is an ordinary kernel to them: the next
+    early-loads call starts only after it ends, so it loads all that transfer wrote (one CTA writing a
+    token at a time, while an early start would already be loading)."""
+    from kvlayout import _C
+
+    g, src_np, cache, chunk = _host_chunk_pair(cuda_device, L=2)
+    values = np.random.default_rng(7).permutation(g.N)[:256]
+    slots = torch.from_numpy(values).to(cuda_device)
+    filled = ops.bind("lmcache_kv_2ltd", torch.zeros_like(chunk.tensors[0]).pin_memory())
+    back = bind_np("vllm_flash_attn_nhd", np.zeros_like(src_np), g, cuda_device)
+    store = ops.prepare(cache, chunk, slots, early_loads=True)
+    load = ops.prepare(filled, back, None, slots, early_loads=True)
+    with torch.cuda.stream(_promised_stream()):
+        store.layer(0)                                    # the stream's last recorded launch
+        ops.transfer(cache, filled, slots, max_ctas=1)    # not recorded: it writes `filled` slowly
+        before = _C.early_load_launches()
+        load.layer(0)
+        load.layer(1)
+        assert _C.early_load_launches() - before == 2, "both follow a launch that writes nothing they read"
+    torch.cuda.synchronize()
     _assert_same_rows(back, cache, values)
     ops.check_errors()
 

@@ -36,12 +36,12 @@
 //                          the launches of a dependent run (they are made
 //                          while it lives): may_load_early() says whether it
 //                          can tell what precedes a launch on the stream,
-//                          previous_writes_miss(reads) whether a launch may
-//                          issue its loads before the previous kernel of the
-//                          stream ends (that kernel writes none of the
-//                          kernel-visible byte ranges `reads`),
-//                          launched(writes) records each launch made
-//                          (NoLaunchOrder: never)
+//                          early_start(reads) how a launch reading the
+//                          kernel-visible byte ranges `reads` may start
+//                          (EarlyStart: whether it may issue loads before the
+//                          previous kernels end, none of which still running
+//                          writes `reads`), launched(writes, start) records
+//                          each launch made (NoLaunchOrder: never early)
 //   kMaxSegmentsPerLaunch  segments of one launch's table
 //   kFewSegments           a smaller table for launches of at most that many
 //                          segments (its parameter block costs less host time
@@ -55,7 +55,9 @@
 //                          backend's default for the host or device variant)
 //                          and the launch's items; early_loads (only for a
 //                          dependent launch of the host variant that
-//                          LaunchOrder allowed): loads may precede the wait
+//                          LaunchOrder allowed): loads may precede the wait.
+//                          params.a.next_start (set here) says when the next
+//                          kernel of the stream may start
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -79,8 +81,8 @@ struct NoLaunchOrder {
   template <class Stream>
   NoLaunchOrder(const Stream&, bool) {}
   bool may_load_early() const { return false; }
-  bool previous_writes_miss(const std::vector<ByteRange>&) const { return false; }
-  void launched(const std::shared_ptr<const std::vector<ByteRange>>&) {}
+  EarlyStart early_start(const std::vector<ByteRange>&) const { return EarlyStart::kNone; }
+  void launched(const std::shared_ptr<const std::vector<ByteRange>>&, EarlyStart) {}
 };
 
 // A launch bound to tensors: kernel-visible addresses, vector width and the
@@ -159,10 +161,15 @@ class RowsLaunch final : public BoundLaunch {
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
-      const bool early = may_load_early && order->previous_writes_miss(reads);
-      if (early) count_early_load_launch();
-      launch_chunk(a, chunk.first, args.max_ctas, dependent, early, stream);
-      if (order.has_value()) order->launched(writes_);
+      const EarlyStart start = may_load_early ? order->early_start(reads) : EarlyStart::kNone;
+      // A launch without programmatic dependent launch is an ordinary kernel
+      // to the launches after it: it never lets them start before it ends.
+      a.next_start = !dependent                          ? kNextAfterEnd
+                     : start == EarlyStart::kLoadsAndNext ? kNextAtOnce
+                                                          : kNextAfterWait;
+      if (start != EarlyStart::kNone) count_early_load_launch();
+      launch_chunk(a, chunk.first, args.max_ctas, dependent, start != EarlyStart::kNone, stream);
+      if (order.has_value()) order->launched(writes_, start);
     }
   }
 

@@ -16,7 +16,8 @@
 // CTA budget (max_ctas): 0 selects the default, one full wave of resident
 // 256-thread CTAs (occupancy of the compiled kernel) for the device variant
 // and 1 per SM for the host variant (a transfer beside the forward pass
-// should leave SMs to it); n > 0 caps the grid at n CTAs.
+// should leave SMs to it; an early-loads launch a quarter of that, see
+// CudaRows::launch); n > 0 caps the grid at n CTAs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -68,38 +69,54 @@ struct CudaRows : cuda::Backend {
 
 // Programmatic dependent launch (consecutive layer calls): a kernel launched
 // with that attribute may start while the previous kernel of the stream still
-// runs. griddepcontrol.wait waits for that kernel to finish and its writes to
-// be visible; griddepcontrol.launch_dependents then lets the next dependent
-// launch start its CTAs. Without the launch attribute both do nothing.
+// runs. griddepcontrol.wait waits for that kernel to end and its writes to be
+// visible (without the attribute it returns at once);
+// griddepcontrol.launch_dependents lets the next kernel, if launched with the
+// attribute, start once every CTA of this grid has issued it or ended.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
 
 // The walk's before_write of an early-loads kernel: the thread's first write
-// waits for the previous kernel (once).
+// waits for the previous kernel (once), then lets the next one start if the
+// launch says so (kNextAfterWait).
 struct WaitOnce {
   bool pending = true;
+  bool next_after_wait = false;
   __device__ void operator()() {
     if (pending) {
       wait_for_previous_kernel();
+      if (next_after_wait) let_next_kernel_start();
       pending = false;
     }
   }
 };
 
-// EARLY_LOADS: the launcher proved that the previous kernel of the stream
-// writes nothing this launch reads (CudaRows::LaunchOrder), so the loads of a
-// thread's first batch are issued before the wait and their PCIe round trip
-// overlaps the previous kernel; every write still waits. Each thread waits
-// before it exits, so this grid never ends before the previous one (a later
-// early-loads launch relies on that).
+// EARLY_LOADS: the launcher proved that no kernel that may still run when
+// this one starts writes anything this launch reads (LaunchOrder in
+// cuda_common.h), so the loads of a thread's first batch are issued before
+// the wait and their PCIe round trip overlaps the previous kernels; every
+// write still waits. Each thread waits before it exits, so this grid never
+// ends before the previous one (the launcher's record relies on that).
+// p.a.next_start (NextStart) says when the next kernel may start: a launch
+// without programmatic dependent launch never lets it start early, so that
+// it is an ordinary kernel to the launches after it.
 template <int VEC, int UNROLL, class P, bool EARLY_LOADS>
 __global__ void __launch_bounds__(kCopyThreadsPerBlock)
     copy_rows_kernel(const __grid_constant__ P p) {
-  if constexpr (!EARLY_LOADS) wait_for_previous_kernel();  // before touching memory
+  if constexpr (EARLY_LOADS) {
+    if (p.a.next_start == kNextAtOnce) let_next_kernel_start();
+  } else {
+    wait_for_previous_kernel();  // before touching memory
+    if (p.a.next_start != kNextAfterEnd) let_next_kernel_start();
+  }
   // The segment table, read once per CTA from the parameter block: lanes of
   // one warp index it with different segments, which the constant cache
   // would serialize.
@@ -113,7 +130,7 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
   if constexpr (EARLY_LOADS) {
-    WaitOnce before_write;
+    WaitOnce before_write{true, p.a.next_start == kNextAfterWait};
     copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
                                                     cuda::StatusRecorder{p.a.status},
                                                     before_write);
@@ -142,15 +159,21 @@ int64_t resident_ctas_per_sm() {
 // host variant keeps 64 KiB in flight per CTA), and for device memory every
 // CTA that is resident at once (one full wave: the work is split evenly over
 // the grid, so CTAs beyond one wave would run a second, partial wave at a
-// fraction of the occupancy). Never more threads than items. `early_loads`
-// (a dependent launch of the host variant only) picks the early-loads kernel.
+// fraction of the occupancy). An early-loads launch (a dependent launch of
+// the host variant that LaunchOrder allowed) takes at most a quarter of the
+// SMs: the kvlayout::kMaxOverlappedLaunches launches before it may still run,
+// and together they then hold at most one CTA per SM, so each finds SMs for
+// its early loads (eight CTAs already carry a PCIe link's bandwidth). Never
+// more threads than items.
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
+  const int64_t sms = cuda::num_sms();
   const int64_t budget =
-      max_ctas > 0 ? max_ctas
-                   : int64_t(cuda::num_sms()) *
-                         (host ? kDefaultCtasPerSmHost : resident_ctas_per_sm<VEC, UNROLL, P>());
+      max_ctas > 0  ? max_ctas
+      : early_loads ? std::max<int64_t>(1, sms / (kMaxOverlappedLaunches + 1))
+      : host        ? sms * kDefaultCtasPerSmHost
+                    : sms * resident_ctas_per_sm<VEC, UNROLL, P>();
   const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
   const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
   int64_t blocks = (items + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;

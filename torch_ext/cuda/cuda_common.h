@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../host_checks.h"
+#include "../program.h"
 #include "kvlayout/status.h"
 
 namespace kvlayout {
@@ -92,21 +93,28 @@ struct StatusRecorder {
 
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-// What precedes a launch on a stream, so that a dependent launch may load
-// before the previous kernel ends (the early-loads kernel of copy_rows.cu)
-// only where that is safe. Every dependent kvlayout launch is recorded with
-// the bytes it writes, and every one waits for its own predecessor before
-// its writes and before it exits, so when a launch starts, everything before
-// the previous kernel of the stream has finished; the new launch may load
-// early when that previous kernel is the recorded launch and writes nothing
-// it reads. Which kernel precedes a launch is known:
+// What may still run when a launch starts on a stream, so that a dependent
+// launch may load before the previous kernel ends (the early-loads kernel of
+// copy_rows.cu) only where that is safe. Every dependent kvlayout launch is
+// recorded with the bytes it writes. Every one waits for its predecessor
+// before its writes and before it exits, so kernels end in stream order; and
+// it lets its successor start only once it has waited (so when a launch
+// starts, everything before the previous kernel has ended), except an
+// early-loads launch made kLoadsAndNext, which lets it start at once: that
+// successor may then overlap this launch and whatever this launch may
+// overlap. The record of a stream is that *chain*: the writes of the launches
+// that may still run when the next one starts (at most
+// kMaxOverlappedLaunches). A new launch may load early when the previous
+// kernel of the stream is the last recorded launch and no write of the chain
+// meets what it reads. Which kernel precedes a launch is known:
 //   * under CUDA graph capture, from the stream's capture dependencies: the
 //     only one must be the node of the last recorded launch of the capture;
 //   * outside capture only by the caller's promise (RunArgs::early_loads):
-//     between its calls the stream runs no kernel of other code launched
-//     with programmatic dependent launch (ordinary kernels, copies and event
-//     waits start after everything before them has finished, so they cannot
-//     overlap a load); without the promise eager launches never load early.
+//     between its calls the stream runs no kernel of other code that lets
+//     its successor start early (programmatic dependent launch); ordinary
+//     kernels, copies and event waits start after everything before them
+//     has ended, so they cannot overlap a load. Without the promise eager
+//     launches never load early.
 // An order holds a process-wide lock while it lives, so that the launches of
 // other threads cannot come between its check and its launch.
 class LaunchOrder {
@@ -120,9 +128,11 @@ class LaunchOrder {
   // Whether this order can tell what precedes a launch on the stream.
   bool may_load_early() const { return capturing_ || promised_; }
 
-  // Whether the previous kernel of the stream is the last recorded launch and
-  // none of its writes meet `reads`.
-  bool previous_writes_miss(const std::vector<ByteRange>& reads) const {
+  // How the next launch, reading the kernel-visible byte ranges `reads`, may
+  // start: kNone unless the previous kernel of the stream is the last
+  // recorded launch and no write of the chain meets `reads`; then kLoads,
+  // or kLoadsAndNext while the chain is shorter than kMaxOverlappedLaunches.
+  EarlyStart early_start(const std::vector<ByteRange>& reads) const {
     const Tail* tail = nullptr;
     if (capturing_) {
       const auto it = by_capture().find(capture_id_);
@@ -132,37 +142,48 @@ class LaunchOrder {
       const auto it = by_stream().find(stream_);
       if (it != by_stream().end()) tail = &it->second;
     }
-    if (tail == nullptr || !tail->writes) return false;
-    for (const ByteRange& w : *tail->writes)
-      for (const ByteRange& r : reads)
-        if (ranges_meet(w, r)) return false;
-    return true;
+    if (tail == nullptr || tail->chain.empty()) return EarlyStart::kNone;
+    for (const auto& writes : tail->chain)
+      for (const ByteRange& w : *writes)
+        for (const ByteRange& r : reads)
+          if (ranges_meet(w, r)) return EarlyStart::kNone;
+    return tail->chain.size() < static_cast<size_t>(kMaxOverlappedLaunches)
+               ? EarlyStart::kLoadsAndNext
+               : EarlyStart::kLoads;
   }
 
-  // Records the launch just made on the stream and what it writes (under
-  // capture: the node it added, now the stream's only dependency).
-  void launched(const std::shared_ptr<const std::vector<ByteRange>>& writes) {
+  // Records the launch just made on the stream (started as `start`) and what
+  // it writes (under capture: the node it added, now the stream's only
+  // dependency).
+  void launched(const std::shared_ptr<const std::vector<ByteRange>>& writes, EarlyStart start) {
+    Tail* tail = nullptr;
     if (capturing_) {
       if (!only_dependency(only_dep_) || only_dep_ == nullptr) return;
-      if (by_capture().size() >= 64) by_capture().clear();  // finished captures; a live one
-      by_capture()[capture_id_] = Tail{only_dep_, writes};  // only loses its record
+      if (by_capture().size() >= 64 && by_capture().count(capture_id_) == 0)
+        by_capture().clear();  // finished captures; a live one only loses its record
+      tail = &by_capture()[capture_id_];
+      tail->node = only_dep_;
     } else {
-      if (by_stream().size() >= 256) by_stream().clear();
-      by_stream()[stream_] = Tail{nullptr, writes};
+      if (by_stream().size() >= 256 && by_stream().count(stream_) == 0) by_stream().clear();
+      tail = &by_stream()[stream_];
     }
+    // The next launch may overlap this one, and what this one may overlap if
+    // it let the next start at once.
+    if (start != EarlyStart::kLoadsAndNext) tail->chain.clear();
+    tail->chain.push_back(writes);
   }
 
  private:
   struct Tail {
-    cudaGraphNode_t node;  // under capture
-    std::shared_ptr<const std::vector<ByteRange>> writes;
+    cudaGraphNode_t node = nullptr;  // under capture
+    std::vector<std::shared_ptr<const std::vector<ByteRange>>> chain;
   };
   static std::mutex& mutex() {
     static std::mutex m;
     return m;
   }
-  // The last recorded launch of each capture sequence (by capture id) and of
-  // each stream outside capture.
+  // The record of each capture sequence (by capture id) and of each stream
+  // outside capture.
   static std::unordered_map<unsigned long long, Tail>& by_capture() {
     static std::unordered_map<unsigned long long, Tail> tails;
     return tails;

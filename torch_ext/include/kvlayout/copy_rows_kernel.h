@@ -107,6 +107,15 @@ KVL_HD inline int64_t row_offset(const RowGeometry& g, const FastDivmod& by_page
   return page * g.stride_page + in_page * g.stride_in_page;
 }
 
+// When a CUDA grid lets the next kernel of its stream start, if that kernel
+// was launched with programmatic dependent launch (the trigger works whatever
+// this grid's own launch attributes; other backends ignore it).
+enum NextStart : int32_t {
+  kNextAfterEnd = 0,   // not before this grid ends (an ordinary kernel)
+  kNextAfterWait = 1,  // once every thread waited for the previous kernel
+  kNextAtOnce = 2,     // at once (early-loads launches of a layer pipeline)
+};
+
 // Everything of one launch except its segment table.
 struct CopyRowsArgs {
   RowGeometry src_geom;
@@ -123,7 +132,7 @@ struct CopyRowsArgs {
   FastDivmod dst_by_page;
   int64_t* status;         // device-visible int64[kStatusNumel]
   int32_t record_errors;   // only one launch of a split call records
-  int32_t pad_;
+  int32_t next_start;      // NextStart: when the next kernel of the stream may start (CUDA)
 };
 
 // One launch: its arguments and up to kMaxSegments segment bases.
