@@ -128,14 +128,16 @@ def prepare(src, dst, src_slots=None, dst_slots=None, *, src_layers=None, dst_la
     kernel of the stream finishes (programmatic dependent launch); it still
     waits for that kernel's writes before it reads or writes anything.
     Captured in a CUDA graph, a layer call whose stream's only dependency is
-    the previous kvlayout launch, writing nothing it reads, issues its loads
-    before that wait (its writes still wait): a layer's PCIe round trip then
-    overlaps the previous layer. ``early_loads=True`` does the same outside
-    capture, on the caller's promise that between two calls the stream runs
-    only kvlayout calls, kernels launched without programmatic dependent
-    launch, copies, and event records and waits (a dedicated load stream);
-    another library's kernel launched with it could still be writing what an
-    early load reads.
+    the previous kvlayout launch issues its loads before that wait (its writes
+    still wait) when none of the launches that may still run writes what it
+    reads, and lets the next layer call start at once: the layers' PCIe round
+    trips then overlap, as many at a time as the SMs hold.
+    ``early_loads=True`` does the same outside capture, on the caller's
+    promise that between two calls the stream runs only kvlayout calls,
+    kernels that never let their successor start early (programmatic
+    dependent launch: a kernel that triggers it, as some libraries' kernels
+    do, could still be writing what an early load reads), copies, and event
+    records and waits (a dedicated load stream).
     ``engine``: ``"kernel"`` or ``"copy"``; ``"auto"`` prepares the kernel
     (layer calls are small, where the kernel's direct path wins); ``"staged"``
     is refused (it allocates staging per call: use ``ops.transfer``).

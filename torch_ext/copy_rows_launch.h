@@ -36,12 +36,13 @@
 //                          the launches of a dependent run (they are made
 //                          while it lives): may_load_early() says whether it
 //                          can tell what precedes a launch on the stream,
-//                          early_start(reads) how a launch reading the
-//                          kernel-visible byte ranges `reads` may start
-//                          (EarlyStart: whether it may issue loads before the
-//                          previous kernels end, none of which still running
-//                          writes `reads`), launched(writes, start) records
-//                          each launch made (NoLaunchOrder: never early)
+//                          early_start(reads, writes) how a launch reading
+//                          and writing these kernel-visible byte ranges may
+//                          start (EarlyStart: whether it may issue loads
+//                          before the previous kernels end, none of which
+//                          still running writes `reads`), launched(writes,
+//                          start) records each launch made (NoLaunchOrder:
+//                          never early)
 //   kMaxSegmentsPerLaunch  segments of one launch's table
 //   kFewSegments           a smaller table for launches of at most that many
 //                          segments (its parameter block costs less host time
@@ -81,8 +82,10 @@ struct NoLaunchOrder {
   template <class Stream>
   NoLaunchOrder(const Stream&, bool) {}
   bool may_load_early() const { return false; }
-  EarlyStart early_start(const std::vector<ByteRange>&) const { return EarlyStart::kNone; }
-  void launched(const std::shared_ptr<const std::vector<ByteRange>>&, EarlyStart) {}
+  EarlyStart early_start(const std::vector<ByteRange>&, const std::vector<ByteRange>&) const {
+    return EarlyStart::kNone;
+  }
+  void launched(const std::vector<ByteRange>&, EarlyStart) {}
 };
 
 // A launch bound to tensors: kernel-visible addresses, vector width and the
@@ -104,16 +107,14 @@ class RowsLaunch final : public BoundLaunch {
     check_status_tensor(status, dev);
     // Kernel-visible addresses of every tensor (pinned host memory through its
     // device alias, which still_valid checks again on reuse).
-    std::vector<ByteRange> writes;
     SegmentBases bases =
         segment_bases(plan, src, dst, [&](const at::Tensor& t, bool is_src, int64_t i) {
           char* address = Backend::device_address(t, dev, is_src ? "src" : "dst", i);
           if (t.device().type() != Backend::kDeviceType)
             (is_src ? host_src_ : host_dst_).emplace_back(i, address);
-          (is_src ? reads_ : writes).push_back(kernel_range(t, address));
+          (is_src ? reads_ : writes_).push_back(kernel_range(t, address));
           return address;
         });
-    writes_ = std::make_shared<const std::vector<ByteRange>>(std::move(writes));
     touches_host_ = !host_src_.empty() || !host_dst_.empty();
     vec_ = bases.vec_bytes;
     src_bases_ = std::move(bases.src);
@@ -161,7 +162,8 @@ class RowsLaunch final : public BoundLaunch {
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
-      const EarlyStart start = may_load_early ? order->early_start(reads) : EarlyStart::kNone;
+      const EarlyStart start =
+          may_load_early ? order->early_start(reads, writes_) : EarlyStart::kNone;
       // A launch without programmatic dependent launch is an ordinary kernel
       // to the launches after it: it never lets them start before it ends.
       a.next_start = !dependent                          ? kNextAfterEnd
@@ -244,10 +246,8 @@ class RowsLaunch final : public BoundLaunch {
   std::vector<char*> dst_bases_;
   std::vector<std::pair<int64_t, const char*>> host_src_, host_dst_;
   // Kernel-visible bytes of the bound tensors (whole tensors: a coarse but
-  // sure answer to what a launch may read or write; the writes are shared
-  // with the stream order's record of the last launch).
-  std::vector<ByteRange> reads_;
-  std::shared_ptr<const std::vector<ByteRange>> writes_;
+  // sure answer to what a launch may read or write).
+  std::vector<ByteRange> reads_, writes_;
   bool touches_host_ = false;
   bool dependent_ok_ = false;  // the device supports programmatic dependent launch
   int vec_ = 16;

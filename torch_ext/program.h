@@ -85,11 +85,8 @@ enum class EarlyStart {
   kLoads,  // it issues its first loads before (its writes still wait); the
            // next launch may start once this one has waited
   kLoadsAndNext,  // the same, and the next launch may start at once (a layer
-                  // pipeline a few launches deep, all loading early)
+                  // pipeline as deep as the SMs hold, all loading early)
 };
-// How many earlier launches may still run when an early-loads launch starts:
-// a kLoadsAndNext chain is cut (a kLoads launch) before it grows longer.
-constexpr int kMaxOverlappedLaunches = 3;
 
 // `plan` (a bound launch's plan) with this run's token counts and slots.
 inline CopyPlan plan_for_run(const CopyPlan& plan, const SlotArray& src_slots,

@@ -294,7 +294,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("early_load_launches", &early_load_launches,
         "How many copy launches this process made whose loads could start before the previous "
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "
-        "stream promised by early_loads=True, after a launch that writes nothing they read).");
+        "stream promised by early_loads=True, where no launch that may still run writes what "
+        "they read).");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
         py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("status"), py::arg("validate"),

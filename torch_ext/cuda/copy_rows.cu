@@ -161,9 +161,10 @@ int64_t resident_ctas_per_sm() {
 // the grid, so CTAs beyond one wave would run a second, partial wave at a
 // fraction of the occupancy). An early-loads launch (a dependent launch of
 // the host variant that LaunchOrder allowed) takes at most a quarter of the
-// SMs: the kvlayout::kMaxOverlappedLaunches launches before it may still run,
-// and together they then hold at most one CTA per SM, so each finds SMs for
-// its early loads (eight CTAs already carry a PCIe link's bandwidth). Never
+// SMs, so that the launches of a layer pipeline that run at once find SMs for
+// their early loads (eight CTAs already carry a PCIe link's bandwidth; on the
+// H200, a quarter of the SMs ran a pipeline of layer calls about as fast as
+// one call of all layers, the whole GPU's grid half again as slow). Never
 // more threads than items.
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
@@ -171,7 +172,7 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
   const int64_t sms = cuda::num_sms();
   const int64_t budget =
       max_ctas > 0  ? max_ctas
-      : early_loads ? std::max<int64_t>(1, sms / (kMaxOverlappedLaunches + 1))
+      : early_loads ? std::max<int64_t>(1, sms / 4)
       : host        ? sms * kDefaultCtasPerSmHost
                     : sms * resident_ctas_per_sm<VEC, UNROLL, P>();
   const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);

@@ -12,7 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -97,16 +96,19 @@ inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProce
 // launch may load before the previous kernel ends (the early-loads kernel of
 // copy_rows.cu) only where that is safe. Every dependent kvlayout launch is
 // recorded with the bytes it writes. Every one waits for its predecessor
-// before its writes and before it exits, so kernels end in stream order; and
-// it lets its successor start only once it has waited (so when a launch
-// starts, everything before the previous kernel has ended), except an
-// early-loads launch made kLoadsAndNext, which lets it start at once: that
-// successor may then overlap this launch and whatever this launch may
-// overlap. The record of a stream is that *chain*: the writes of the launches
-// that may still run when the next one starts (at most
-// kMaxOverlappedLaunches). A new launch may load early when the previous
-// kernel of the stream is the last recorded launch and no write of the chain
-// meets what it reads. Which kernel precedes a launch is known:
+// before its writes and before it exits, so kernels end in stream order. A
+// launch lets its successor start once it has waited (so when the successor
+// starts, everything before this launch has ended), except an early-loads
+// launch made kLoadsAndNext, which lets it start at once: the successor may
+// then overlap this launch and everything this launch may overlap. The
+// record of a stream is the *chain*: the bytes written by the launches that
+// may still run when the next one starts. A new launch may load early when
+// the previous kernel of the stream is the last recorded launch and the
+// chain misses what it reads; it is kLoadsAndNext unless the chain would
+// then hold more than kMaxChainRanges ranges (a kLoads launch starts a new
+// chain). How deep the pipeline runs is then up to the SMs: a launch's
+// successor starts only when all its CTAs have. Which kernel precedes a
+// launch is known:
 //   * under CUDA graph capture, from the stream's capture dependencies: the
 //     only one must be the node of the last recorded launch of the capture;
 //   * outside capture only by the caller's promise (RunArgs::early_loads):
@@ -119,6 +121,10 @@ inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProce
 // other threads cannot come between its check and its launch.
 class LaunchOrder {
  public:
+  // Distinct write ranges a chain may hold (a layer pipeline writes one
+  // tensor per layer at most: a cache's per-layer tensors, or one chunk).
+  static constexpr size_t kMaxChainRanges = 64;
+
   LaunchOrder(cudaStream_t stream, bool promised)
       : stream_(stream), lock_(mutex()) {
     capturing_ = only_dependency(only_dep_);
@@ -128,11 +134,10 @@ class LaunchOrder {
   // Whether this order can tell what precedes a launch on the stream.
   bool may_load_early() const { return capturing_ || promised_; }
 
-  // How the next launch, reading the kernel-visible byte ranges `reads`, may
-  // start: kNone unless the previous kernel of the stream is the last
-  // recorded launch and no write of the chain meets `reads`; then kLoads,
-  // or kLoadsAndNext while the chain is shorter than kMaxOverlappedLaunches.
-  EarlyStart early_start(const std::vector<ByteRange>& reads) const {
+  // How the next launch, reading the kernel-visible byte ranges `reads` and
+  // writing `writes`, may start (see the class comment).
+  EarlyStart early_start(const std::vector<ByteRange>& reads,
+                         const std::vector<ByteRange>& writes) const {
     const Tail* tail = nullptr;
     if (capturing_) {
       const auto it = by_capture().find(capture_id_);
@@ -143,19 +148,18 @@ class LaunchOrder {
       if (it != by_stream().end()) tail = &it->second;
     }
     if (tail == nullptr || tail->chain.empty()) return EarlyStart::kNone;
-    for (const auto& writes : tail->chain)
-      for (const ByteRange& w : *writes)
-        for (const ByteRange& r : reads)
-          if (ranges_meet(w, r)) return EarlyStart::kNone;
-    return tail->chain.size() < static_cast<size_t>(kMaxOverlappedLaunches)
-               ? EarlyStart::kLoadsAndNext
-               : EarlyStart::kLoads;
+    for (const ByteRange& w : tail->chain)
+      for (const ByteRange& r : reads)
+        if (ranges_meet(w, r)) return EarlyStart::kNone;
+    size_t grown = tail->chain.size();
+    for (const ByteRange& w : writes) grown += tail->holds(w) ? 0 : 1;
+    return grown <= kMaxChainRanges ? EarlyStart::kLoadsAndNext : EarlyStart::kLoads;
   }
 
   // Records the launch just made on the stream (started as `start`) and what
   // it writes (under capture: the node it added, now the stream's only
   // dependency).
-  void launched(const std::shared_ptr<const std::vector<ByteRange>>& writes, EarlyStart start) {
+  void launched(const std::vector<ByteRange>& writes, EarlyStart start) {
     Tail* tail = nullptr;
     if (capturing_) {
       if (!only_dependency(only_dep_) || only_dep_ == nullptr) return;
@@ -170,13 +174,19 @@ class LaunchOrder {
     // The next launch may overlap this one, and what this one may overlap if
     // it let the next start at once.
     if (start != EarlyStart::kLoadsAndNext) tail->chain.clear();
-    tail->chain.push_back(writes);
+    for (const ByteRange& w : writes)
+      if (!tail->holds(w)) tail->chain.push_back(w);
   }
 
  private:
   struct Tail {
     cudaGraphNode_t node = nullptr;  // under capture
-    std::vector<std::shared_ptr<const std::vector<ByteRange>>> chain;
+    std::vector<ByteRange> chain;    // distinct ranges
+    bool holds(const ByteRange& r) const {
+      for (const ByteRange& c : chain)
+        if (c.begin == r.begin && c.end == r.end) return true;
+      return false;
+    }
   };
   static std::mutex& mutex() {
     static std::mutex m;
