@@ -70,8 +70,9 @@ class Case:
     engine: str = "kernel"  # or "copy": the copy engine, page-granular runs; or "staged" (ops.staged)
     call: str = "transfer"  # layer-wise: "transfer" (ops.transfer per layer), "prepared" (a prepared
     #                         transfer's layer calls), "prepared-early" (the same with early_loads=True),
-    #                         "prepared-serial" (without programmatic dependent launch) or "graph" (the
-    #                         prepared calls captured once, replayed)
+    #                         "prepared-serial" (without programmatic dependent launch),
+    #                         "prepared-no-launch" (skip_prefix = T: checked, nothing launched) or "graph"
+    #                         (the prepared calls captured once, replayed)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -154,12 +155,14 @@ def plan_cases(quick: bool) -> list[Case]:
 
 def host_cost_cases(direction: str) -> list[Case]:
     """Host time per call with nothing to move (every slot -1): ops.transfer of all layers, of one layer, and a
-    prepared layer call (with and without programmatic dependent launch)."""
+    prepared layer call (with and without programmatic dependent launch, and one that launches nothing: its
+    checks and bookkeeping alone)."""
     return [Case("host_cost", "L32_H8_D128", "vllm_flash_attn_nhd", buf, 256, 16, direction, layerwise=layerwise,
                  call=call, empty=True)
             for buf, layerwise, call in (("lmcache_kv_2ltd", False, "transfer"), ("lmcache_kv_t2d", True, "transfer"),
                                          ("lmcache_kv_t2d", True, "prepared"),
-                                         ("lmcache_kv_t2d", True, "prepared-serial"))]
+                                         ("lmcache_kv_t2d", True, "prepared-serial"),
+                                         ("lmcache_kv_t2d", True, "prepared-no-launch"))]
 
 
 def cpu_cases() -> list[Case]:
@@ -309,19 +312,20 @@ def kvlayout_fn(case: Case, data: dict):
             for kw in choices:
                 ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, **kw)
         return per_layer
-    pdl, early = case.call != "prepared-serial", case.call == "prepared-early"
+    options = dict(max_ctas=case.max_ctas, dependent_launch=case.call != "prepared-serial",
+                   early_loads=case.call == "prepared-early",
+                   skip_prefix=case.T if case.call == "prepared-no-launch" else 0)
     if case.buffer_layout.startswith("lmcache"):
         # one-layer chunks: one prepared transfer per layer (as a layer-wise connector keeps per layer)
-        layers = [ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl, early_loads=early,
-                              **kw) for kw in choices]
+        layers = [ops.prepare(src, dst, ss, ds, **options, **kw) for kw in choices]
     else:
-        t = ops.prepare(src, dst, ss, ds, max_ctas=case.max_ctas, dependent_launch=pdl, early_loads=early)
+        t = ops.prepare(src, dst, ss, ds, **options)
         layers = [functools.partial(t.layer, i) for i in range(t.num_layers)]
 
     def prepared():
         for call in layers:
             call()
-    if case.call in ("prepared", "prepared-early", "prepared-serial"):
+    if case.call != "graph":
         return prepared
     # "graph": the layer calls captured once (on a side stream, as capture requires) and replayed
     prepared()
@@ -336,6 +340,15 @@ def kvlayout_fn(case: Case, data: dict):
 # ---------------------------------------------------------------------------------------------
 # The pure-torch baseline
 # ---------------------------------------------------------------------------------------------
+
+def launch_fn(calls: int):
+    """The launch yardstick of the host_cost rows on CUDA: ``calls`` bare kernel launches through torch's
+    C++ binding (``torch.cuda._sleep(0)``: no dispatcher, no tensor), what a launch alone costs the host."""
+    def launches():
+        for _ in range(calls):
+            torch.cuda._sleep(0)
+    return launches
+
 
 def torch_op_fn(device: torch.device, calls: int):
     """The host cost yardstick of the host_cost rows: ``calls`` torch ops launching one kernel each

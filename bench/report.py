@@ -30,7 +30,8 @@ def table_rows(doc: dict) -> list[list[str]]:
         if r.get("group") == "host_cost":
             mode += ", nothing to move"
             if "torch_op_host_us" in r:
-                mode += f" (one torch op: {r['torch_op_host_us']:.1f} µs)"
+                launch = f", one bare launch: {r['launch_host_us']:.1f} µs" if "launch_host_us" in r else ""
+                mode += f" (one torch op: {r['torch_op_host_us']:.1f} µs{launch})"
         rows.append([r["group"], r["shape"], f"{r['device_layout']}->{r['buffer_layout']}", str(r["T"]),
                      str(r["page_size"]), r["direction"], mode,
                      "copy engine" if r.get("engine") == "copy" else str(r["max_ctas"] or "default"),

@@ -115,6 +115,8 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
     row.update(median_us=ours.median * 1e6, host_us=ours.host * 1e6, host_us_per_call=ours.host * 1e6 / case.calls)
     if case.empty:   # nothing moved: only the host time means something; beside it, torch's own per op
         row["torch_op_host_us"] = timer(C.torch_op_fn(timer.device, case.calls)).host * 1e6 / case.calls
+        if timer.cuda:
+            row["launch_host_us"] = timer(C.launch_fn(case.calls)).host * 1e6 / case.calls
         return row
     row.update(gbps=ours.gbps(nbytes), spread=ours.spread)
     if timer.cuda:

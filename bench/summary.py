@@ -65,13 +65,16 @@ def layerwise(rows: list[dict]) -> str:
 def host_cost(rows: list[dict]) -> str:
     names = {(False, "transfer"): "one all-layer `ops.transfer`", (True, "transfer"): "one one-layer `ops.transfer`",
              (True, "prepared"): "one prepared layer call",
-             (True, "prepared-serial"): "one prepared layer call without programmatic dependent launch"}
+             (True, "prepared-serial"): "one prepared layer call without programmatic dependent launch",
+             (True, "prepared-no-launch"): "one prepared layer call that launches nothing (`skip_prefix` = T)"}
     costs = [r for r in rows if r["group"] == "host_cost"]
     parts = [f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs" for r in costs]
-    yardstick = [r["torch_op_host_us"] for r in costs if "torch_op_host_us" in r]
-    torch_op = (f" (one torch op, `x.zero_()` of a one-element tensor on the bench's device, in the same run: "
-                f"{statistics.median(yardstick):.1f} µs)") if yardstick else ""
-    return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + torch_op + "."
+    yardsticks = [("one torch op, `x.zero_()` of a one-element tensor on the bench's device", "torch_op_host_us"),
+                  ("one bare kernel launch, `torch.cuda._sleep(0)`", "launch_host_us")]
+    beside = [f"{what}: {statistics.median(values):.1f} µs" for what, key in yardsticks
+              if (values := [r[key] for r in costs if key in r])]
+    same_run = f" (in the same run, {'; '.join(beside)})" if beside else ""
+    return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + same_run + "."
 
 
 def staged(rows: list[dict]) -> str:
