@@ -162,10 +162,9 @@ int64_t resident_ctas_per_sm() {
 // fraction of the occupancy). An early-loads launch (a dependent launch of
 // the host variant that LaunchOrder allowed) takes at most a quarter of the
 // SMs, so that the launches of a layer pipeline that run at once find SMs for
-// their early loads (eight CTAs already carry a PCIe link's bandwidth; on the
-// H200, a quarter of the SMs ran a pipeline of layer calls about as fast as
-// one call of all layers, the whole GPU's grid half again as slow). Never
-// more threads than items.
+// their early loads (eight CTAs already carry a PCIe link's bandwidth, while a
+// launch that holds every SM keeps the next one from starting until its CTAs
+// exit). Never more threads than items.
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
