@@ -72,9 +72,10 @@ struct RunArgs {
   bool validate = false;
   bool dependent_launch = false;  // CUDA: may start before the previous kernel on the stream ends
   // CUDA, dependent launches outside graph capture: the caller promises that
-  // between its calls the stream runs no kernel of other code launched with
-  // programmatic dependent launch, so a launch may load before the previous
-  // kvlayout launch of the stream ends (see LaunchOrder in cuda_common.h).
+  // between its calls the stream runs no kernel of other code that lets its
+  // successor start early (programmatic dependent launch), so a launch may
+  // load before the kvlayout launches before it end (see LaunchOrder in
+  // cuda/cuda_common.h).
   bool early_loads = false;
 };
 
@@ -202,7 +203,7 @@ void check_writable(const at::Tensor& t, const std::string& op, const std::strin
 
 // How many launches this process made in early-loads form (a dependent
 // launch that may load before the previous kernel of its stream ends; see
-// LaunchOrder in copy_rows_launch.h), and the counter's increment.
+// LaunchOrder in cuda/cuda_common.h), and the counter's increment.
 int64_t early_load_launches();
 void count_early_load_launch();
 
