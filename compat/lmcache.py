@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import torch
 
 from kvlayout import ops
-from kvlayout.ops.transfer import validating
+from kvlayout.ops.arguments import validating
 from kvlayout.reference import semantics as rules
 
 from ._device import indices_on, launch_device

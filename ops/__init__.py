@@ -13,6 +13,8 @@ A layer-wise pipeline prepares the transfer once and runs one layer per call::
     for i in range(t.num_layers):
         t.layer(i)
 
+Every cache the library keeps is bounded (``cache_info``, ``set_cache_capacity``).
+
 Operations (same names and rules as ``kvlayout.reference``): ``transfer``,
 ``gather``, ``scatter``, ``move``, ``skip_prefix``, page helpers
 (``get_page``, ``set_page``, ``zero_page``, ``page_spans``,
@@ -25,9 +27,12 @@ from .pages import dummy_flat_page, get_page, page_buffer_meta, page_spans, set_
 from .prepared import PreparedTransfer, prepare
 from .rope import rope_reposition
 from .staged import release_staging
-from .transfer import check_errors, explain, gather, move, plan, scatter, skip_prefix, transfer
+from .caches import cache_info, set_cache_capacity
+from .programs import plan
+from .transfer import check_errors, explain, gather, move, scatter, skip_prefix, transfer
 from .views import KVCache, bind
 
 __all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfer", "gather", "scatter", "move",
            "skip_prefix", "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans",
-           "page_buffer_meta", "dummy_flat_page", "rope_reposition", "release_staging"]
+           "page_buffer_meta", "dummy_flat_page", "rope_reposition", "release_staging", "cache_info",
+           "set_cache_capacity"]

@@ -18,13 +18,15 @@ the memory used to be.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvlayout import _C
 
-from . import _native
-from .program import program_for, program_steps
-from .transfer import TransferArgs, _check_disjoint, check_slots, copy_engine_run, transfer_args
+from . import _native, routes
+from .arguments import TransferArgs, check_slots, transfer_args
+from .programs import compiled_program_handle, program_handle, program_key, resolve, unpin
 from .views import KVCache, as_int, bind
 
 
@@ -44,13 +46,16 @@ class PreparedTransfer:
         self._early_loads = bool(early_loads)
         self._num_layers = len(args.src_layers)
         self._status = _native.status_tensor(args.device)
+        self._key = program_key(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
+        # pinned while this transfer lives: its program stays registered (see kvlayout.ops.programs)
+        self._handle = program_handle(self._key, pin=True)
+        weakref.finalize(self, unpin, self._handle)
         if args.engine == "copy":
-            self._steps = program_steps(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
-            _check_disjoint(src, dst, self._steps[0])
-            self._handle = self._native = None
+            routes.check_not_shared(src, dst, args)
+            self._steps = [resolve(self._handle, k, src, dst) for k in range(1 + self._num_layers)]
+            self._native = None
             return
         self._steps = None
-        self._handle = program_for(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
         # bound now: storage bounds, overlaps and kernel parameters are checked and made once
         self._native = _C.PreparedCopy(self._handle, list(src.tensors), list(dst.tensors), self._status)
         self._set_call()
@@ -101,14 +106,23 @@ class PreparedTransfer:
     def _run(self, step: int) -> None:
         """The calls that do not go straight to C++: the copy engine's, and traced ones (through the op)."""
         a = self._args
-        if a.num_tokens == 0 or not a.src_planes:
+        if not a.src_planes:
             return
         if self._native is None:
-            copy_engine_run(self._steps[step], a)
+            if a.num_tokens:
+                routes.run_copy_engine(self._steps[step], a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix)
+            return
+        if torch.compiler.is_compiling():
+            # one graph for every T: the token count comes from the slot tensors' (symbolic) length, and the
+            # program's handle is a constant of the graph, pinned for the life of the process
+            slots = a.src_slots if a.src_slots is not None else a.dst_slots
+            num_tokens = slots.shape[0] if slots is not None else a.num_tokens
+            handle = compiled_program_handle(self._key)
         else:
-            torch.ops.kvlayout.copy_program(self._handle, list(self.src.tensors), list(self.dst.tensors),
-                                            a.src_slots, a.dst_slots, step, a.num_tokens, a.skip_prefix,
-                                            a.max_ctas, self._status, a.validate)
+            num_tokens, handle = a.num_tokens, self._handle
+        torch.ops.kvlayout.copy_program(handle, list(self.src.tensors), list(self.dst.tensors), a.src_slots,
+                                        a.dst_slots, step, num_tokens, a.skip_prefix, a.max_ctas, self._status,
+                                        a.validate)
 
     def __repr__(self) -> str:
         a = self._args

@@ -40,6 +40,8 @@ import dataclasses
 
 import torch
 
+from .programs import plan
+from .routes import run
 from .views import KVCache
 
 GROUP_BYTES = 32 << 20      # layers per group: at least this much payload (large copies reach the ceiling)
@@ -141,24 +143,20 @@ def host_groups(src: KVCache, dst: KVCache, choice, host_is_dst: bool, num_token
 
 def _plan_groups(src: KVCache, dst: KVCache, choice, host_is_dst: bool, num_tokens: int,
                  skip_prefix: int) -> list[Group] | str:
-    from .transfer import cached_plan  # (transfer imports this module)
-
     host = dst if host_is_dst else src
-    index = {id(t): i for i, t in enumerate(host.tensors)}
     groups: list[Group] = []
     group_bytes = 0
     for ls, ld in zip(choice.src_layers, choice.dst_layers):
         spans = []
-        for launch in cached_plan(src, dst, [ls], [ld], choice.src_planes, choice.dst_planes):
+        for launch in plan(src, dst, [ls], [ld], choice.src_planes, choice.dst_planes):
             segments = launch.dst_segments if host_is_dst else launch.src_segments
-            tensors = launch.dst_tensors if host_is_dst else launch.src_tensors
             geometry = launch.dst_geometry if host_is_dst else launch.src_geometry
             span = _dense_span(geometry, launch.num_pieces, launch.piece_bytes, skip_prefix, num_tokens)
             if span is None:
                 return f"the host layout {host.layout.name}'s rows are not back to back in slot order"
             for k in range(0, len(segments), 2):
                 tensor, offset = segments[k], segments[k + 1]
-                spans.append((index[id(tensors[tensor])], offset + span[0], offset + span[1]))
+                spans.append((tensor, offset + span[0], offset + span[1]))
         if not groups or group_bytes >= GROUP_BYTES:
             groups.append(Group([], [], []))
             group_bytes = 0
@@ -223,8 +221,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots, dst_slots, num_tokens: int,
                skip_prefix: int, validate: bool) -> None:
     """Runs a staged transfer (``staged.groups`` set) in stream order on the current stream."""
-    from .transfer import transfer  # (transfer imports this module)
-
     device = choice.device
     host = dst if staged.host_is_dst else src
     main = torch.cuda.current_stream(device)
@@ -241,10 +237,10 @@ def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots
         tokens = torch.arange(num_tokens, device=device)
         slots = tokens if src_slots is None else src_slots.to(device, torch.int64)
         keep = torch.where((slots < 0) | (slots >= src.geometry.N), tokens, torch.full_like(tokens, -1))
-        transfer(host, staging, keep, keep, src_layers=choice.dst_layers, dst_layers=choice.dst_layers,
+        run(host, staging, keep, keep, src_layers=choice.dst_layers, dst_layers=choice.dst_layers,
                  src_planes=choice.dst_planes, dst_planes=choice.dst_planes, **common)
         for g in staged.groups:
-            transfer(src, staging, src_slots, None, src_layers=g.src_layers, dst_layers=g.dst_layers, **planes,
+            run(src, staging, src_slots, None, src_layers=g.src_layers, dst_layers=g.dst_layers, **planes,
                      **common)
             ready = torch.cuda.Event()
             ready.record(main)
@@ -260,7 +256,7 @@ def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots
             ready = torch.cuda.Event()
             ready.record(side)
             main.wait_event(ready)
-            transfer(staging, dst, None, dst_slots, src_layers=g.src_layers, dst_layers=g.dst_layers, **planes,
+            run(staging, dst, None, dst_slots, src_layers=g.src_layers, dst_layers=g.dst_layers, **planes,
                      **common)
     for t in staging.tensors:
         t.record_stream(side)   # the allocator must not reuse staging before the side stream is done

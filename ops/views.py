@@ -173,6 +173,11 @@ def as_int(name: str, value, lo: int | None = None, hi: int | None = None) -> in
     """
     if type(value) is int and (lo if lo is not None else INT64_MIN) <= value <= (hi if hi is not None else INT64_MAX):
         return value   # the common case, kept cheap: this runs several times per layer-wise call
+    if isinstance(value, torch.SymInt):
+        # a symbolic size of compiled code (a token count): checked by guards, kept symbolic
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            rules.ARGUMENT_RANGE.fail(f"{name} = {value} must lie in [{lo}, {hi}]")
+        return value
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         rules.INTEGER_ARGUMENT.fail(f"{name} must be an integer, got the bool {value!r}")
     if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point()

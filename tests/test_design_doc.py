@@ -12,7 +12,7 @@ import torch
 
 from kvlayout import ops
 from kvlayout import reference as R
-from kvlayout.ops import program
+from kvlayout.ops import programs
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md"
 L, NB, BS, H, D, T = 2, 4, 16, 8, 128, 40
@@ -25,8 +25,8 @@ def _caches(src_layout="vllm_flash_attn_nhd"):
     return kv, chunk, ops.bind(src_layout, kv), ops.bind("lmcache_kv_2ltd", chunk)
 
 
-def _pairs(cache, launch, keys, flat):
-    return [(program._tensor_index(cache, keys[flat[2 * i]]), flat[2 * i + 1]) for i in range(len(flat) // 2)]
+def _pairs(flat):
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(flat) // 2)]
 
 
 def test_strides_segments_pieces_and_geometry():
@@ -38,9 +38,8 @@ def test_strides_segments_pieces_and_geometry():
     assert (launch.num_pieces, launch.piece_bytes) == (1, 2048)
     assert launch.src_geometry == [64, 16, 32768, 2048, 0]
     assert launch.dst_geometry == [40, 1, 2048, 2048, 0]
-    assert _pairs(src, launch, launch.src_keys, launch.src_segments) == [(0, 0), (1, 0), (0, 131072), (1, 131072)]
-    assert _pairs(dst, launch, launch.dst_keys, launch.dst_segments) == [(0, 0), (0, 81920), (0, 163840),
-                                                                         (0, 245760)]
+    assert _pairs(launch.src_segments) == [(0, 0), (1, 0), (0, 131072), (1, 131072)]
+    assert _pairs(launch.dst_segments) == [(0, 0), (0, 81920), (0, 163840), (0, 245760)]
 
 
 def test_hnd_rows_are_eight_pieces():
@@ -52,9 +51,9 @@ def test_hnd_rows_are_eight_pieces():
 
 def test_program_steps():
     _, _, src, dst = _caches()
-    steps = program.program_steps(src, dst, [0, 1], [0, 1], [0, 1], [0, 1])
-    got = [[(_pairs(src, la, la.src_keys, la.src_segments), _pairs(dst, la, la.dst_keys, la.dst_segments))
-            for la in step] for step in steps]
+    handle = programs.program_handle(programs.program_key(src, dst, [0, 1], [0, 1], [0, 1], [0, 1]))
+    got = [[(_pairs(la.src_segments), _pairs(la.dst_segments)) for la in programs.resolve(handle, step, src, dst)]
+           for step in range(3)]
     assert got == [
         [([(0, 0), (1, 0), (0, 131072), (1, 131072)], [(0, 0), (0, 81920), (0, 163840), (0, 245760)])],
         [([(0, 0), (0, 131072)], [(0, 0), (0, 163840)])],

@@ -165,21 +165,19 @@ def test_prepared_layer_calls_compile_fullgraph(device):
 
 
 def test_copy_program_op_opcheck(device):
-    from kvlayout.ops import _native
-    from kvlayout.ops.program import program_for
+    from kvlayout.ops import _native, programs
     _, _, src, dst = _pair(device)
-    handle = program_for(src, dst, [0, 1, 2], [0, 1, 2], [0, 1], [0, 1])
+    handle = programs.program_handle(programs.program_key(src, dst, [0, 1, 2], [0, 1, 2], [0, 1], [0, 1]))
     args = (handle, list(src.tensors), list(dst.tensors), TC.slots([1, 2], device=device), None, 2, 2, 0, 0,
             _native.status_tensor(device), False)
     torch.library.opcheck(torch.ops.kvlayout.copy_program, args)
 
 
 def test_copy_program_refuses_a_foreign_tensor_list(device):
-    from kvlayout.ops import _native
-    from kvlayout.ops.program import program_for
+    from kvlayout.ops import _native, programs
     _, _, src, dst = _pair(device)
-    handle = program_for(src, dst, [0, 1, 2], [0, 1, 2], [0, 1], [0, 1])
-    small = torch.zeros(2, 3, 2, 16, dtype=torch.float16, device=device)   # too small for the program's chunk
+    handle = programs.program_handle(programs.program_key(src, dst, [0, 1, 2], [0, 1, 2], [0, 1], [0, 1]))
+    small = torch.zeros(2, 2, 2, 16, dtype=torch.float16, device=device)   # two layers: the program writes three
     with pytest.raises(RuntimeError, match="addresses bytes up to"):
         torch.ops.kvlayout.copy_program(handle, list(src.tensors), [small], None, None, 0, 2, 0, 0,
                                         _native.status_tensor(device), False)
@@ -205,10 +203,10 @@ def test_repeated_transfer_keeps_its_binding_and_rebinds_a_moved_tensor(device):
     destination tensor re-set to new storage is written there (the binding is made again), not where the
     memory used to be."""
     g, src_np, src, dst = _pair(device)
-    transfer = importlib.import_module("kvlayout.ops.transfer")
+    arguments = importlib.import_module("kvlayout.ops.arguments")
     for slots in ([1, 2, 3], [4, 5, 6]):
         ops.transfer(src, dst, TC.slots(slots, device=device))
-    choice = transfer._pair_choice(src, dst, None, None, None, None, 0, "kernel")
+    choice = arguments.checked_choice(src, dst, None, None, None, None, 0, "kernel")
     assert choice.bound is not None                     # the second call bound the program
     old = dst.tensors[0]
     kept = old.clone()

@@ -15,7 +15,7 @@ import torch
 
 from kvlayout import ops
 from kvlayout.ops import staged as staged_mod
-from kvlayout.ops.transfer import _pair_choice
+from kvlayout.ops.arguments import checked_choice
 
 L, NB, BS, H, D = 4, 6, 16, 2, 64
 
@@ -51,7 +51,7 @@ def test_host_spans_are_exactly_the_bytes_the_kernel_writes(mla, skip, layers, m
     before = _bytes(dst)
     ops.transfer(src, dst, slots, src_layers=layers, dst_layers=layers, skip_prefix=skip)
     changed = (_bytes(dst) != before).nonzero().flatten()
-    choice = _pair_choice(src, dst, layers, layers, None, None, 0, "kernel")
+    choice = checked_choice(src, dst, layers, layers, None, None, 0, "kernel")
     groups = staged_mod.host_groups(src, dst, choice, True, T, skip)
     assert [g.dst_layers for g in groups] == [[layer] for layer in choice.dst_layers]
     covered = torch.zeros_like(before, dtype=torch.bool)
@@ -68,7 +68,7 @@ def test_host_spans_are_exactly_the_bytes_the_kernel_writes(mla, skip, layers, m
 
 def test_layers_grouped_by_size_in_order(monkeypatch):
     src, dst = _device_cache("cpu"), _chunk(32)
-    choice = _pair_choice(src, dst, None, None, None, None, 0, "kernel")
+    choice = checked_choice(src, dst, None, None, None, None, 0, "kernel")
     per_layer = 2 * 32 * H * D * 2   # K and V rows of one layer
     monkeypatch.setattr(staged_mod, "GROUP_BYTES", 2 * per_layer)
     groups = staged_mod.host_groups(src, dst, choice, True, 32, 0)
@@ -80,7 +80,7 @@ def test_layers_grouped_by_size_in_order(monkeypatch):
 def test_rows_apart_in_the_host_layout_are_not_stageable():
     src = _device_cache("cpu")
     host = ops.bind("vllm_flash_attn_hnd", [torch.zeros(2, NB, H, BS, D, dtype=torch.bfloat16) for _ in range(L)])
-    choice = _pair_choice(src, host, None, None, None, None, 0, "kernel")
+    choice = checked_choice(src, host, None, None, None, None, 0, "kernel")
     reason = staged_mod.host_groups(src, host, choice, True, 8, 0)
     assert isinstance(reason, str) and "not back to back" in reason
 

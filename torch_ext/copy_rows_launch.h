@@ -71,7 +71,9 @@
 #include <utility>
 #include <vector>
 
-#include "host_checks.h"
+#include "copy_plan.h"
+#include "device_args.h"
+#include "slots.h"
 #include "kvlayout/copy_rows_kernel.h"
 #include "program.h"
 
@@ -153,8 +155,8 @@ class RowsLaunch final : public BoundLaunch {
     const bool may_load_early = touches_host_ && order.has_value() && order->may_load_early();
     if (may_load_early) {
       reads = reads_;
-      if (ss.data != nullptr) reads.push_back(kernel_range(*args.src_slots, ss.data));
-      if (ds.data != nullptr) reads.push_back(kernel_range(*args.dst_slots, ds.data));
+      if (!ss.identity) reads.push_back(kernel_range(*args.src_slots, ss.data));
+      if (!ds.identity) reads.push_back(kernel_range(*args.dst_slots, ds.data));
     }
     for (const Chunk& chunk : chunks_) {
       CopyRowsArgs a = chunk.args;  // a bound launch may run on several threads at once

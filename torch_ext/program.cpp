@@ -1,5 +1,7 @@
 #include "program.h"
 
+#include "slots.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -9,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <list>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -22,12 +25,17 @@ std::mutex& registry_mutex() {
   return m;
 }
 
-// Programs live as long as the process: a handle baked into a compiled graph
-// must stay valid. The planner registers one program per distinct choice
-// (layouts, geometry, strides, layers, planes), so the registry stays small.
-std::vector<std::unique_ptr<const CopyProgram>>& programs() {
-  static std::vector<std::unique_ptr<const CopyProgram>> all;
-  return all;
+// Handle -> program. Handles count up and are never reused, so a handle that
+// was dropped (the Python side evicts unused programs) can never name another
+// program.
+struct Registry {
+  std::unordered_map<int64_t, std::shared_ptr<const CopyProgram>> programs;
+  int64_t next_handle = 0;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
 }
 
 std::array<BoundLaunchFactory, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
@@ -38,28 +46,98 @@ factories() {
   return all;
 }
 
-// The arguments of copy_rows for one launch spec, so that binding runs the
-// very checks copy_rows runs (storage bounds, overlaps, repeated rows).
-CopyPlan plan_launch(const LaunchSpec& spec, at::TensorList src, at::TensorList dst) {
-  auto geometry = [](const RowGeometry& g) {
-    return std::vector<int64_t>{g.num_slots, g.page_size, g.stride_page, g.stride_in_page,
-                                g.stride_piece};
-  };
-  auto segments = [](const std::vector<Segment>& segs) {
-    std::vector<int64_t> out;
-    out.reserve(2 * segs.size());
-    for (const Segment& s : segs) {
-      out.push_back(s.tensor);
-      out.push_back(s.offset);
+int64_t mul(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  const bool overflow = __builtin_mul_overflow(a, b, &r);
+  TORCH_CHECK(!overflow, "kvlayout: ", what, " overflows 64-bit byte offsets");
+  return r;
+}
+
+int64_t add(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  const bool overflow = __builtin_add_overflow(a, b, &r);
+  TORCH_CHECK(!overflow, "kvlayout: ", what, " overflows 64-bit byte offsets");
+  return r;
+}
+
+// Size and stride of a canonical axis of `t` (an absent axis: size 1, stride 0).
+struct Axis {
+  int64_t size = 1, stride = 0;
+};
+
+Axis axis(const at::Tensor& t, int64_t dim, const char* side, int64_t index, const char* name) {
+  if (dim < 0) return {};
+  TORCH_CHECK_VALUE(dim < t.dim(), "kvlayout: ", side, "[", index, "] has ", t.dim(),
+                    " dimensions; its layout keeps the ", name, " axis in dimension ", dim);
+  return {t.size(dim), t.stride(dim)};
+}
+
+// The slot geometry of a tensor (strides in bytes; stride_piece not set).
+RowGeometry slot_geometry(const at::Tensor& t, const TensorAxes& a, const char* side,
+                          int64_t index) {
+  const int64_t isz = static_cast<int64_t>(t.element_size());
+  const Axis page = axis(t, a.page, side, index, "page");
+  const Axis in_page = axis(t, a.in_page, side, index, "slot");
+  RowGeometry g{};
+  if (a.page >= 0 && a.in_page >= 0) {
+    g.num_slots = mul(page.size, in_page.size, "the slot count");
+    g.page_size = std::max<int64_t>(1, in_page.size);
+    g.stride_page = mul(page.stride, isz, "the page stride");
+    g.stride_in_page = mul(in_page.stride, isz, "the slot stride");
+  } else {
+    // a flat slot axis (or a page axis alone): slot s sits at s * stride
+    const Axis flat = a.in_page >= 0 ? in_page : page;
+    g.num_slots = (a.in_page >= 0 || a.page >= 0) ? flat.size : 1;
+    g.page_size = 1;
+    g.stride_page = mul(flat.stride, isz, "the slot stride");
+    g.stride_in_page = g.stride_page;
+  }
+  return g;
+}
+
+// A StrideSum of tensor `t` in bytes.
+int64_t stride_sum_bytes(const StrideSum& s, const at::Tensor& t, const TensorAxes& a,
+                         const char* side, int64_t index) {
+  const char* what = "a segment offset";
+  int64_t elems = s.constant;
+  elems = add(elems, mul(s.plane, axis(t, a.plane, side, index, "plane").stride, what), what);
+  elems = add(elems, mul(s.layer, axis(t, a.layer, side, index, "layer").stride, what), what);
+  elems = add(elems, mul(s.head, axis(t, a.head, side, index, "head").stride, what), what);
+  return mul(elems, static_cast<int64_t>(t.element_size()), what);
+}
+
+// One side of a launch in bytes: every segment's tensor must give the same
+// geometry (one launch has one geometry per side).
+void resolve_side(const LaunchSide& side, const std::vector<TensorAxes>& axes,
+                  at::TensorList tensors, const char* name, int64_t piece_elems,
+                  RowGeometry& geom, std::vector<int64_t>& tensor_of,
+                  std::vector<int64_t>& offset_of, int64_t& piece_bytes) {
+  for (size_t s = 0; s < side.segments.size(); ++s) {
+    const Segment& seg = side.segments[s];
+    TORCH_CHECK_INDEX(seg.tensor >= 0 && seg.tensor < static_cast<int64_t>(tensors.size()),
+                      "kvlayout: a copy program's ", name, " segment names tensor ", seg.tensor,
+                      " of ", tensors.size());
+    const at::Tensor& t = tensors[seg.tensor];
+    TORCH_CHECK_VALUE(t.defined(), "kvlayout: ", name, "[", seg.tensor, "] is undefined");
+    const TensorAxes& a = axes[static_cast<size_t>(seg.tensor)];
+    RowGeometry g = slot_geometry(t, a, name, seg.tensor);
+    g.stride_piece = stride_sum_bytes(side.piece_stride, t, a, name, seg.tensor);
+    const int64_t bytes = mul(piece_elems, static_cast<int64_t>(t.element_size()), "a piece");
+    if (s == 0) {
+      geom = g;
+      piece_bytes = bytes;
+    } else {
+      TORCH_CHECK_VALUE(
+          g.num_slots == geom.num_slots && g.page_size == geom.page_size &&
+              g.stride_page == geom.stride_page && g.stride_in_page == geom.stride_in_page &&
+              g.stride_piece == geom.stride_piece && bytes == piece_bytes,
+          "kvlayout: ", name, "[", seg.tensor, "] and ", name, "[", side.segments[0].tensor,
+          "] differ in slot count, element size or strides (sizes ", t.sizes(), " strides ",
+          t.strides(), "); the tensors of one cache part must share them");
     }
-    return out;
-  };
-  // One token with identity slots: the checks that depend on no slot value.
-  return plan_copy_rows(src, dst, std::nullopt, std::nullopt, /*num_tokens=*/1,
-                        /*skip_prefix=*/0, segments(spec.src_segments),
-                        segments(spec.dst_segments), geometry(spec.src_geometry),
-                        geometry(spec.dst_geometry), spec.num_pieces, spec.piece_bytes,
-                        /*max_ctas=*/0);
+    tensor_of.push_back(seg.tensor);
+    offset_of.push_back(stride_sum_bytes(seg.offset, t, a, name, seg.tensor));
+  }
 }
 
 struct CacheKey {
@@ -75,8 +153,6 @@ struct CacheKeyHash {
   }
 };
 
-// What a binding's checks depend on: device, dtype, where the data and its
-// storage are, the storage's size, and the tensor's sizes and strides.
 // What a binding's checks depend on: device, dtype, where the data and its
 // storage are, the storage's size, and the tensor's sizes and strides.
 void push_tensor_words(std::vector<uintptr_t>& words, const at::Tensor& t) {
@@ -96,27 +172,88 @@ void push_tensor_words(std::vector<uintptr_t>& words, const at::Tensor& t) {
   }
 }
 
+// Bindings by (handle, device, status, tensors' addresses, sizes, strides),
+// least recently used evicted first. A binding holds no tensor (data
+// pointers, fingerprints, checked plans), so its cost is its plans' memory.
+struct BindingCache {
+  std::mutex mutex;
+  std::list<std::pair<CacheKey, std::shared_ptr<const BoundProgram>>> order;  // most recent first
+  std::unordered_map<CacheKey, decltype(order)::iterator, CacheKeyHash> index;
+  size_t capacity = 256;
+
+  void trim() {
+    while (index.size() > capacity) {
+      index.erase(order.back().first);
+      order.pop_back();
+    }
+  }
+};
+
+BindingCache& binding_cache() {
+  static BindingCache cache;
+  return cache;
+}
+
 }  // namespace
 
 int64_t register_program(CopyProgram program) {
   TORCH_CHECK(!program.steps.empty(), "kvlayout: a copy program needs at least one step");
   for (const auto& step : program.steps) {
     for (const LaunchSpec& l : step) {
-      TORCH_CHECK(l.src_segments.size() == l.dst_segments.size(),
-                  "kvlayout: a launch of a copy program has ", l.src_segments.size(),
-                  " source and ", l.dst_segments.size(), " destination segments");
+      TORCH_CHECK(l.src.segments.size() == l.dst.segments.size(),
+                  "kvlayout: a launch of a copy program has ", l.src.segments.size(),
+                  " source and ", l.dst.segments.size(), " destination segments");
+      TORCH_CHECK(l.num_pieces >= 1 && l.piece_elems >= 1,
+                  "kvlayout: a launch of a copy program needs num_pieces >= 1 and "
+                  "piece_elems >= 1, got ", l.num_pieces, " and ", l.piece_elems);
+      for (const auto& [segs, n] : {std::make_pair(&l.src.segments, program.src_axes.size()),
+                                    std::make_pair(&l.dst.segments, program.dst_axes.size())})
+        for (const Segment& seg : *segs)
+          TORCH_CHECK(seg.tensor >= 0 && seg.tensor < static_cast<int64_t>(n),
+                      "kvlayout: a copy program's segment names tensor ", seg.tensor, " of ", n);
     }
   }
+  auto shared = std::make_shared<const CopyProgram>(std::move(program));
   std::lock_guard<std::mutex> lock(registry_mutex());
-  programs().push_back(std::make_unique<const CopyProgram>(std::move(program)));
-  return static_cast<int64_t>(programs().size()) - 1;
+  const int64_t handle = registry().next_handle++;
+  registry().programs.emplace(handle, std::move(shared));
+  return handle;
 }
 
-const CopyProgram& registered_program(int64_t handle) {
+void drop_program(int64_t handle) {
   std::lock_guard<std::mutex> lock(registry_mutex());
-  TORCH_CHECK_INDEX(handle >= 0 && handle < static_cast<int64_t>(programs().size()),
-                    "kvlayout: no copy program has handle ", handle);
-  return *programs()[static_cast<size_t>(handle)];
+  registry().programs.erase(handle);
+}
+
+std::shared_ptr<const CopyProgram> registered_program(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  const auto it = registry().programs.find(handle);
+  TORCH_CHECK_INDEX(it != registry().programs.end(), "kvlayout: no copy program has handle ",
+                    handle, " (it was never registered, or was evicted from the program cache)");
+  return it->second;
+}
+
+int64_t program_count() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  return static_cast<int64_t>(registry().programs.size());
+}
+
+CopyPlan resolve_launch(const LaunchSpec& launch, const CopyProgram& program, at::TensorList src,
+                        at::TensorList dst) {
+  CopyPlan p;
+  p.num_tokens = 1;  // the checks that depend on no slot value
+  p.num_pieces = launch.num_pieces;
+  int64_t src_piece = 0, dst_piece = 0;
+  resolve_side(launch.src, program.src_axes, src, "src", launch.piece_elems, p.src_geom,
+               p.src_tensor, p.src_offset, src_piece);
+  resolve_side(launch.dst, program.dst_axes, dst, "dst", launch.piece_elems, p.dst_geom,
+               p.dst_tensor, p.dst_offset, dst_piece);
+  TORCH_CHECK_TYPE(src_piece == dst_piece, "kvlayout: source and destination elements differ "
+                   "in size (", launch.piece_elems, " elements are ", src_piece, " and ",
+                   dst_piece, " bytes); a copy is byte-exact");
+  p.piece_bytes = src_piece;
+  p.num_segments = static_cast<int64_t>(p.src_tensor.size());
+  return p;
 }
 
 void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory factory) {
@@ -132,13 +269,14 @@ BoundProgram::Fingerprint BoundProgram::fingerprint(const at::Tensor& t) {
 BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList dst,
                            c10::Device device, const at::Tensor& status)
     : handle_(handle), device_(device) {
-  const CopyProgram& program = registered_program(handle);
-  TORCH_CHECK_VALUE(static_cast<int64_t>(src.size()) == program.num_src_tensors,
-                    "kvlayout: the copy program reads a source of ", program.num_src_tensors,
+  const std::shared_ptr<const CopyProgram> shared = registered_program(handle);
+  const CopyProgram& program = *shared;
+  TORCH_CHECK_VALUE(src.size() == program.src_axes.size(),
+                    "kvlayout: the copy program reads a source of ", program.src_axes.size(),
                     " tensors, got ", src.size());
-  TORCH_CHECK_VALUE(static_cast<int64_t>(dst.size()) == program.num_dst_tensors,
+  TORCH_CHECK_VALUE(dst.size() == program.dst_axes.size(),
                     "kvlayout: the copy program writes a destination of ",
-                    program.num_dst_tensors, " tensors, got ", dst.size());
+                    program.dst_axes.size(), " tensors, got ", dst.size());
   const BoundLaunchFactory factory = factories()[static_cast<size_t>(device.type())];
   TORCH_CHECK_VALUE(factory != nullptr, "kvlayout: copy programs cannot run on ", device,
               " in this build (backends: see kvlayout.ops.built_backends())");
@@ -149,7 +287,8 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
   for (size_t k = 0; k < program.steps.size(); ++k) {
     Step& step = steps_[k];
     for (const LaunchSpec& spec : program.steps[k]) {
-      CopyPlan plan = plan_launch(spec, src, dst);
+      CopyPlan plan = resolve_launch(spec, program, src, dst);
+      check_copy_plan(plan, src, dst, std::nullopt, std::nullopt);
       for (int64_t g = 0; g < plan.num_segments; ++g) {
         const int64_t i = plan.src_tensor[g], j = plan.dst_tensor[g];
         if (std::find(step.written.begin(), step.written.end(), j) == step.written.end())
@@ -214,9 +353,9 @@ void BoundProgram::run(int64_t step, const RunArgs& args) const {
   TORCH_CHECK_VALUE(args.max_ctas >= 0, "kvlayout: max_ctas must be >= 0 (0 = default), got ",
                     args.max_ctas);
   const SlotArray src_slots =
-      parse_index(args.src_slots, args.num_tokens, "src_slots", "num_tokens");
+      slot_array(args.src_slots, args.num_tokens, "src_slots", "num_tokens");
   const SlotArray dst_slots =
-      parse_index(args.dst_slots, args.num_tokens, "dst_slots", "num_tokens");
+      slot_array(args.dst_slots, args.num_tokens, "dst_slots", "num_tokens");
   check_slots_not_written(written_ranges_, args.src_slots, "src_slots", "kvlayout");
   check_slots_not_written(written_ranges_, args.dst_slots, "dst_slots", "kvlayout");
   if (args.skip_prefix >= args.num_tokens) return;
@@ -240,23 +379,51 @@ std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList
   key.words.push_back(~uintptr_t(0));
   for (const at::Tensor& t : dst) push_tensor_words(key.words, t);
 
-  static std::mutex mutex;
-  static std::unordered_map<CacheKey, std::shared_ptr<const BoundProgram>, CacheKeyHash> cache;
+  BindingCache& cache = binding_cache();
   {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) {
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    auto it = cache.index.find(key);
+    if (it != cache.index.end()) {
       // Same tensor objects at the same addresses and sizes; what a backend
       // derived beyond that (a pinned page's device alias) is checked again.
-      if (it->second->still_valid(src, dst)) return it->second;
-      cache.erase(it);
+      std::shared_ptr<const BoundProgram> hit = it->second->second;
+      if (hit->still_valid(src, dst)) {
+        cache.order.splice(cache.order.begin(), cache.order, it->second);  // most recent first
+        return hit;
+      }
+      cache.order.erase(it->second);
+      cache.index.erase(it);
     }
   }
   auto bound = std::make_shared<const BoundProgram>(handle, src, dst, device, status);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (cache.size() >= 256) cache.clear();
-  cache.emplace(std::move(key), bound);
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  if (cache.index.find(key) == cache.index.end() && cache.capacity > 0) {
+    cache.order.emplace_front(key, bound);
+    cache.index.emplace(std::move(key), cache.order.begin());
+    cache.trim();
+  }
   return bound;
+}
+
+void set_binding_cache_capacity(int64_t capacity) {
+  TORCH_CHECK_VALUE(capacity >= 0, "kvlayout: the binding cache capacity must be >= 0, got ",
+                    capacity);
+  BindingCache& cache = binding_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  cache.capacity = static_cast<size_t>(capacity);
+  cache.trim();
+}
+
+int64_t binding_cache_capacity() {
+  BindingCache& cache = binding_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  return static_cast<int64_t>(cache.capacity);
+}
+
+int64_t binding_cache_size() {
+  BindingCache& cache = binding_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  return static_cast<int64_t>(cache.index.size());
 }
 
 c10::Device program_device(at::TensorList src, at::TensorList dst,
@@ -295,12 +462,13 @@ void count_early_load_launch() { early_loads.fetch_add(1, std::memory_order_rela
 
 void copy_program(int64_t handle, at::TensorList src, at::TensorList dst,
                   const std::optional<at::Tensor>& src_slots,
-                  const std::optional<at::Tensor>& dst_slots, int64_t step, int64_t num_tokens,
-                  int64_t skip_prefix, int64_t max_ctas, const at::Tensor& status,
+                  const std::optional<at::Tensor>& dst_slots, int64_t step, c10::SymInt num_tokens,
+                  c10::SymInt skip_prefix, int64_t max_ctas, const at::Tensor& status,
                   bool validate) {
   const c10::Device device = program_device(src, dst, src_slots, dst_slots);
   const auto bound = bound_program(handle, src, dst, device, status);
-  bound->run(step, RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate});
+  bound->run(step, RunArgs{src_slots, dst_slots, num_tokens.expect_int(),
+                           skip_prefix.expect_int(), max_ctas, validate});
 }
 
 TORCH_LIBRARY_IMPL(kvlayout, CPU, m) { m.impl("copy_program", &copy_program); }

@@ -1,22 +1,25 @@
-// Copy programs: a transfer planned once, checked once, run many times.
+// Copy programs: a transfer planned once, bound to tensors once, run many
+// times, with any token count.
 //
-// A *copy program* is what the Python planner (ops/program.py) makes of a
-// choice (source binding, destination binding, layers, planes): a list of
-// *steps*, each a list of launches. Step 0 moves every chosen layer; step
-// 1 + i moves only the i-th chosen layer (a layer-wise pipeline calls it once
-// per layer). A launch is one row geometry per side plus its segments
-// (per-(layer, plane, column block) base offsets into the caches' tensors):
-// exactly the arguments of one kvlayout::copy_rows call, so everything
-// address.h proves for copy_rows holds for a program.
+// A *copy program* is what the Python planner (ops/plan.py) makes of a choice
+// (source layout, destination layout, layers, planes): a list of *steps*,
+// each a list of launches. Step 0 moves every chosen layer; step 1 + i moves
+// only the i-th chosen layer (a layer-wise pipeline calls it once per layer).
+//
+// A program is free of the token count and of every size and stride: it says
+// where in each tensor the canonical axes are (TensorAxes) and expresses every
+// byte quantity as a StrideSum of the tensor's plane, layer and head strides.
+// Binding it to tensors (BoundProgram) resolves those into a CopyPlan per
+// launch (copy_plan.h: segment bases, one RowGeometry per side, pieces), so a
+// chunk of any length T, whose strides and slot count follow from T, runs the
+// same program; T, the slots and skip_prefix are per-call arguments.
 //
 // A program holds no tensors; its segments name a tensor by its index in the
-// cache's flat tensor list (KVCache.tensors). It is registered once and
-// referred to by an integer handle (the handle is what a compiled graph
-// keeps). Binding a program to tensors (BoundProgram) does every check that
-// does not depend on the slot values (storage bounds of every segment,
-// overlaps between written and read tensors, two segments writing one row)
-// and builds each backend's launch parameters; running a bound program only
-// checks the per-call slot tensors and launches.
+// cache's flat tensor list (KVCache.tensors). It is registered under an
+// integer handle (what a call, a prepared transfer and a compiled graph refer
+// to); handles are never reused, and the Python side keeps the registry
+// bounded (ops/programs.py): an evicted handle raises instead of running
+// another program. A binding keeps its program alive while it lives.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,40 +30,67 @@
 #include <string>
 #include <vector>
 
-#include "host_checks.h"
+#include "copy_plan.h"
 #include "kvlayout/address.h"
 
 namespace kvlayout {
 
-// One base of a launch: tensor `tensor` of the side's tensor list, plus
-// `offset` bytes from its data pointer.
-struct Segment {
-  int64_t tensor = 0;
-  int64_t offset = 0;
+// An element count that follows a tensor's strides:
+// plane * stride(plane axis) + layer * stride(layer axis)
+//   + head * stride(head axis) + constant.
+struct StrideSum {
+  int64_t plane = 0, layer = 0, head = 0, constant = 0;
 };
 
-// One copy_rows launch: all its rows share one geometry per side.
-// Geometry fields are bytes; see RowGeometry in address.h.
+// Where a cache tensor keeps the canonical axes: a tensor dimension, or -1
+// for an axis the tensor lacks. `in_page` is the slot within a page, or the
+// flat slot axis when `page` is -1 (its elements are contiguous on the last
+// dimension, which the planner checked when it bound the cache).
+struct TensorAxes {
+  int64_t plane = -1, layer = -1, page = -1, in_page = -1, head = -1;
+};
+
+// One base of a launch: tensor `tensor` of the side's tensor list, at
+// `offset` elements from its data pointer.
+struct Segment {
+  int64_t tensor = 0;
+  StrideSum offset;
+};
+
+// One side of a launch: the stride between a row's pieces, and its segments.
+struct LaunchSide {
+  StrideSum piece_stride;
+  std::vector<Segment> segments;
+};
+
+// One launch: all its rows share one geometry per side (resolved from the
+// tensors; binding refuses tensors of one launch that disagree).
 struct LaunchSpec {
-  RowGeometry src_geometry{};
-  RowGeometry dst_geometry{};
   int64_t num_pieces = 1;   // pieces per row (a row whose heads lie apart on one side)
-  int64_t piece_bytes = 0;  // bytes per piece
-  std::vector<Segment> src_segments;
-  std::vector<Segment> dst_segments;  // same length as src_segments
+  int64_t piece_elems = 0;  // elements per piece
+  LaunchSide src, dst;      // dst.segments.size() == src.segments.size()
 };
 
 // steps[0]: every chosen layer; steps[1 + i]: the i-th chosen layer only.
 struct CopyProgram {
   std::vector<std::vector<LaunchSpec>> steps;
-  int64_t num_src_tensors = 0;  // length of the source cache's tensor list
-  int64_t num_dst_tensors = 0;
+  std::vector<TensorAxes> src_axes, dst_axes;  // one per tensor of each side's list
 };
 
 // Registers a program (checked for well-formed fields) and returns its handle.
 int64_t register_program(CopyProgram program);
-// The program of a handle (IndexError for an unknown handle).
-const CopyProgram& registered_program(int64_t handle);
+// Removes a handle from the registry (bindings made from it keep working).
+void drop_program(int64_t handle);
+// The program of a handle (IndexError for an unknown or dropped handle).
+std::shared_ptr<const CopyProgram> registered_program(int64_t handle);
+// How many programs are registered.
+int64_t program_count();
+
+// Launch `launch` of `program` resolved against these tensors: its segment
+// bases, geometries and pieces in bytes, for one token with identity slots,
+// not yet checked (check_copy_plan does that).
+CopyPlan resolve_launch(const LaunchSpec& launch, const CopyProgram& program, at::TensorList src,
+                        at::TensorList dst);
 
 // Slot arguments of one run, as the caller gave them (an aggregate:
 // RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate}).
@@ -128,7 +158,7 @@ using BoundLaunchFactory = std::unique_ptr<BoundLaunch> (*)(const CopyPlan& plan
 // Backends register their factory at load time (one per device type).
 void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory factory);
 
-// A program bound to tensors: checked once, then run per call.
+// A program bound to tensors: resolved and checked once, then run per call.
 class BoundProgram {
  public:
   // `device`: where the launches run (the device of the first non-CPU tensor,
@@ -140,7 +170,9 @@ class BoundProgram {
   c10::Device device() const { return device_; }
 
   // Runs one step with this call's slots (checked here: dtype, shape,
-  // device, no overlap with a written tensor).
+  // storage, device, no overlap with a written tensor). `args` is the
+  // caller's own copy (it owns the slot tensors it names), so nothing another
+  // thread does to the caller's arguments can free what a run reads.
   void run(int64_t step, const RunArgs& args) const;
 
   // Whether the tensors step `step` uses are still the tensors this program
@@ -182,11 +214,16 @@ class BoundProgram {
   WrittenRanges written_ranges_;  // dst tensors, for the per-call slot overlap check
 };
 
-// The bound program for these tensors, from a cache keyed by the handle and
-// the tensors' addresses (bound and checked on a miss).
+// The bound program for these tensors, from a least-recently-used cache keyed
+// by the handle and the tensors' addresses, sizes and strides (bound and
+// checked on a miss). The cache holds at most binding_cache_capacity()
+// bindings (they hold no tensors: data pointers and checked plans only).
 std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList src,
                                                   at::TensorList dst, c10::Device device,
                                                   const at::Tensor& status);
+void set_binding_cache_capacity(int64_t capacity);
+int64_t binding_cache_capacity();
+int64_t binding_cache_size();
 
 // The launch device of a program's tensors: the first non-CPU tensor among
 // dst, src, the slots; else the CPU.
@@ -211,7 +248,8 @@ void count_early_load_launch();
 // program `handle` on these tensors.
 void copy_program(int64_t handle, at::TensorList src, at::TensorList dst,
                   const std::optional<at::Tensor>& src_slots,
-                  const std::optional<at::Tensor>& dst_slots, int64_t step, int64_t num_tokens,
-                  int64_t skip_prefix, int64_t max_ctas, const at::Tensor& status, bool validate);
+                  const std::optional<at::Tensor>& dst_slots, int64_t step, c10::SymInt num_tokens,
+                  c10::SymInt skip_prefix, int64_t max_ctas, const at::Tensor& status,
+                  bool validate);
 
 }  // namespace kvlayout

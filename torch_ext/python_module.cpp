@@ -3,7 +3,7 @@
 // programs (torch_ext/program.h), which a layer-wise pipeline calls once per
 // layer: the op dispatcher costs more host time than the launch itself.
 //
-//   LaunchSpec, register_program   the planner's output, registered once
+//   register_program, drop_program the planner's output, registered once
 //   PreparedCopy                   a program bound to tensors, run per call
 //   run_program                    a program run on these tensors (bindings
 //                                  cached by address); False when the call
@@ -23,6 +23,7 @@
 
 #include "kvlayout/status.h"
 #include "program.h"
+#include "slots.h"
 
 namespace py = pybind11;
 
@@ -30,27 +31,78 @@ namespace kvlayout {
 namespace {
 
 using Geometry5 = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+// A StrideSum as (plane, layer, head, constant).
+using StrideSum4 = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+// A launch side as (piece stride, [(tensor index, offset), ...]).
+using Side = std::tuple<StrideSum4, std::vector<std::pair<int64_t, StrideSum4>>>;
+// A launch as (num_pieces, piece_elems, src side, dst side).
+using Launch = std::tuple<int64_t, int64_t, Side, Side>;
+// TensorAxes as (plane, layer, page, in_page, head).
+using Axes5 = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
 
-RowGeometry to_geometry(const Geometry5& g) {
-  return RowGeometry{std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g),
-                     std::get<4>(g)};
+StrideSum to_sum(const StrideSum4& s) {
+  return StrideSum{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s)};
+}
+
+LaunchSide to_side(const Side& side) {
+  LaunchSide out;
+  out.piece_stride = to_sum(std::get<0>(side));
+  for (const auto& [tensor, offset] : std::get<1>(side))
+    out.segments.push_back(Segment{tensor, to_sum(offset)});
+  return out;
+}
+
+std::vector<TensorAxes> to_axes(const std::vector<Axes5>& axes) {
+  std::vector<TensorAxes> out;
+  for (const auto& [plane, layer, page, in_page, head] : axes)
+    out.push_back(TensorAxes{plane, layer, page, in_page, head});
+  return out;
 }
 
 Geometry5 from_geometry(const RowGeometry& g) {
   return {g.num_slots, g.page_size, g.stride_page, g.stride_in_page, g.stride_piece};
 }
 
-std::vector<Segment> to_segments(const std::vector<std::pair<int64_t, int64_t>>& pairs) {
-  std::vector<Segment> out;
-  out.reserve(pairs.size());
-  for (const auto& [t, o] : pairs) out.push_back(Segment{t, o});
+std::vector<std::pair<int64_t, int64_t>> pairs(const std::vector<int64_t>& tensors,
+                                               const std::vector<int64_t>& offsets) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i < tensors.size(); ++i) out.emplace_back(tensors[i], offsets[i]);
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> from_segments(const std::vector<Segment>& segs) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  out.reserve(segs.size());
-  for (const Segment& s : segs) out.emplace_back(s.tensor, s.offset);
+int64_t register_from_python(const std::vector<std::vector<Launch>>& steps,
+                             const std::vector<Axes5>& src_axes,
+                             const std::vector<Axes5>& dst_axes) {
+  CopyProgram p;
+  for (const auto& step : steps) {
+    p.steps.emplace_back();
+    for (const auto& [num_pieces, piece_elems, src, dst] : step)
+      p.steps.back().push_back(LaunchSpec{num_pieces, piece_elems, to_side(src), to_side(dst)});
+  }
+  p.src_axes = to_axes(src_axes);
+  p.dst_axes = to_axes(dst_axes);
+  return register_program(std::move(p));
+}
+
+// The launches of step `step` resolved against these tensors, in bytes and
+// not yet checked: (src_geometry, dst_geometry, num_pieces, piece_bytes,
+// src_segments, dst_segments) with segments as (tensor index, byte offset).
+py::list resolve_program(int64_t handle, int64_t step, const std::vector<at::Tensor>& src,
+                         const std::vector<at::Tensor>& dst) {
+  const auto program = registered_program(handle);
+  TORCH_CHECK_INDEX(step >= 0 && step < static_cast<int64_t>(program->steps.size()),
+                    "kvlayout: the copy program has ", program->steps.size(), " steps, got ", step);
+  TORCH_CHECK_VALUE(src.size() == program->src_axes.size() && dst.size() == program->dst_axes.size(),
+                    "kvlayout: the copy program reads ", program->src_axes.size(),
+                    " and writes ", program->dst_axes.size(), " tensors, got ", src.size(),
+                    " and ", dst.size());
+  py::list out;
+  for (const LaunchSpec& launch : program->steps[static_cast<size_t>(step)]) {
+    const CopyPlan p = resolve_launch(launch, *program, src, dst);
+    out.append(py::make_tuple(from_geometry(p.src_geom), from_geometry(p.dst_geom), p.num_pieces,
+                              p.piece_bytes, pairs(p.src_tensor, p.src_offset),
+                              pairs(p.dst_tensor, p.dst_offset)));
+  }
   return out;
 }
 
@@ -80,6 +132,9 @@ void bump_written(const BoundProgram& bound, int64_t step, at::TensorList dst) {
     if (!dst[j].is_inference()) dst[j].unsafeGetTensorImpl()->bump_version();
 }
 
+// `args` is the caller's own copy: the run owns every tensor it reads, even
+// while the GIL is released and another thread replaces the arguments it was
+// copied from.
 void run_bound(const BoundProgram& bound, int64_t step, at::TensorList dst, const RunArgs& args) {
   check_written(bound, step, dst);
   if (bound.device().is_cpu()) {
@@ -119,7 +174,8 @@ class PreparedCopy {
 
   void run(int64_t step) const {
     bound_->check_still_bound(step, src_, dst_, "kvlayout: prepared transfer");
-    run_bound(*bound_, step, dst_, args_);
+    const RunArgs args = args_;  // owned by this call (taken while the GIL is held)
+    run_bound(*bound_, step, dst_, args);
   }
 
   // Runs step `step` with these per-call arguments, as run_program would;
@@ -225,44 +281,24 @@ PYBIND11_MODULE(_C, m) {
   for (size_t i = 0; i < std::size(kStatusArguments); ++i) arguments[i] = kStatusArguments[i];
   m.attr("STATUS_ARGUMENTS") = arguments;
 
-  py::class_<LaunchSpec>(m, "LaunchSpec",
-                         "One copy_rows launch of a copy program (see torch_ext/program.h).\n\n"
-                         "Geometries are (num_slots, page_size, stride_page, stride_in_page, "
-                         "stride_piece) in bytes; segments are (tensor index, byte offset) pairs.")
-      .def(py::init([](Geometry5 src_geometry, Geometry5 dst_geometry, int64_t num_pieces,
-                       int64_t piece_bytes, std::vector<std::pair<int64_t, int64_t>> src_segments,
-                       std::vector<std::pair<int64_t, int64_t>> dst_segments) {
-             LaunchSpec l;
-             l.src_geometry = to_geometry(src_geometry);
-             l.dst_geometry = to_geometry(dst_geometry);
-             l.num_pieces = num_pieces;
-             l.piece_bytes = piece_bytes;
-             l.src_segments = to_segments(src_segments);
-             l.dst_segments = to_segments(dst_segments);
-             return l;
-           }),
-           py::arg("src_geometry"), py::arg("dst_geometry"), py::arg("num_pieces"),
-           py::arg("piece_bytes"), py::arg("src_segments"), py::arg("dst_segments"))
-      .def_property_readonly("src_geometry", [](const LaunchSpec& l) { return from_geometry(l.src_geometry); })
-      .def_property_readonly("dst_geometry", [](const LaunchSpec& l) { return from_geometry(l.dst_geometry); })
-      .def_readonly("num_pieces", &LaunchSpec::num_pieces)
-      .def_readonly("piece_bytes", &LaunchSpec::piece_bytes)
-      .def_property_readonly("src_segments", [](const LaunchSpec& l) { return from_segments(l.src_segments); })
-      .def_property_readonly("dst_segments", [](const LaunchSpec& l) { return from_segments(l.dst_segments); });
-
-  m.def(
-      "register_program",
-      [](std::vector<std::vector<LaunchSpec>> steps, int64_t num_src_tensors,
-         int64_t num_dst_tensors) {
-        CopyProgram p;
-        p.steps = std::move(steps);
-        p.num_src_tensors = num_src_tensors;
-        p.num_dst_tensors = num_dst_tensors;
-        return register_program(std::move(p));
-      },
-      py::arg("steps"), py::arg("num_src_tensors"), py::arg("num_dst_tensors"),
-      "Registers a copy program (steps: [all layers, layer 0, layer 1, ...], each a list of "
-      "LaunchSpec) and returns its handle.");
+  m.def("register_program", &register_from_python, py::arg("steps"), py::arg("src_axes"),
+        py::arg("dst_axes"),
+        "Registers a copy program and returns its handle. steps: [all layers, layer 0, layer 1, "
+        "...], each a list of launches (num_pieces, piece_elems, src side, dst side); a side is "
+        "(piece stride, [(tensor index, offset), ...]) with strides and offsets as element "
+        "counts (plane, layer, head, constant) of the tensor's strides; src_axes/dst_axes give "
+        "per tensor the dimensions of its (plane, layer, page, in_page, head) axes (-1: absent).");
+  m.def("drop_program", &drop_program, py::arg("program"),
+        "Removes a program from the registry (its handle is never reused).");
+  m.def("program_count", &program_count, "How many copy programs are registered.");
+  m.def("resolve_program", &resolve_program, py::arg("program"), py::arg("step"), py::arg("src"),
+        py::arg("dst"),
+        "The launches of a step resolved against these tensors, in bytes, unchecked: "
+        "(src_geometry, dst_geometry, num_pieces, piece_bytes, src_segments, dst_segments).");
+  m.def("set_binding_cache_capacity", &set_binding_cache_capacity, py::arg("capacity"),
+        "How many bindings (programs bound to tensor addresses) the native cache keeps.");
+  m.def("binding_cache_capacity", &binding_cache_capacity);
+  m.def("binding_cache_size", &binding_cache_size);
 
   py::class_<PreparedCopy>(m, "PreparedCopy",
                            "A copy program bound to tensors (checked once, kept alive).")

@@ -53,7 +53,7 @@ TORCH_LIBRARY(kvlayout, m) {
   // are the slot tensors and counts; the geometry lives in the program.
   m.def(
       "copy_program(int program, Tensor[] src, Tensor(a!)[] dst, Tensor? src_slots, "
-      "Tensor? dst_slots, int step, int num_tokens, int skip_prefix, int max_ctas, "
+      "Tensor? dst_slots, int step, SymInt num_tokens, SymInt skip_prefix, int max_ctas, "
       "Tensor(b!) status, bool validate=False) -> ()");
   // Rotates cached keys from old to new RoPE positions (see kvlayout/rope.h).
   m.def(

@@ -19,7 +19,8 @@
 
 #include <cstdint>
 
-#include "host_checks.h"
+#include "device_args.h"
+#include "rope_plan.h"
 #include "kvlayout/rope_kernel.h"
 
 namespace kvlayout {

@@ -94,7 +94,7 @@ int walk_vec(int vec, const kvlayout::CopyRowsArgs& a, const char* const* src, c
 extern "C" {
 
 // geometry: [num_slots, page_size, stride_page, stride_in_page, stride_piece]
-// per side; slots: nullptr for identity; segment offsets index the buffers.
+// per side; slots: nullptr for identity (the SlotArray flag); segment offsets index the buffers.
 // Returns 0, or -1 for an unsupported vec/unroll.
 int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                      const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
@@ -106,8 +106,8 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
   kvlayout::CopyRowsArgs a{};
   a.src_geom = geometry(src_geometry);
   a.dst_geom = geometry(dst_geometry);
-  a.src_slots = {src_slots, src_slot_stride, slot_bytes, 0};
-  a.dst_slots = {dst_slots, dst_slot_stride, slot_bytes, 0};
+  a.src_slots = {src_slots, src_slot_stride, slot_bytes, src_slots == nullptr ? 1 : 0};
+  a.dst_slots = {dst_slots, dst_slot_stride, slot_bytes, dst_slots == nullptr ? 1 : 0};
   a.skip_prefix = skip_prefix;
   a.tokens = num_tokens - skip_prefix;
   a.num_segments = num_segments;

@@ -4,7 +4,7 @@
 // and no destination slot written by two tokens). Tokens are split over
 // threads with at::parallel_for; inside a thread's range, consecutive tokens
 // whose rows are adjacent on both sides are coalesced into one run (address.h
-// run detection, host_checks.h for_each_block) and moved with one memmove per
+// run detection, slots.h for_each_block) and moved with one memmove per
 // segment. memmove (not memcpy)
 // keeps a copy within one tensor defined when a row is copied onto itself.
 #include <ATen/ATen.h>
@@ -13,7 +13,9 @@
 
 #include <cstring>
 
-#include "../host_checks.h"
+#include "../copy_plan.h"
+#include "../device_args.h"
+#include "../slots.h"
 #include "../program.h"
 #include "kvlayout/address.h"
 

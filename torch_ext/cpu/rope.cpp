@@ -6,7 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../host_checks.h"
+#include "../rope_plan.h"
 #include "kvlayout/rope_kernel.h"
 
 namespace kvlayout {

@@ -2,7 +2,7 @@
 // engine instead of SMs.
 //
 // The host reads the slots (CPU tensors), checks them, coalesces consecutive
-// tokens whose rows are adjacent on both sides (host_checks.h for_each_block),
+// tokens whose rows are adjacent on both sides (slots.h for_each_block),
 // merges copies that continue each other on both sides, and issues the copies
 // in stream order on the current stream:
 //
@@ -32,7 +32,9 @@
 #include <string>
 #include <vector>
 
-#include "../host_checks.h"
+#include "../copy_plan.h"
+#include "../device_args.h"
+#include "../slots.h"
 #include "cuda_common.h"
 
 namespace kvlayout {

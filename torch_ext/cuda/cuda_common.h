@@ -17,7 +17,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../host_checks.h"
+#include "../copy_plan.h"
+#include "../device_args.h"
+#include "../slots.h"
 #include "../program.h"
 #include "kvlayout/status.h"
 

@@ -81,7 +81,9 @@ KVL_HD inline int64_t max_row_offset(const RowGeometry& g) {
 }
 
 // Slot array: an optional 1-D int32/int64 index vector with any element
-// stride. `data == nullptr` means identity (slot t for token t).
+// stride, or the identity (slot t for token t) when `identity` is set. "No
+// slots" is that explicit flag, never a null pointer: a slot tensor whose
+// storage was freed is refused on the host before it becomes a SlotArray.
 //
 // Rule for every kernel: load a slot once, check that value, use that value
 // (never load it again after the check: the tensor may be rewritten while
@@ -91,10 +93,12 @@ struct SlotArray {
   const void* data;
   int64_t stride;     // in elements
   int32_t elem_bytes; // 4 or 8
-  int32_t pad_;
+  int32_t identity;   // 1: no slot tensor, token t uses slot t (`data` unused)
+
+  static SlotArray identity_slots() { return SlotArray{nullptr, 1, 8, 1}; }
 
   KVL_HD inline int64_t load(int64_t t) const {
-    if (data == nullptr) return t;
+    if (identity) return t;
 #if defined(__CUDA_ARCH__) || defined(__SYCL_DEVICE_ONLY__)
     if (elem_bytes == 8) return static_cast<const int64_t*>(data)[t * stride];
     return static_cast<int64_t>(static_cast<const int32_t*>(data)[t * stride]);

@@ -1,0 +1,321 @@
+"""A transfer's arguments: checked once, with errors that name the argument.
+
+What :func:`~kvlayout.ops.transfer` and :func:`~kvlayout.ops.prepare` share:
+the pair of caches (element type, row width, launch device), the chosen
+layers and planes, the slot tensors and token count, the CTA budget, the
+validation switch and the engine.  The slot *values* are checked by the
+native op itself (``torch_ext/slots.h``): on the CPU always, on devices in the
+kernel (recorded in the status word) and, with ``validate=True``, on the host
+before launching; the checks live in the op, so compiled code keeps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+
+import torch
+
+from .views import INTEGER_STORAGE, KVCache, as_index_list, as_int
+
+SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+def _slots_tensor(name: str, slots, device: torch.device) -> torch.Tensor | None:
+    if slots is None:
+        return None
+    if not isinstance(slots, torch.Tensor):
+        dtype = getattr(slots, "dtype", None)   # a NumPy array: integer dtypes only
+        if dtype is not None and getattr(dtype, "kind", "i") not in "iu":
+            raise TypeError(f"{name} must hold integers, got an array of {dtype}")
+        if getattr(slots, "ndim", 1) == 0 or not hasattr(slots, "__iter__"):
+            raise TypeError(f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, "
+                            f"got {type(slots).__name__}")
+        values = [as_int(f"{name}[{i}]", v) for i, v in enumerate(slots)]   # no float/bool truncation
+        slots = torch.tensor(values, dtype=torch.int64, device=device)
+    if slots.dtype not in SLOT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
+    if slots.device.type != "cpu" and slots.device != device:
+        raise ValueError(f"{name} is on {slots.device} but the operation runs on {device}")
+    if slots.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+    return slots
+
+
+def _slot_tensor_ok(slots, device: torch.device) -> bool:
+    """Whether ``slots`` passes :func:`_slots_tensor` as it is (a 1-D int32/int64 tensor the launch can read)."""
+    return (isinstance(slots, torch.Tensor) and slots.dtype in SLOT_DTYPES and slots.dim() == 1
+            and (slots.is_cpu or slots.device == device))
+
+
+def _check_slots_on_host(name: str, slots: torch.Tensor | None, bound: int, unique: bool) -> None:
+    """Full check (synchronizes): every slot < bound, no repeated destination."""
+    if slots is None or slots.numel() == 0:
+        return
+    values = slots.detach().to("cpu", torch.int64)
+    bad = torch.nonzero(values >= bound)
+    if bad.numel():
+        i = int(bad[0, 0])
+        side = "source" if name.startswith("src") else "destination"
+        raise IndexError(f"{name}[{i}] = {int(values[i])} is out of range: the {side} holds {bound} slots")
+    if unique:
+        valid = values[values >= 0]
+        uniq, counts = torch.unique(valid, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"{name} repeats slot {int(uniq[counts > 1][0])}")
+
+
+def _launch_device(src: KVCache, dst: KVCache) -> torch.device:
+    devices = {src.device, dst.device}
+    if len(devices) > 1 and any(d.type == "meta" for d in devices):
+        raise ValueError(f"source on {src.device} and destination on {dst.device}: meta tensors hold no data, "
+                         "so a transfer between a meta and a real tensor would do nothing")
+    accel = [d for d in devices if d.type != "cpu"]
+    if len(accel) > 1:
+        raise ValueError(f"source on {src.device} and destination on {dst.device}: "
+                         "a transfer runs on one device (the other side may be pinned host memory)")
+    return accel[0] if accel else torch.device("cpu")
+
+
+def _check_pair(src: KVCache, dst: KVCache) -> None:
+    if src.itemsize != dst.itemsize or (src.dtype != dst.dtype and not (
+            src.dtype in INTEGER_STORAGE or dst.dtype in INTEGER_STORAGE)):
+        raise TypeError(f"dtypes differ: source {src.dtype}, destination {dst.dtype} (a copy is byte-exact: "
+                        "the element types must match, or one side must be raw integer storage of the same size)")
+    if src.row_width != dst.row_width:
+        g, h = src.geometry, dst.geometry
+        raise ValueError(f"row widths differ: source H*E = {g.H}*{g.E}, destination H*E = {h.H}*{h.E}")
+
+
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def validating(validate: bool | None) -> bool:
+    """``validate`` if given, else the ``KVLAYOUT_VALIDATE`` environment variable.
+
+    The variable reads 1/true/yes/on as on and 0/false/no/off (or empty) as
+    off, in any case; anything else is an error rather than a guess.
+    """
+    if validate is not None:
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be True, False or None, got {validate!r}")
+        return validate
+    raw = _environ_value()
+    known = _VALIDATE_READS.get(raw)
+    if known is not None:
+        return known
+    if raw is None:
+        value = ""
+    else:
+        value = os.environ.decodevalue(raw) if _ENV_KEY is not None else raw
+    flag = value.strip().lower()
+    if flag not in _ON and flag not in _OFF:
+        raise ValueError(f"KVLAYOUT_VALIDATE = {value!r} is not understood: use 1/true/yes/on or 0/false/no/off")
+    if len(_VALIDATE_READS) < 64:
+        _VALIDATE_READS[raw] = flag in _ON
+    return flag in _ON
+
+
+# os.environ.get runs Mapping.get and the key's encoding in Python (about 0.8 µs, a tenth of a
+# layer call's host budget); CPython's os.environ keeps the encoded variables in a dict that
+# every change of os.environ updates, so the variable is looked up there.
+_ENV_KEY = (os.environ.encodekey("KVLAYOUT_VALIDATE")
+            if isinstance(getattr(os.environ, "_data", None), dict) and hasattr(os.environ, "encodekey") else None)
+_VALIDATE_READS: dict = {}    # raw value of the variable -> its reading
+
+
+def _environ_value():
+    """The raw value of KVLAYOUT_VALIDATE in os.environ (None when unset)."""
+    if _ENV_KEY is not None:
+        return os.environ._data.get(_ENV_KEY)
+    return os.environ.get("KVLAYOUT_VALIDATE")
+
+
+@dataclasses.dataclass
+class TransferArgs:
+    """A transfer's arguments, checked and normalized (what :func:`transfer` and ``prepare`` share)."""
+
+    src_layers: list
+    dst_layers: list
+    src_planes: list
+    dst_planes: list
+    device: torch.device          # where the copy runs
+    src_slots: torch.Tensor | None
+    dst_slots: torch.Tensor | None
+    num_tokens: int
+    skip_prefix: int
+    max_ctas: int
+    validate: bool
+    engine: str
+
+
+ENGINES = ("kernel", "copy", "staged", "auto")
+
+
+def check_layers_and_planes(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes):
+    """The chosen layers and planes of both sides as index lists (same counts, no destination twice)."""
+    g_src, g_dst = src.geometry, dst.geometry
+    s_layers = as_index_list(g_src.L, src_layers, "src_layers")
+    d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers", unique=True)
+    if len(s_layers) != len(d_layers):
+        raise ValueError(f"src_layers has {len(s_layers)} layers, dst_layers {len(d_layers)}")
+    s_planes = as_index_list(g_src.P, src_planes, "src_planes")
+    d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes", unique=True)
+    if len(s_planes) != len(d_planes):
+        raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
+    return s_layers, d_layers, s_planes, d_planes
+
+
+def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, src_slots, dst_slots,
+                skip_prefix, num_tokens) -> tuple:
+    """``(src_slots, dst_slots, num_tokens, skip_prefix)`` checked for a transfer from ``src`` to ``dst``."""
+    if engine != "copy" and num_tokens is None and type(skip_prefix) is int and skip_prefix >= 0:
+        # the common call (slot tensors on the launch device, or None), checked in fewer steps
+        s_ok = src_slots is None or _slot_tensor_ok(src_slots, device)
+        if s_ok and (dst_slots is None or _slot_tensor_ok(dst_slots, device)):
+            if src_slots is not None:
+                T = src_slots.shape[0]
+                fits = dst_slots is None or dst_slots.shape[0] == T
+            elif dst_slots is not None:
+                T = dst_slots.shape[0]
+                fits = T <= src.geometry.N
+            else:
+                T = src.geometry.N
+                fits = False    # (None on both sides: the full check below says what T is)
+            if fits and skip_prefix <= T and (dst_slots is not None or T <= dst.geometry.N):
+                return src_slots, dst_slots, T, skip_prefix
+    skip_prefix = as_int("skip_prefix", skip_prefix, lo=0)
+    num_tokens = None if num_tokens is None else as_int("num_tokens", num_tokens, lo=0)
+    slot_device = torch.device("cpu") if engine == "copy" else device
+    s_slots = _slots_tensor("src_slots", src_slots, slot_device)
+    d_slots = _slots_tensor("dst_slots", dst_slots, slot_device)
+    if engine == "copy":
+        for name, slots in (("src_slots", s_slots), ("dst_slots", d_slots)):
+            if slots is not None and slots.device.type != "cpu":
+                raise ValueError(f"{name} is on {slots.device}: engine='copy' reads the slots on the host")
+    lengths = [s.shape[0] for s in (s_slots, d_slots) if s is not None]
+    if len(lengths) == 2 and lengths[0] != lengths[1]:
+        raise ValueError(f"src_slots and dst_slots differ in length: {sorted(lengths)}")
+    T = lengths[0] if lengths else (num_tokens if num_tokens is not None else src.geometry.N)
+    if num_tokens is not None and num_tokens != T:
+        raise ValueError(f"num_tokens = {num_tokens} but the slots hold {T} tokens")
+    for name, arg, slots, geom in (("source", "src_slots", s_slots, src.geometry),
+                                   ("destination", "dst_slots", d_slots, dst.geometry)):
+        if slots is None and T > geom.N:
+            raise IndexError(f"{T} positions exceed the {name}'s {geom.N} slots ({arg} is None, so token t "
+                             f"uses position t; num_tokens = {T} must be <= {geom.N})")
+    if not 0 <= skip_prefix <= T:
+        raise ValueError(f"skip_prefix = {skip_prefix} must lie in [0, {T}]")
+    if engine == "copy" and device.type != "cpu" and not torch.compiler.is_compiling():
+        # the kernel op checks every slot itself (CPU always, devices with validate=True, inside the
+        # op so compiled code keeps it); the copy engine reads the slots on the host but does not
+        # look for repeats
+        _check_slots_on_host("dst_slots", d_slots, dst.geometry.N, unique=True)
+    return s_slots, d_slots, T, skip_prefix
+
+
+def _choice_key(chosen):
+    """A layer/plane choice as a memo key: ``None`` or a tuple of exact ints (anything else: not memoized)."""
+    if chosen is None:
+        return None
+    if type(chosen) in (list, tuple):
+        key = tuple(chosen)
+        if (len(key) == 1 and type(key[0]) is int) or set(map(type, key)) <= _INT_ONLY:   # (one layer: the
+            return key                                                                     # common call)
+    raise TypeError   # checked the long way (it may be an error worth its message)
+
+
+_INT_ONLY = frozenset((int,))
+
+
+@dataclasses.dataclass
+class CheckedChoice:
+    """The slot-independent arguments of a transfer, checked: layers, planes, CTA budget, launch device.
+
+    ``program`` and ``status`` (the copy program's key and the device's
+    status word) are filled in by the first kernel call that uses the choice;
+    ``bound`` (the program bound to the caches' tensors, ``_C.PreparedCopy``)
+    by the second, so a repeated call goes straight to C++, which checks its
+    slots and launches.
+    """
+
+    src_layers: list
+    dst_layers: list
+    src_planes: list
+    dst_planes: list
+    max_ctas: int
+    device: torch.device
+    program: tuple | None = None
+    status: torch.Tensor | None = None
+    bound: object = None
+    kernel_calls: int = 0
+
+
+def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,
+                 engine) -> CheckedChoice:
+    """The checked slot-independent arguments of a transfer from ``src`` to ``dst``.
+
+    Remembered on the source cache per (destination, choice), since a layer-wise
+    pipeline makes the same call many times; an entry is used only for the
+    very destination object it was made for.
+    """
+    if (src_layers is None and dst_layers is None and src_planes is None and dst_planes is None
+            and max_ctas == 0 and type(max_ctas) is int and engine == "kernel"):
+        key = id(dst)   # the common call, with the cheapest key
+    else:
+        try:
+            key = (id(dst), _choice_key(src_layers), _choice_key(dst_layers), _choice_key(src_planes),
+                   _choice_key(dst_planes), max_ctas if type(max_ctas) is int else None, engine)
+        except TypeError:
+            key = None
+    if key is not None and torch.compiler.is_compiling():
+        key = None    # traced code checks every call (and keeps no memo)
+    if key is not None and (type(key) is int or key[5] is not None):
+        hit = src._checked_choices.get(key)
+        if hit is not None and hit[0]() is dst:
+            return hit[1]
+    _check_pair(src, dst)
+    layers_planes = check_layers_and_planes(src, dst, src_layers, dst_layers, src_planes, dst_planes)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
+    out = CheckedChoice(*layers_planes, max_ctas, _launch_device(src, dst))
+    if key is not None and (type(key) is int or key[5] is not None):
+        if len(src._checked_choices) >= 256:
+            src._checked_choices.clear()
+        # the binding holds the destination's tensors: released with the destination cache
+        src._checked_choices[key] = (weakref.ref(dst, lambda _: setattr(out, "bound", None)), out)
+    return out
+
+
+def transfer_args(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None,
+                  dst_layers=None, src_planes=None, dst_planes=None, skip_prefix: int = 0,
+                  num_tokens: int | None = None, max_ctas: int = 0, validate: bool | None = None,
+                  engine: str = "kernel") -> TransferArgs:
+    """Checks and normalizes :func:`transfer`'s arguments (errors name the argument)."""
+    c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
+    validate = validating(validate)
+    s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
+                                                   num_tokens)
+    return TransferArgs(c.src_layers, c.dst_layers, c.src_planes, c.dst_planes, c.device, s_slots, d_slots, T,
+                        skip_prefix, c.max_ctas, validate, engine)
+
+
+def check_disjoint(src: KVCache, dst: KVCache, used: tuple[set, set]) -> None:
+    """One tensor on both sides of a transfer (within one cache, move() is the way).
+
+    ``used``: the indices of the source and destination tensors the transfer
+    reads and writes (:func:`~kvlayout.ops.planner.tensors_used`).  The cheap,
+    common case, with the caches' tensor numbers in the message; it also works
+    while compiling, where tensors have no addresses.  Every other overlap
+    (views of one buffer, two storages over one buffer) the native op finds by
+    comparing address ranges.
+    """
+    for i in used[0]:
+        for j in used[1]:
+            if src.tensors[i] is dst.tensors[j]:
+                raise ValueError(f"source tensor {i} and destination tensor {j} overlap in memory; "
+                                 "use move() within one cache")

@@ -1,0 +1,57 @@
+"""Every cache kvlayout keeps, its bound, and how to change it.
+
+A serving process calls transfers for weeks with ever new token counts,
+tensors and layer subsets; nothing kvlayout remembers may grow without bound.
+
+=====================  ==========================================  ==============================
+cache                  holds                                       bound (setting / environment)
+=====================  ==========================================  ==============================
+``programs``           copy programs, per layout pair and choice   ``programs`` /
+                       (never per token count)                     ``KVLAYOUT_PROGRAM_CACHE`` (512);
+                                                                   pinned ones (prepared transfers,
+                                                                   compiled graphs) are never evicted
+``bindings``           programs bound to tensor addresses (C++;    ``bindings`` /
+                       data pointers and checked plans, no         ``KVLAYOUT_BINDING_CACHE`` (256)
+                       tensors)
+``choices``            checked arguments per (source cache,        256 per source cache, released
+                       destination cache, choice)                  with the caches
+``staging``            device copies of host chunks kept for       ``ops.staged.KEPT_STAGING`` (2)
+                       ``engine="staged"``
+``staged_groups``      staged layer groups per shape               256
+=====================  ==========================================  ==============================
+
+Least recently used entries go first (``choices`` and ``staged_groups`` are
+cleared when full).
+"""
+
+from __future__ import annotations
+
+from kvlayout import _C
+
+from . import programs, staged
+from .settings import environment_capacity
+
+
+def cache_info() -> dict:
+    """Entries and bounds of every cache, e.g. ``{"programs": 3, "programs_capacity": 512, ...}``."""
+    info = programs.cache_sizes()
+    info["programs_capacity"] = programs.program_cache_capacity()
+    info["bindings_capacity"] = _C.binding_cache_capacity()
+    info["staging"] = len(staged._KEPT)
+    info["staging_capacity"] = staged.KEPT_STAGING
+    info["staged_groups"] = len(staged._GROUPS)
+    return info
+
+
+def set_cache_capacity(*, programs: int | None = None, bindings: int | None = None) -> None:
+    """Bound the program registry and the native binding cache (entries beyond the bound are evicted now)."""
+    from . import programs as registry   # (the argument shadows the module's name)
+    if programs is not None:
+        registry.set_program_cache_capacity(programs)
+    if bindings is not None:
+        if type(bindings) is not int or bindings < 1:
+            raise ValueError(f"the binding cache capacity must be a positive int, got {bindings!r}")
+        _C.set_binding_cache_capacity(bindings)
+
+
+_C.set_binding_cache_capacity(environment_capacity("KVLAYOUT_BINDING_CACHE", 256))
