@@ -51,7 +51,8 @@ def _want_sycl():
 
 def _extension():
     include_dirs = [os.path.join(ROOT, EXT, "include"), os.path.join(ROOT, EXT)]
-    sources = _sources("registration.cpp", "python_module.cpp", "program.cpp", "copy_plan.cpp", "slots.cpp", "rope_plan.cpp", "device_args.cpp", "cpu/*.cpp")
+    sources = _sources("registration.cpp", "python_module.cpp", "program.cpp", "copy_plan.cpp", "slots.cpp",
+                       "rope_plan.cpp", "device_args.cpp", "cpu/*.cpp")
     cxx_flags = ["-O3", "-std=c++17"]
     define_macros = []
 

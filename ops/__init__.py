@@ -23,12 +23,12 @@ Operations (same names and rules as ``kvlayout.reference``): ``transfer``,
 copy program, ``kvlayout.ops.program``) and ``torch.ops.kvlayout.rope_reposition``.
 """
 
+from .caches import cache_info, set_cache_capacity
 from .pages import dummy_flat_page, get_page, page_buffer_meta, page_spans, set_page, zero_page
 from .prepared import PreparedTransfer, prepare
+from .programs import plan
 from .rope import rope_reposition
 from .staged import release_staging
-from .caches import cache_info, set_cache_capacity
-from .programs import plan
 from .transfer import check_errors, explain, gather, move, scatter, skip_prefix, transfer
 from .views import KVCache, bind
 

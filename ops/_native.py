@@ -141,6 +141,8 @@ def status_tensor(device) -> torch.Tensor:
             t = _status.get(device)
             if t is None:
                 t = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
+                # static to compiled code: its size (5) is no symbol a token count of 5 could be tied to
+                torch._dynamo.mark_static(t)
                 _status[device] = t
     return t
 

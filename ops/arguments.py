@@ -114,8 +114,8 @@ def validating(validate: bool | None) -> bool:
     flag = value.strip().lower()
     if flag not in _ON and flag not in _OFF:
         raise ValueError(f"KVLAYOUT_VALIDATE = {value!r} is not understood: use 1/true/yes/on or 0/false/no/off")
-    if len(_VALIDATE_READS) < 64:
-        _VALIDATE_READS[raw] = flag in _ON
+    if len(_VALIDATE_READS) < 64 and not torch.compiler.is_compiling():   # (a graph guards on what it reads:
+        _VALIDATE_READS[raw] = flag in _ON                                 # a memo it fills would recompile it)
     return flag in _ON
 
 

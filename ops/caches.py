@@ -45,7 +45,7 @@ def cache_info() -> dict:
 
 def set_cache_capacity(*, programs: int | None = None, bindings: int | None = None) -> None:
     """Bound the program registry and the native binding cache (entries beyond the bound are evicted now)."""
-    from . import programs as registry   # (the argument shadows the module's name)
+    from . import programs as registry  # (the argument shadows the module's name)
     if programs is not None:
         registry.set_program_cache_capacity(programs)
     if bindings is not None:

@@ -18,6 +18,7 @@ the memory used to be.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -26,8 +27,21 @@ from kvlayout import _C
 
 from . import _native, routes
 from .arguments import TransferArgs, check_slots, transfer_args
-from .programs import compiled_program_handle, program_handle, program_key, resolve, unpin
+from .programs import program_handle, program_key, resolve, unpin
 from .views import KVCache, as_int, bind
+
+
+class _Pin:
+    """A prepared transfer's pin of its program: released with the transfer, unless a compiled graph keeps
+    the handle (then for the life of the process)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+        self.by_graph = False
+
+    def release(self) -> None:
+        if not self.by_graph:
+            unpin(self.handle)
 
 
 class PreparedTransfer:
@@ -49,7 +63,8 @@ class PreparedTransfer:
         self._key = program_key(src, dst, args.src_layers, args.dst_layers, args.src_planes, args.dst_planes)
         # pinned while this transfer lives: its program stays registered (see kvlayout.ops.programs)
         self._handle = program_handle(self._key, pin=True)
-        weakref.finalize(self, unpin, self._handle)
+        self._pin = _Pin(self._handle)
+        weakref.finalize(self, self._pin.release)
         if args.engine == "copy":
             routes.check_not_shared(src, dst, args)
             self._steps = [resolve(self._handle, k, src, dst) for k in range(1 + self._num_layers)]
@@ -90,7 +105,8 @@ class PreparedTransfer:
         a = self._args
         s, d, T, skip = check_slots(self.src, self.dst, a.device, a.engine, src_slots, dst_slots, skip_prefix,
                                     num_tokens)
-        a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix = s, d, T, skip
+        # one new object: a call on another thread sees the old arguments or the new ones, never a mix
+        self._args = dataclasses.replace(a, src_slots=s, dst_slots=d, num_tokens=T, skip_prefix=skip)
         self._set_call()
         return self
 
@@ -117,10 +133,10 @@ class PreparedTransfer:
             # program's handle is a constant of the graph, pinned for the life of the process
             slots = a.src_slots if a.src_slots is not None else a.dst_slots
             num_tokens = slots.shape[0] if slots is not None else a.num_tokens
-            handle = compiled_program_handle(self._key)
+            self._pin.by_graph = True   # the graph keeps the handle: the program stays registered
         else:
-            num_tokens, handle = a.num_tokens, self._handle
-        torch.ops.kvlayout.copy_program(handle, list(self.src.tensors), list(self.dst.tensors), a.src_slots,
+            num_tokens = a.num_tokens
+        torch.ops.kvlayout.copy_program(self._handle, list(self.src.tensors), list(self.dst.tensors), a.src_slots,
                                         a.dst_slots, step, num_tokens, a.skip_prefix, a.max_ctas, self._status,
                                         a.validate)
 

@@ -27,7 +27,6 @@ from .planner import cache_spec, program_steps
 from .settings import environment_capacity
 from .views import KVCache
 
-
 _lock = threading.Lock()
 _handles: collections.OrderedDict = collections.OrderedDict()   # program key -> handle, least recent first
 _pins: dict[int, int] = {}                                       # handle -> pin count
@@ -94,6 +93,17 @@ def compiled_program_handle(key: tuple) -> int:
     """:func:`program_handle` for compiled code: evaluated while tracing, kept in the graph as a constant,
     so the program stays pinned for the life of the process."""
     return program_handle(key, pin=True)
+
+
+def clear_unpinned() -> None:
+    """Drops every program nothing pins (the next call of a choice plans it again)."""
+    global _capacity
+    with _lock:
+        saved, _capacity = _capacity, 0
+        try:
+            _evict()
+        finally:
+            _capacity = saved
 
 
 def set_program_cache_capacity(capacity: int) -> None:

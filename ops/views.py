@@ -24,6 +24,8 @@ import torch
 from kvlayout.reference import semantics as rules
 from kvlayout.reference.layouts import AXES, Geometry, Layout, Part, get, infer_geometry
 
+from . import _native
+
 INTEGER_STORAGE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
@@ -97,8 +99,12 @@ class KVCache:
         # what a transfer plan depends on: layout, sizes, element size and strides (not the data pointers)
         self.signature = (self.layout.name, self.geometry, self.itemsize,
                           tuple(tuple(pv.strides[a] for a in AXES) for pv in self.parts))
-        # (destination, choice) -> checked transfer arguments (ops.transfer's memo; see _pair_choice)
+        # (destination, choice) -> checked transfer arguments (ops.transfer's memo; see checked_choice)
         self._checked_choices: dict = {}
+        if self.device.type != "meta" and not torch.compiler.is_compiling():
+            # the device's status word exists before any compiled code uses the cache: made while tracing,
+            # it would be a change the first graph's guards see, and the graph would be traced again
+            _native.status_tensor(self.device)
 
     # -- construction -------------------------------------------------------------------
     def _split_parts(self, tensors) -> tuple:

@@ -1,6 +1,5 @@
 """The conformance runner itself: it passes on the real ops, fails on a broken one, names absent devices."""
 
-import importlib
 import json
 import os
 import shlex
@@ -9,8 +8,7 @@ import pytest
 import torch
 
 from kvlayout.conformance import runner
-
-transfer_module = importlib.import_module("kvlayout.ops.transfer")
+from kvlayout.ops import planner, programs
 
 
 def _run(tmp_path, *args):
@@ -40,20 +38,21 @@ def test_tiny_cpu_run_passes_and_writes_both_reports(tmp_path, capsys):
     assert "kvlayout conformance: PASS" in out and "family" in out
 
 
-def _swap_first_two_destination_segments(plan):
-    """A broken op layer: the first two (layer, plane) destinations of each launch trade places."""
+def _swap_first_two_destination_segments(launches):
+    """A broken planner: the first two (layer, plane) destinations of each launch trade places."""
     def broken(*args, **kwargs):
-        launches = plan(*args, **kwargs)
-        for launch in launches:
-            seg = launch.dst_segments
-            if len(seg) >= 4:
-                seg[0:2], seg[2:4] = seg[2:4], seg[0:2]
-        return launches
+        planned = launches(*args, **kwargs)
+        for launch in planned:
+            seg = launch[3][1]
+            if len(seg) >= 2:
+                seg[0], seg[1] = seg[1], seg[0]
+        return planned
     return broken
 
 
 def test_runner_catches_a_broken_op_and_reduces_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(transfer_module, "plan", _swap_first_two_destination_segments(transfer_module.plan))
+    monkeypatch.setattr(planner, "launches", _swap_first_two_destination_segments(planner.launches))
+    programs.clear_unpinned()                    # programs planned before the fault was put in place
     monkeypatch.setattr(runner, "MAX_SHRUNK_GROUPS", 1)
     code, _, data, markdown = _run(tmp_path, "--device", "cpu", "--only", "transfer", "--examples", "12",
                                    "--shrink-seconds", "20")
@@ -70,6 +69,7 @@ def test_runner_catches_a_broken_op_and_reduces_it(tmp_path, monkeypatch, capsys
     assert sample.startswith("TransferSample(")
     assert runner.main(["--device", "cpu", "--replay", sample]) == 1
     monkeypatch.undo()
+    programs.clear_unpinned()
     assert runner.main(["--device", "cpu", "--replay", sample]) == 0
     assert "PASS" in capsys.readouterr().out
 

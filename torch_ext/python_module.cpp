@@ -168,8 +168,11 @@ class PreparedCopy {
   void set_call(std::optional<at::Tensor> src_slots, std::optional<at::Tensor> dst_slots,
                 int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, bool validate,
                 bool dependent_launch, bool early_loads) {
-    args_ = RunArgs{std::move(src_slots), std::move(dst_slots), num_tokens, skip_prefix, max_ctas,
-                    validate, dependent_launch, early_loads};
+    RunArgs next{std::move(src_slots), std::move(dst_slots), num_tokens, skip_prefix, max_ctas,
+                 validate, dependent_launch, early_loads};
+    // Swapped in whole, then the old arguments are released: releasing a tensor may run Python
+    // code (and let another thread run), which must never see half of the new arguments.
+    std::swap(args_, next);
   }
 
   void run(int64_t step) const {
