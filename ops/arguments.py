@@ -103,7 +103,7 @@ def validating(validate: bool | None) -> bool:
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be True, False or None, got {validate!r}")
         return validate
-    raw = _environ_value()
+    raw = os.environ._data.get(_ENV_KEY) if _ENV_KEY is not None else os.environ.get("KVLAYOUT_VALIDATE")
     known = _VALIDATE_READS.get(raw)
     if known is not None:
         return known
@@ -125,13 +125,6 @@ def validating(validate: bool | None) -> bool:
 _ENV_KEY = (os.environ.encodekey("KVLAYOUT_VALIDATE")
             if isinstance(getattr(os.environ, "_data", None), dict) and hasattr(os.environ, "encodekey") else None)
 _VALIDATE_READS: dict = {}    # raw value of the variable -> its reading
-
-
-def _environ_value():
-    """The raw value of KVLAYOUT_VALIDATE in os.environ (None when unset)."""
-    if _ENV_KEY is not None:
-        return os.environ._data.get(_ENV_KEY)
-    return os.environ.get("KVLAYOUT_VALIDATE")
 
 
 @dataclasses.dataclass

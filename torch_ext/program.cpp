@@ -261,9 +261,11 @@ void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory fact
 }
 
 BoundProgram::Fingerprint BoundProgram::fingerprint(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return {};
-  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();  // (no reference count)
-  return {t.data_ptr(), storage.unsafeGetStorageImpl(), static_cast<int64_t>(storage.nbytes())};
+  if (!t.defined()) return {};
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();  // (no reference count)
+  if (storage == nullptr) return {};
+  return {storage, storage->data(), static_cast<int64_t>(storage->nbytes()), impl->storage_offset()};
 }
 
 BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList dst,
@@ -297,6 +299,7 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
           step.read.push_back(i);
         used[j] = 1;
       }
+      step.bytes_per_token += plan.num_segments * plan.row_bytes();
       step.launches.push_back(factory(plan, src, dst, device, status));
       step.plans.push_back(std::move(plan));
     }

@@ -189,6 +189,8 @@ class BoundProgram {
 
   // Written tensors of a step (for autograd's version counters).
   const std::vector<int64_t>& written(int64_t step) const { return steps_[step].written; }
+  // Bytes one token of step `step` moves (every segment's row).
+  int64_t bytes_per_token(int64_t step) const { return steps_[step].bytes_per_token; }
 
  private:
   struct Step {
@@ -196,13 +198,18 @@ class BoundProgram {
     std::vector<std::unique_ptr<BoundLaunch>> launches;
     std::vector<int64_t> written;  // dst tensor indices this step writes
     std::vector<int64_t> read;     // src tensor indices this step reads
+    int64_t bytes_per_token = 0;
   };
+  // Where a tensor's data is: its storage, the storage's memory and size, and
+  // the tensor's offset into it (read without the checks of data_ptr(): this
+  // runs for every bound tensor on every call).
   struct Fingerprint {
-    const void* data = nullptr;
     const void* storage = nullptr;
+    const void* memory = nullptr;
     int64_t nbytes = 0;
+    int64_t offset = 0;
     bool operator==(const Fingerprint& o) const {
-      return data == o.data && storage == o.storage && nbytes == o.nbytes;
+      return storage == o.storage && memory == o.memory && nbytes == o.nbytes && offset == o.offset;
     }
   };
   static Fingerprint fingerprint(const at::Tensor& t);

@@ -132,13 +132,20 @@ void bump_written(const BoundProgram& bound, int64_t step, at::TensorList dst) {
     if (!dst[j].is_inference()) dst[j].unsafeGetTensorImpl()->bump_version();
 }
 
+// A host copy of at least this many bytes releases the GIL while it runs
+// (below it, releasing and taking it back would cost more than the copy).
+constexpr int64_t kReleaseGilBytes = 64 << 10;
+
 // `args` is the caller's own copy: the run owns every tensor it reads, even
 // while the GIL is released and another thread replaces the arguments it was
 // copied from.
 void run_bound(const BoundProgram& bound, int64_t step, at::TensorList dst, const RunArgs& args) {
   check_written(bound, step, dst);
-  if (bound.device().is_cpu()) {
-    py::gil_scoped_release release;  // a host copy may take a while
+  const bool long_host_copy =
+      bound.device().is_cpu() && step >= 0 && step < bound.num_steps() &&
+      (args.num_tokens - args.skip_prefix) * bound.bytes_per_token(step) >= kReleaseGilBytes;
+  if (long_host_copy) {
+    py::gil_scoped_release release;  // other Python threads run meanwhile
     bound.run(step, args);
   } else {
     bound.run(step, args);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
 
 namespace kvlayout {
@@ -12,7 +13,9 @@ namespace {
 // a slot first.
 class SlotSet {
  public:
-  explicit SlotSet(int64_t n) {
+  // The table lives in this thread's scratch memory (reused call after call:
+  // a layer call must not pay for allocations); one SlotSet per thread at a time.
+  explicit SlotSet(int64_t n) : slot_(scratch().slot), token_(scratch().token) {
     size_t cap = 16;
     while (cap < static_cast<size_t>(2 * n)) cap <<= 1;
     mask_ = cap - 1;
@@ -32,8 +35,16 @@ class SlotSet {
   }
 
  private:
+  struct Scratch {
+    std::vector<int64_t> slot, token;
+  };
+  static Scratch& scratch() {
+    thread_local Scratch s;
+    return s;
+  }
   size_t mask_;
-  std::vector<int64_t> slot_, token_;
+  std::vector<int64_t>& slot_;
+  std::vector<int64_t>& token_;
 };
 
 }  // namespace
@@ -99,33 +110,85 @@ void check_slots_in_range_on_host(const CopyPlan& p) {
   }
 }
 
-void read_slots_once(CopyPlan& p, HostSlots& copy, bool unique_dst) {
-  if (p.empty()) return;
-  const bool src_identity = p.src_slots.identity != 0;
-  const bool dst_identity = p.dst_slots.identity != 0;
-  if (!src_identity) copy.src.assign(p.num_tokens, -1);
-  if (!dst_identity) copy.dst.assign(p.num_tokens, -1);
-  const bool check_unique = unique_dst && !dst_identity;
+namespace {
+
+// How a slot array is read: no tensor, or int32 / int64 elements. The read
+// loop is instantiated per pair of kinds, so its loads do not branch.
+enum SlotKind { kIdentity = 0, kInt32 = 1, kInt64 = 2 };
+
+SlotKind kind_of(const SlotArray& a) {
+  return a.identity ? kIdentity : a.elem_bytes == 8 ? kInt64 : kInt32;
+}
+
+template <int K>
+inline int64_t load_slot(const SlotArray& a, int64_t t) {
+  if constexpr (K == kIdentity) {
+    return t;
+  } else if constexpr (K == kInt64) {
+    return static_cast<const volatile int64_t*>(a.data)[t * a.stride];  // one load (volatile)
+  } else {
+    return static_cast<const volatile int32_t*>(a.data)[t * a.stride];
+  }
+}
+
+template <int S, int D>
+TokenRange read_loop(CopyPlan& p, HostSlots& copy, bool check_unique) {
+  TokenRange active{p.num_tokens, p.num_tokens};
   SlotSet seen(check_unique ? p.num_tokens - p.skip_prefix : 0);
+  int64_t* src_copy = S == kIdentity ? nullptr : copy.src.data();
+  int64_t* dst_copy = D == kIdentity ? nullptr : copy.dst.data();
   for (int64_t t = p.skip_prefix; t < p.num_tokens; ++t) {
-    const int64_t s = p.src_slots.load(t);  // the one load of each slot
-    const int64_t d = p.dst_slots.load(t);
-    if (!src_identity) copy.src[t] = s;
-    if (!dst_identity) copy.dst[t] = d;
+    const int64_t s = load_slot<S>(p.src_slots, t);  // the one load of each slot
+    const int64_t d = load_slot<D>(p.dst_slots, t);
+    if constexpr (S != kIdentity) src_copy[t] = s;
+    if constexpr (D != kIdentity) dst_copy[t] = d;
     if (s < 0 || d < 0) continue;
     if (s >= p.src_geom.num_slots)
-      raise_slot_out_of_range("src_slots", src_identity, t, s, p.src_geom.num_slots);
+      raise_slot_out_of_range("src_slots", S == kIdentity, t, s, p.src_geom.num_slots);
     if (d >= p.dst_geom.num_slots)
-      raise_slot_out_of_range("dst_slots", dst_identity, t, d, p.dst_geom.num_slots);
+      raise_slot_out_of_range("dst_slots", D == kIdentity, t, d, p.dst_geom.num_slots);
     if (check_unique) {
       const int64_t first = seen.insert(d, t);
       TORCH_CHECK_VALUE(first < 0, "kvlayout: dst_slots repeats slot ", d, " (dst_slots[", first,
                         "] and dst_slots[", t, "]): a destination slot may be written by one "
                         "token only");
     }
+    if (active.first == p.num_tokens) active.first = t;
+    active.end = t + 1;
   }
-  if (!src_identity) p.src_slots = SlotArray{copy.src.data(), 1, 8, 0};
-  if (!dst_identity) p.dst_slots = SlotArray{copy.dst.data(), 1, 8, 0};
+  return active;
+}
+
+template <int S>
+TokenRange read_loop_for(SlotKind d, CopyPlan& p, HostSlots& copy, bool check_unique) {
+  switch (d) {
+    case kIdentity: return read_loop<S, kIdentity>(p, copy, check_unique);
+    case kInt32: return read_loop<S, kInt32>(p, copy, check_unique);
+    default: return read_loop<S, kInt64>(p, copy, check_unique);
+  }
+}
+
+}  // namespace
+
+TokenRange read_slots_once(CopyPlan& p, HostSlots& copy, bool unique_dst) {
+  if (p.empty()) return TokenRange{p.num_tokens, p.num_tokens};
+  const SlotKind s = kind_of(p.src_slots), d = kind_of(p.dst_slots);
+  // (every token the loop reads is written; the skipped prefix holds -1)
+  if (s != kIdentity) {
+    copy.src.resize(p.num_tokens);
+    std::fill_n(copy.src.begin(), p.skip_prefix, -1);
+  }
+  if (d != kIdentity) {
+    copy.dst.resize(p.num_tokens);
+    std::fill_n(copy.dst.begin(), p.skip_prefix, -1);
+  }
+  const bool check_unique = unique_dst && d != kIdentity;
+  const TokenRange active = s == kIdentity ? read_loop_for<kIdentity>(d, p, copy, check_unique)
+                            : s == kInt32  ? read_loop_for<kInt32>(d, p, copy, check_unique)
+                                           : read_loop_for<kInt64>(d, p, copy, check_unique);
+  if (s != kIdentity) p.src_slots = SlotArray{copy.src.data(), 1, 8, 0};
+  if (d != kIdentity) p.dst_slots = SlotArray{copy.dst.data(), 1, 8, 0};
+  return active;
 }
 
 void validate_slots_on_host(const CopyPlan& p, const std::optional<at::Tensor>& src_slots,

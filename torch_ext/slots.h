@@ -47,8 +47,13 @@ struct HostSlots {
 // identity), and checks the copies: every slot < the side's slot count
 // (IndexError naming the argument, token, value and bound) and, when
 // `unique_dst`, no destination slot written by two tokens (ValueError naming
-// both tokens). Linear time. Slots must be host-readable.
-void read_slots_once(CopyPlan& plan, HostSlots& copy, bool unique_dst);
+// both tokens). Linear time. Slots must be host-readable. Returns the tokens
+// [first, end) that have a row to move (both slots >= 0; empty when none):
+// a walk over the rest would find nothing.
+struct TokenRange {
+  int64_t first = 0, end = 0;
+};
+TokenRange read_slots_once(CopyPlan& plan, HostSlots& copy, bool unique_dst);
 
 // validate=True of device backends: copies the slot tensors to the host (a
 // synchronisation) and checks the copies as read_slots_once does (range and

@@ -33,31 +33,39 @@ void check_on_cpu(at::TensorList ts, const char* name) {
 class CpuLaunch final : public BoundLaunch {
  public:
   // `src`/`dst`: CPU tensors (checked by the caller).
-  CpuLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst) {
+  CpuLaunch(const CopyPlan& plan, at::TensorList src, at::TensorList dst) : walk_(plan) {
     src_base_.resize(plan.num_segments);
     dst_base_.resize(plan.num_segments);
     for (int64_t g = 0; g < plan.num_segments; ++g) {
       src_base_[g] = static_cast<const char*>(src[plan.src_tensor[g]].data_ptr()) + plan.src_offset[g];
       dst_base_[g] = static_cast<char*>(dst[plan.dst_tensor[g]].data_ptr()) + plan.dst_offset[g];
     }
+    // the walk needs the geometry, not the segment lists (the bases replace them): a run copies no vector
+    walk_.src_tensor.clear();
+    walk_.src_offset.clear();
+    walk_.dst_tensor.clear();
+    walk_.dst_offset.clear();
   }
 
   void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
            const RunArgs& args) const override {
-    // the CPU checks every slot and raises; no CTA budget
-    run_plan(plan_for_run(plan, src_slots, dst_slots, args));
+    (void)plan;  // the CPU checks every slot and raises; no CTA budget
+    CopyPlan p = plan_for_run(walk_, src_slots, dst_slots, args);
+    run_plan(p);
   }
 
   // Each slot is read once into the op's own copy, checked there (range, and
   // no destination slot twice: two tokens writing one row would race), and
-  // the copy is what the walk uses.
-  void run_plan(CopyPlan p) const {
+  // the copy is what the walk uses. The copy is this thread's scratch memory,
+  // reused from call to call.
+  void run_plan(CopyPlan& p) const {
     if (p.empty()) return;
-    HostSlots slots;
-    read_slots_once(p, slots, /*unique_dst=*/true);
+    thread_local HostSlots slots;
+    const TokenRange active = read_slots_once(p, slots, /*unique_dst=*/true);
+    if (active.first >= active.end) return;  // no token has a row to move
     const int64_t bytes_per_token = std::max<int64_t>(1, p.num_segments * p.row_bytes());
     const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / bytes_per_token);
-    at::parallel_for(p.skip_prefix, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(active.first, active.end, grain, [&](int64_t begin, int64_t end) {
       for_each_block(p, begin, end, [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
         std::memmove(dst_base_[g] + dof, src_base_[g] + so, static_cast<size_t>(bytes));
       });
@@ -65,6 +73,7 @@ class CpuLaunch final : public BoundLaunch {
   }
 
  private:
+  CopyPlan walk_;  // the bound plan without its segment lists
   std::vector<const char*> src_base_;
   std::vector<char*> dst_base_;
 };
@@ -92,11 +101,12 @@ void copy_rows_cpu(at::TensorList src, at::TensorList dst,
   (void)validate;  // CPU always validates every slot
   check_on_cpu(src, "src");
   check_on_cpu(dst, "dst");
-  const CopyPlan p =
+  CopyPlan p =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, max_ctas);
   if (p.empty()) return;
-  CpuLaunch(p, src, dst).run_plan(p);
+  CpuLaunch launch(p, src, dst);
+  launch.run_plan(p);
 }
 
 // The copy-engine op on CPU is the same host walk: one memmove per block.
