@@ -341,23 +341,27 @@ def kvlayout_fn(case: Case, data: dict):
 # The pure-torch baseline
 # ---------------------------------------------------------------------------------------------
 
-def launch_fn(calls: int):
-    """The launch yardstick of the host_cost rows on CUDA: ``calls`` bare kernel launches through torch's
-    C++ binding (``torch.cuda._sleep(0)``: no dispatcher, no tensor), what a launch alone costs the host."""
+def launch_fn(device: torch.device, calls: int):
+    """The launch yardstick of the host_cost rows: ``calls`` bare launches through torch's C++ bindings, no
+    dispatcher and no tensor: a kernel launch on CUDA (``torch.cuda._sleep(0)``), on the CPU (where a
+    kernel is a function call) one call into the bindings that does nothing (``torch._C._get_tracing_state()``)."""
+    bare = (lambda: torch.cuda._sleep(0)) if device.type == "cuda" else torch._C._get_tracing_state
+
     def launches():
         for _ in range(calls):
-            torch.cuda._sleep(0)
+            bare()
     return launches
 
 
 def torch_op_fn(device: torch.device, calls: int):
     """The host cost yardstick of the host_cost rows: ``calls`` torch ops launching one kernel each
-    (``zero_`` of a one-element tensor on ``device``), what an eager op costs the host on this machine."""
-    x = torch.ones(1, device=device)
+    (``index_select`` of three rows of a small tensor on ``device``), what an eager op costs the host here."""
+    x = torch.ones(16, 4, device=device)
+    index = torch.tensor([1, 2, 3], device=device)
 
     def ops():
         for _ in range(calls):
-            x.zero_()
+            torch.index_select(x, 0, index)
     return ops
 
 

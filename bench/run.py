@@ -115,8 +115,10 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
     row.update(median_us=ours.median * 1e6, host_us=ours.host * 1e6, host_us_per_call=ours.host * 1e6 / case.calls)
     if case.empty:   # nothing moved: only the host time means something; beside it, torch's own per op
         row["torch_op_host_us"] = timer(C.torch_op_fn(timer.device, case.calls)).host * 1e6 / case.calls
-        if timer.cuda:
-            row["launch_host_us"] = timer(C.launch_fn(case.calls)).host * 1e6 / case.calls
+        row["launch_host_us"] = timer(C.launch_fn(timer.device, case.calls)).host * 1e6 / case.calls
+        # the budget: a call costs at most one torch op; a prepared layer call at most a bare launch + 1 µs
+        row["x_torch_op"] = row["host_us_per_call"] / row["torch_op_host_us"]
+        row["over_launch_us"] = row["host_us_per_call"] - row["launch_host_us"]
         return row
     row.update(gbps=ours.gbps(nbytes), spread=ours.spread)
     if timer.cuda:

@@ -68,13 +68,20 @@ def host_cost(rows: list[dict]) -> str:
              (True, "prepared-serial"): "one prepared layer call without programmatic dependent launch",
              (True, "prepared-no-launch"): "one prepared layer call that launches nothing (`skip_prefix` = T)"}
     costs = [r for r in rows if r["group"] == "host_cost"]
-    parts = [f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs" for r in costs]
-    yardsticks = [("one torch op, `x.zero_()` of a one-element tensor on the bench's device", "torch_op_host_us"),
-                  ("one bare kernel launch, `torch.cuda._sleep(0)`", "launch_host_us")]
+    parts = []
+    for r in costs:
+        ratio = ""
+        if "x_torch_op" in r:
+            ratio = f" ({r['x_torch_op']:.2f}× one torch op, bare launch {r['over_launch_us']:+.1f} µs)"
+        parts.append(f"{names[(r['layerwise'], r['call'])]} {r['host_us_per_call']:.1f} µs{ratio}")
+    yardsticks = [("one torch op, `index_select` of three rows of a small tensor on the bench's device",
+                   "torch_op_host_us"),
+                  ("one bare launch (`torch.cuda._sleep(0)`; on the CPU one empty call into torch's bindings)",
+                   "launch_host_us")]
     beside = [f"{what}: {statistics.median(values):.1f} µs" for what, key in yardsticks
               if (values := [r[key] for r in costs if key in r])]
     same_run = f" (in the same run, {'; '.join(beside)})" if beside else ""
-    return "Host cost per call with nothing to move (`host_cost` rows): " + ", ".join(parts) + same_run + "."
+    return "Host cost per call with nothing to move (`host_cost` rows): " + "; ".join(parts) + same_run + "."
 
 
 def staged(rows: list[dict]) -> str:

@@ -248,3 +248,27 @@ def test_export_with_dynamic_tokens(device, cache):
         got = exported.module()(torch.from_numpy(s).to(device), chunk)
         TC.sync(device)
         TC.assert_same_bytes(got, R.transfer(CACHE, physical, CHUNK, before, s, None), f"exported, {T} tokens")
+
+
+def test_reduce_overhead_cuda_graphs(cuda_device):
+    """mode="reduce-overhead" (inductor + CUDA graphs) with a dynamic token count: one dynamo graph,
+    the captured op replays with each call's slots, results equal to the reference."""
+    rng = np.random.default_rng(8)
+    physical = S.random_cache(CACHE, GEOM, "bfloat16", rng)
+    kv = ops.bind(CACHE, TC.to_torch(CACHE, physical, cuda_device))
+
+    def step(slots, chunk):
+        ops.transfer(kv, ops.bind(CHUNK, chunk), slots)
+        return chunk * 1    # an output the graph produces (CUDA graphs replay into it)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fn = torch.compile(step, fullgraph=True, mode="reduce-overhead", dynamic=True)
+    for T in TOKEN_COUNTS + TOKEN_COUNTS[:3]:    # sizes seen before replay their recorded graphs
+        s = _rng_slots(rng, T)
+        before = S.random_cache(CHUNK, _chunk_geometry(T), "bfloat16", rng)
+        chunk = TC.to_torch(CHUNK, before, cuda_device)
+        got = fn(torch.from_numpy(s).to(cuda_device), chunk).clone()
+        TC.sync(cuda_device)
+        TC.assert_same_bytes(got, R.transfer(CACHE, physical, CHUNK, before, s, None), f"{T} tokens")
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
