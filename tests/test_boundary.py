@@ -112,7 +112,7 @@ def test_the_raw_op_refuses_freed_slots(device):
 # Threads
 # ---------------------------------------------------------------------------------------------
 
-ROUNDS = int(os.environ.get("KVLAYOUT_THREAD_ROUNDS", "10000"))
+ROUNDS = int(os.environ.get("KVLAYOUT_THREAD_ROUNDS", "2000"))   # (the recorded H200 run: 10000)
 THREADS = 8
 
 
@@ -251,7 +251,8 @@ def test_program_registry_evicts_unpinned_programs_only(device):
         t = ops.prepare(kv, pool, torch.arange(3, device=device), torch.arange(3, device=device))
         handles = [programs.program_handle(programs.program_key(kv, pool, [i], [i], [0, 1], [0, 1]))
                    for i in range(6)]
-        assert ops.cache_info()["programs"] <= 4 + 1
+        info = ops.cache_info()
+        assert info["programs"] <= 4 + info["pinned_programs"]   # (compiled graphs elsewhere pin theirs)
         t.layer(2)                                     # its program is still registered
         with pytest.raises(IndexError, match="no copy program has handle"):
             torch.ops.kvlayout.copy_program(handles[0], list(kv.tensors), list(pool.tensors), None, None, 0, 1, 0,
