@@ -154,12 +154,19 @@ def check_layers_and_planes(src: KVCache, dst: KVCache, src_layers, dst_layers, 
     s_layers = as_index_list(g_src.L, src_layers, "src_layers")
     d_layers = as_index_list(g_dst.L, dst_layers, "dst_layers", unique=True)
     if len(s_layers) != len(d_layers):
-        raise ValueError(f"src_layers has {len(s_layers)} layers, dst_layers {len(d_layers)}")
+        raise ValueError(f"the source gives {_chosen(len(s_layers), src_layers, 'src_layers', 'layer')} but the "
+                         f"destination takes {_chosen(len(d_layers), dst_layers, 'dst_layers', 'layer')}")
     s_planes = as_index_list(g_src.P, src_planes, "src_planes")
     d_planes = as_index_list(g_dst.P, dst_planes, "dst_planes", unique=True)
     if len(s_planes) != len(d_planes):
-        raise ValueError(f"source copies {len(s_planes)} planes, destination {len(d_planes)}")
+        raise ValueError(f"the source gives {_chosen(len(s_planes), src_planes, 'src_planes', 'plane')} but the "
+                         f"destination takes {_chosen(len(d_planes), dst_planes, 'dst_planes', 'plane')}")
     return s_layers, d_layers, s_planes, d_planes
+
+
+def _chosen(count: int, given, name: str, what: str) -> str:
+    """``"2 layers (src_layers)"`` or, where the argument was left out, ``"4 layers (all of its layers)"``."""
+    return f"{count} {what}{'s' if count != 1 else ''} ({name if given is not None else f'all of its {what}s'})"
 
 
 def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, src_slots, dst_slots,
@@ -210,6 +217,22 @@ def check_slots(src: KVCache, dst: KVCache, device: torch.device, engine: str, s
     return s_slots, d_slots, T, skip_prefix
 
 
+def repeated_call_key(dst: KVCache, src_layers, dst_layers):
+    """The memo key of the two calls an engine repeats in its step loop, or None for any other call.
+
+    All layers (``id(dst)``), or one layer on each side given as one-int lists
+    (``(id(dst), src_layer, dst_layer)``), with planes, CTA budget and engine
+    left at their defaults.  :func:`~kvlayout.ops.transfer` reads the memo
+    with this key before any other work, so it must stay this cheap.
+    """
+    if src_layers is None and dst_layers is None:
+        return id(dst)
+    if (type(src_layers) is list and type(dst_layers) is list and len(src_layers) == 1 and len(dst_layers) == 1
+            and type(src_layers[0]) is int and type(dst_layers[0]) is int):
+        return (id(dst), src_layers[0], dst_layers[0])
+    return None
+
+
 def _choice_key(chosen):
     """A layer/plane choice as a memo key: ``None`` or a tuple of exact ints (anything else: not memoized)."""
     if chosen is None:
@@ -255,10 +278,12 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
     pipeline makes the same call many times; an entry is used only for the
     very destination object it was made for.
     """
-    if (src_layers is None and dst_layers is None and src_planes is None and dst_planes is None
-            and max_ctas == 0 and type(max_ctas) is int and engine == "kernel"):
-        key = id(dst)   # the common call, with the cheapest key
+    if (src_planes is None and dst_planes is None and max_ctas == 0 and type(max_ctas) is int
+            and engine == "kernel"):
+        key = repeated_call_key(dst, src_layers, dst_layers)
     else:
+        key = None
+    if key is None:
         try:
             key = (id(dst), _choice_key(src_layers), _choice_key(dst_layers), _choice_key(src_planes),
                    _choice_key(dst_planes), max_ctas if type(max_ctas) is int else None, engine)
@@ -266,7 +291,7 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
             key = None
     if key is not None and torch.compiler.is_compiling():
         key = None    # traced code checks every call (and keeps no memo)
-    if key is not None and (type(key) is int or key[5] is not None):
+    if key is not None and (type(key) is not tuple or len(key) == 3 or key[5] is not None):
         hit = src._checked_choices.get(key)
         if hit is not None and hit[0]() is dst:
             return hit[1]
@@ -276,7 +301,7 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
         raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
     max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
     out = CheckedChoice(*layers_planes, max_ctas, _launch_device(src, dst))
-    if key is not None and (type(key) is int or key[5] is not None):
+    if key is not None and (type(key) is not tuple or len(key) == 3 or key[5] is not None):
         if len(src._checked_choices) >= 256:
             src._checked_choices.clear()
         # the binding holds the destination's tensors: released with the destination cache

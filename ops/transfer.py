@@ -27,8 +27,8 @@ import torch
 
 from . import _native, routes
 from . import staged as _staged
-from .arguments import CheckedChoice, _slots_tensor, check_slots, checked_choice, validating
-from .programs import program_handle, resolve, unpin
+from .arguments import CheckedChoice, _slots_tensor, check_slots, checked_choice, repeated_call_key, validating
+from .programs import plan
 from .staged import StagedPlan, run_staged, staged_plan
 from .views import KVCache, as_index_list, as_int, bind
 
@@ -54,21 +54,22 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     :func:`~kvlayout.ops.prepare` instead also keeps the binding and the
     argument checks.
     """
-    if (src_layers is None and dst_layers is None and src_planes is None and dst_planes is None
-            and num_tokens is None and engine == "kernel" and max_ctas == 0 and type(max_ctas) is int
-            and type(skip_prefix) is int):
-        # the engine's repeated call (all layers and planes, plain slot tensors): checked and launched by one
-        # C++ call from the binding its checked choice keeps (checked_choice's memo, read here directly)
-        hit = src._checked_choices.get(id(dst))
+    if (src_planes is None and dst_planes is None and num_tokens is None and engine == "kernel" and max_ctas == 0
+            and type(max_ctas) is int and type(skip_prefix) is int):
+        # the engine's repeated calls (all layers, or one layer each side; plain slot tensors): checked and
+        # launched by one C++ call from the binding its checked choice keeps (checked_choice's memo)
+        hit = src._checked_choices.get(repeated_call_key(dst, src_layers, dst_layers))
         if (hit is not None and hit[1].bound is not None and hit[0]() is dst
                 and not torch.compiler.is_compiling()
                 and hit[1].bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0, validating(validate))):
             return
+    if engine == "kernel":
+        routes.run(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
+                   src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix, num_tokens=num_tokens,
+                   max_ctas=max_ctas, validate=validate)
+        return
     c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     validate = validating(validate)
-    if engine == "kernel" and num_tokens is None and type(skip_prefix) is int and routes.try_direct(
-            c, src_slots, dst_slots, skip_prefix, validate):
-        return      # a repeated call with plain slots: checked and run by one C++ call
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
     if T == 0 or not c.src_layers or not c.src_planes:
@@ -80,11 +81,8 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             return
     if engine == "copy":
         routes.check_not_shared(src, dst, c)
-        handle = program_handle(routes.choice_key(src, dst, c), pin=True)
-        try:
-            routes.run_copy_engine(resolve(handle, 0, src, dst), s_slots, d_slots, T, skip_prefix)
-        finally:
-            unpin(handle)
+        routes.run_copy_engine(plan(src, dst, c.src_layers, c.dst_layers, c.src_planes, c.dst_planes),
+                               s_slots, d_slots, T, skip_prefix)
         return
     routes.run_kernel(src, dst, c, s_slots, d_slots, T, skip_prefix, validate)
 

@@ -210,10 +210,17 @@ def test_paired_counts_must_match(device):
     s = slots([0, 1, 2], device)
     with rejects(ValueError, r"src_slots and dst_slots differ in length: \[3, 4\]", dst, device=device):
         ops.transfer(src, dst, s, slots([0, 1, 2, 3], device))
-    with rejects(ValueError, r"src_layers has 2 layers, dst_layers 1", dst, device=device):
+    with rejects(ValueError, r"the source gives 2 layers \(src_layers\) but the destination takes 1 layer "
+                 r"\(dst_layers\)", dst, device=device):
         ops.transfer(src, dst, s, s, src_layers=[0, 1], dst_layers=[1])
-    with rejects(ValueError, r"source copies 1 planes, destination 2", dst, device=device):
+    with rejects(ValueError, r"the source gives 1 plane \(src_planes\) but the destination takes 2 planes "
+                 r"\(all of its planes\)", dst, device=device):
         ops.transfer(src, dst, s, s, src_planes=[1])
+    # an argument left out is named as what it stands for, never as a keyword the caller did not pass
+    rows = torch.zeros(2, 1, 3, *src.tensors[0].shape[-2:], dtype=src.dtype, device=device)
+    with rejects(ValueError, r"the source gives 1 layer \(all of its layers\) but the destination takes "
+                 r"\d+ layers \(all of its layers\)", src, device=device):
+        ops.scatter(src, rows, s)
     with rejects(ValueError, r"num_tokens = 5 but the slots hold 3 tokens", dst, device=device):
         ops.transfer(src, dst, s, s, num_tokens=5)
     with rejects(ValueError, r"skip_prefix = 4 must lie in \[0, 3\]", dst, device=device):

@@ -449,7 +449,7 @@ TRANSFER_ERRORS = (
       for arg in ("src_layers", "dst_layers", "src_planes", "dst_planes")
       for where, value in INDEX_CHOICES),
     ErrorKind("transfer: layer lists differ in length", "layer_plane_pairing",
-              r"src_layers has 2 layers, dst_layers 1",
+              r"the source gives 2 layers \(src_layers\) but the destination takes 1 layer \(dst_layers\)",
               _spoiled(lambda s, b: None, src_layers=lambda s, b: [0, 0], dst_layers=lambda s, b: [0])),
     *(ErrorKind(f"transfer: {side} of {dtype}", "index_dtype", SLOT_DTYPE_MESSAGE.replace("{side}", side),
                 _slot_tensor_as(side, dtype))
