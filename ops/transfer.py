@@ -42,8 +42,9 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     device (or pinned host), or ``None`` for positions ``0..T-1`` (chunk
     layouts).  For each token t >= ``skip_prefix`` with both slots >= 0, each
     plane pair and each layer pair: ``dst[pd, ld, dst_slots[t]] = src[ps, ls,
-    src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: how many
-    CTAs (SMs) the CUDA kernel may occupy, 0 = default.  ``engine``:
+    src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: an SM
+    budget, 0 = default; n > 0 runs the CUDA kernel as at most n CTAs of 1024
+    threads (one SM each).  ``engine``:
     ``"kernel"`` (the copy kernel), ``"copy"`` (the copy engine, slots on the
     host), ``"staged"`` (between a CUDA cache and a pinned host chunk: the
     kernel works in a device copy of the chunk and the copy engine crosses

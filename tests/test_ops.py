@@ -209,6 +209,7 @@ def test_many_layers_several_launches(device, src_layout, dst_layout):
     assert sum(len(x.src_segments) // 2 for x in launches) == 160 > 128
     run_transfer_case(case, device)
     run_transfer_case(case, device, max_ctas=3)
+    run_transfer_case(case, device, max_ctas=1)
 
 
 def vector_width(launch) -> int:
@@ -311,7 +312,10 @@ def test_pinned_host_transfers(cuda_device, direction, slot_place, pair, data):
         case = data.draw(S.transfer_cases(src_layout=host_layout, dst_layout=device_layout))
         places = dict(placement="pinned src")
     slot_dtypes = data.draw(st.tuples(st.sampled_from(("int32", "int64")), st.sampled_from(("int32", "int64"))))
-    run_transfer_case(case, cuda_device, slot_dtypes=slot_dtypes, pinned_slots=slot_place == "pinned", **places)
+    # the default grid, and SM budgets (n CTAs of 1024 threads: the budgeted kernels)
+    max_ctas = data.draw(st.sampled_from((0, 1, 4)))
+    run_transfer_case(case, cuda_device, slot_dtypes=slot_dtypes, pinned_slots=slot_place == "pinned",
+                      max_ctas=max_ctas, **places)
 
 
 @pytest.mark.parametrize("slot_place", ["device", "pinned"])

@@ -17,7 +17,8 @@
 // 256-thread CTAs (occupancy of the compiled kernel) for the device variant
 // and 1 per SM for the host variant (a transfer beside the forward pass
 // should leave SMs to it; an early-loads launch a quarter of that, see
-// CudaRows::launch); n > 0 caps the grid at n CTAs.
+// CudaRows::launch); n > 0 means n SMs: at most n CTAs of 1024 threads, the
+// most one CTA may have, so that each SM of the budget is used fully.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -33,6 +34,19 @@ namespace kvlayout {
 namespace {
 
 constexpr int kDefaultCtasPerSmHost = 1;
+// A budgeted launch (max_ctas = n > 0) runs n CTAs of kBudgetThreads: one
+// 256-thread CTA cannot keep an SM's store path busy (a 256-thread CTA
+// stored about a third of what 1024 threads of one SM store to pinned
+// memory). At 1024 threads a thread has 64 registers: the loads in flight
+// per thread drop so that the walk does not spill (2: 62 registers for the
+// 16-byte device variant) or spills a few words (4 for the host variant:
+// 1024 x 4 x 16 B = 64 KiB in flight per SM, what the 256-thread host
+// variant keeps).
+constexpr int kBudgetThreads = 1024;
+template <int UNROLL>
+constexpr int budget_unroll() {
+  return UNROLL == kHostUnroll ? 4 : 2;
+}
 
 // Vector loads/stores with streaming (evict-first) cache hints.
 template <int VEC>
@@ -108,9 +122,8 @@ struct WaitOnce {
 // p.a.next_start (NextStart) says when the next kernel may start: a launch
 // without programmatic dependent launch never lets it start early, so that
 // it is an ordinary kernel to the launches after it.
-template <int VEC, int UNROLL, class P, bool EARLY_LOADS>
-__global__ void __launch_bounds__(kCopyThreadsPerBlock)
-    copy_rows_kernel(const __grid_constant__ P p) {
+template <int VEC, int UNROLL, class P, bool EARLY_LOADS, int THREADS = kCopyThreadsPerBlock>
+__global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constant__ P p) {
   if constexpr (EARLY_LOADS) {
     if (p.a.next_start == kNextAtOnce) let_next_kernel_start();
   } else {
@@ -155,7 +168,7 @@ int64_t resident_ctas_per_sm() {
   return ctas;
 }
 
-// Grid size: max_ctas when given; else one CTA per SM for host memory (the
+// Grid size: max_ctas CTAs of kBudgetThreads when given; else one CTA per SM for host memory (the
 // host variant keeps 64 KiB in flight per CTA), and for device memory every
 // CTA that is resident at once (one full wave: the work is split evenly over
 // the grid, so CTAs beyond one wave would run a second, partial wave at a
@@ -168,28 +181,38 @@ int64_t resident_ctas_per_sm() {
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
-  const int64_t sms = cuda::num_sms();
-  const int64_t budget =
-      max_ctas > 0  ? max_ctas
-      : early_loads ? std::max<int64_t>(1, sms / 4)
-      : host        ? sms * kDefaultCtasPerSmHost
-                    : sms * resident_ctas_per_sm<VEC, UNROLL, P>();
-  const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
   const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
-  int64_t blocks = (items + kCopyThreadsPerBlock - 1) / kCopyThreadsPerBlock;
-  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
+  int threads = kCopyThreadsPerBlock;
+  int64_t budget;
   auto* kernel = copy_rows_kernel<VEC, UNROLL, P, false>;
-  if constexpr (UNROLL == kHostUnroll) {
-    if (early_loads) kernel = copy_rows_kernel<VEC, UNROLL, P, true>;
+  if (max_ctas > 0) {
+    threads = kBudgetThreads;
+    budget = max_ctas;
+    constexpr int kUnroll = budget_unroll<UNROLL>();
+    kernel = copy_rows_kernel<VEC, kUnroll, P, false, kBudgetThreads>;
+    if constexpr (UNROLL == kHostUnroll) {
+      if (early_loads) kernel = copy_rows_kernel<VEC, kUnroll, P, true, kBudgetThreads>;
+    }
+  } else {
+    const int64_t sms = cuda::num_sms();
+    budget = early_loads ? std::max<int64_t>(1, sms / 4)
+             : host      ? sms * kDefaultCtasPerSmHost
+                         : sms * resident_ctas_per_sm<VEC, UNROLL, P>();
+    if constexpr (UNROLL == kHostUnroll) {
+      if (early_loads) kernel = copy_rows_kernel<VEC, UNROLL, P, true>;
+    }
   }
+  const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
+  int64_t blocks = (items + threads - 1) / threads;
+  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
   if (!dependent) {
-    kernel<<<static_cast<unsigned>(blocks), kCopyThreadsPerBlock, 0, stream>>>(p);
+    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(kCopyThreadsPerBlock);
+  config.blockDim = dim3(threads);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
