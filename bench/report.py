@@ -90,22 +90,25 @@ def warnings_lines(doc: dict) -> list[str]:
     loaded = loaded_rows(doc)
     if loaded:
         worst = max(r["torch_spread"] for r in loaded)
+        timed = sum(1 for r in doc["results"] if r.get("torch_spread") is not None)
         lines.append(f"the torch baseline's spread ((p90 - p10) / median) exceeded {LOADED_SPREAD:.0%} on "
-                     f"{len(loaded)} of {len(doc['results'])} rows (up to {worst:.0%}): the machine was loaded "
+                     f"{len(loaded)} of {timed} rows (up to {worst:.0%}): the machine was loaded "
                      "during the run, and the x torch figures of those rows are not reliable.")
     return lines
 
 
 def threads_line(doc: dict) -> str | None:
-    """On a CPU run: the thread counts kvlayout and the baseline ran with."""
+    """On a CPU run: the thread counts kvlayout and the torch baseline ran with."""
     env = doc["environment"]
     if env.get("device") != "cpu":
         return None
-    baseline = env.get("baseline_threads")
-    baseline = f"{baseline} thread{'s' if baseline != 1 else ''}" if baseline else \
-        "torch's default thread count (not fixed in this record)"
-    return (f"Threads: torch ran with {env.get('threads', '?')} threads; the torch baseline ran on {baseline}; "
-            "kvlayout's CPU kernel runs on one thread.")
+    threads, baseline = env.get("threads", "?"), env.get("baseline_threads")
+    if baseline is None:
+        return (f"Threads: kvlayout and the torch baseline ran with torch's default thread count ({threads}), not "
+                "fixed in this record.")
+    return (f"Threads: kvlayout ran on {threads} and the torch baseline on {baseline} thread"
+            f"{'s' if baseline != 1 else ''} (a count fixed by the bench, so the two compare like for like and "
+            "a loaded machine does not oversubscribe torch's thread pool).")
 
 
 def terminal_table(doc: dict) -> str:

@@ -27,9 +27,10 @@ from . import cases as C
 from .report import write_reports
 from .timing import SameSizeCopies, Timer, drifted, host_key, measure_limits
 
-# On a CPU the baseline runs on one thread, as kvlayout's CPU kernel does: a fixed count keeps its figures
-# comparable between machines and runs (torch's default, one thread per core, collapses on a loaded machine)
-BASELINE_CPU_THREADS = 1
+# A CPU run sets torch's thread count to this for kvlayout (whose CPU kernel splits tokens over torch's
+# threads) and the torch baseline alike: a fixed count keeps the two comparable and the figures comparable
+# between machines; torch's default, one thread per core, collapses when other work shares the cores
+CPU_THREADS = 1
 
 
 def _device_copies(tensors, device) -> list[torch.Tensor]:
@@ -99,7 +100,7 @@ def environment(device: torch.device) -> dict:
                    l2_bytes=props.L2_cache_size)
     else:
         env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                   baseline_threads=BASELINE_CPU_THREADS)
+                   baseline_threads=torch.get_num_threads())
     return env
 
 
@@ -148,13 +149,7 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
 def time_baseline(case: C.Case, data: dict, baseline_timer: Timer, nbytes: int, ours_s: float) -> dict:
     """Every form of the torch baseline that applies (:data:`kvlayout.bench.cases.TORCH_FORMS`); ``x_torch``
     against the faster form, named by ``torch_form``."""
-    threads = torch.get_num_threads()
-    if not baseline_timer.cuda:
-        torch.set_num_threads(BASELINE_CPU_THREADS)
-    try:
-        timings = {form: baseline_timer(fn) for form, fn in C.torch_fns(case, data).items()}
-    finally:
-        torch.set_num_threads(threads)
+    timings = {form: baseline_timer(fn) for form, fn in C.torch_fns(case, data).items()}
     best = min(timings, key=lambda form: timings[form].median)
     out = {f"torch_{form}_gbps": t.gbps(nbytes) for form, t in timings.items()}
     out.update({f"torch_{form}_spread": t.spread for form, t in timings.items()})
@@ -213,9 +208,21 @@ def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 
         jsonl: str | None = None, resume: bool = False) -> dict:
     """Measure limits then every selected case, appending each to ``jsonl``; returns the result document.
 
-    Raises :class:`UsageError` (before ``jsonl`` is touched) when ``only`` selects no case.
+    Raises :class:`UsageError` (before ``jsonl`` is touched) when ``only`` selects no case.  On a CPU, torch
+    runs on :data:`CPU_THREADS` threads meanwhile.
     """
     case_list = planned(device, quick, only)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(CPU_THREADS)
+    try:
+        return _run(device, quick, case_list, seed, jsonl, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, jsonl: str | None,
+         resume: bool) -> dict:
     timer = Timer(device, warmup=1 if quick else 2, reps=7 if quick else 11, budget_s=0.5 if quick else 1.5)
     # the baseline is already warm from the bit-exact check; some of its paths index on the host and are slow
     baseline_timer = Timer(device, warmup=0, reps=7, min_reps=2, budget_s=0.5)
