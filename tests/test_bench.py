@@ -192,7 +192,33 @@ def test_bit_exact_check_covers_each_torch_form(monkeypatch):
     timer = Timer(torch.device("cpu"), warmup=0, reps=1)
     assert check_bit_exact(case, data, timer)
     monkeypatch.setattr(C, "torch_merged_fn", lambda case, data: (lambda: None))
+    data = C.build(case, C.Inputs(torch.device("cpu"), seed=5), min_cache_slots=128)
     assert not check_bit_exact(case, data, timer)
+
+
+def test_merged_torch_baseline_on_cuda_is_bit_exact(cuda_device):
+    """On the device, with pinned host chunks: the merged form's permuted and cross-device copies move the same
+    bytes as kvlayout, in every direction."""
+    timer = Timer(torch.device(cuda_device), warmup=0, reps=1)
+    for dev, buf, shape in [("vllm_flash_attn_nhd", "lmcache_kv_2ltd", "L32_H8_D128"),
+                            ("vllm_flash_attn_hnd", "lmcache_kv_2ltd", "L32_H8_D128"),
+                            ("vllm_mla", "lmcache_kv_mla", "L32_MLA_D576")]:
+        for direction in C.DIRECTIONS:
+            case = C.Case("headline", shape, dev, buf, 40, 16, direction)
+            data = C.build(case, C.Inputs(torch.device(cuda_device), seed=6), min_cache_slots=256)
+            assert "merged" in C.torch_fns(case, data), case.key
+            assert check_bit_exact(case, data, timer), case.key
+
+
+def test_cuda_bench_row_is_compared_with_the_peers_in_both_timings(cuda_device, tmp_path):
+    only = "L32_H8_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd gather_device all layers ctas=default"
+    doc = run(torch.device(cuda_device), quick=True, only=only)
+    (row,) = doc["results"]
+    assert row["bit_exact"] and row["kernel_gbps"] > 0 and {"torch_per_layer_gbps", "torch_merged_gbps"} <= set(row)
+    write_reports(doc, str(tmp_path), "gpu")
+    (out,) = json.loads((tmp_path / "gpu.json").read_text())["results"]
+    assert out["vs_peer_kernel"] in ("ahead", "behind") and out["vs_peer_end_to_end"] in ("ahead", "behind")
+    assert (out["peer_kernel_gbps"], out["peer_end_to_end_gbps"]) == (1700, 1116)
 
 
 class _FixedTimer:
