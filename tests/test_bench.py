@@ -301,7 +301,7 @@ def test_cpu_plot_has_no_empty_panel_and_no_warning(tmp_path):
     pytest.importorskip("matplotlib")
     doc = {"environment": {"device": "cpu"}, "limits": {"D2D": 20.0}, "results": _cpu_rows()}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                      # a leaked matplotlib warning fails the test
+        warnings.simplefilter("error", UserWarning)         # a leaked matplotlib warning fails the test
         paths, _ = plots(doc, str(tmp_path), "cpu")
     assert paths == [str(tmp_path / "cpu_tokens.png")]
     width = struct.unpack(">I", (tmp_path / "cpu_tokens.png").read_bytes()[16:20])[0]
