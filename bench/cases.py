@@ -7,9 +7,18 @@ layer-wise pipeline) between a device cache and a buffer:
   host pool), read/written by the kernel directly;
 * ``gather_device`` / ``scatter_device``: the buffer is on the device.
 
-The pure-torch baseline does what engines do without kvlayout: advanced
-indexing (``index_select``/``index_put_``) on each (layer, plane) view of the
-cache, plus one ``copy_`` across the host boundary through a staging buffer.
+The pure-torch baseline does what engines do without kvlayout, in two forms
+(:data:`TORCH_FORMS`); a case's "x torch" figure is against the faster:
+
+* ``per_layer``: advanced indexing (``index_select``/``index_put_``) on each
+  (layer, plane) view of the cache, plus one ``copy_`` across the host
+  boundary through a staging buffer;
+* ``merged``: the strongest form a user writes by hand, where the layouts
+  allow it (an all-layer LMCache chunk against a one-part cache whose rows,
+  or heads, are contiguous): the cache seen as ``[planes*layers*slots, row]``
+  (one view per tensor: one for all layers where the cache is one tensor,
+  one per layer where each layer is its own tensor), one ``index_select``
+  (or ``index_copy_``) per view, and one ``copy_`` of the whole chunk.
 """
 
 from __future__ import annotations
@@ -448,3 +457,119 @@ def torch_fn(case: Case, data: dict):
                 v[page, in_page] = r.view(case.T, *v.shape[2:])
 
     return lambda: [one(layers) for layers in layer_sets]
+
+
+TORCH_FORMS = ("per_layer", "merged")
+
+
+def _flat_rows(tensor: torch.Tensor, unit: int) -> torch.Tensor:
+    """``tensor``'s storage from its first element on, as ``[rows, unit]`` rows (``unit`` contiguous elements)."""
+    available = tensor.untyped_storage().nbytes() // tensor.element_size() - tensor.storage_offset()
+    return tensor.as_strided((available // unit, unit), (unit, 1), tensor.storage_offset())
+
+
+def merged_plan(case: Case, data: dict):
+    """How the ``merged`` form indexes the cache, or None where the layouts do not allow it.
+
+    Returns ``(unit, groups)``: rows of ``unit`` elements (the whole row where
+    the heads are contiguous, else one head); ``groups`` lists, per cache
+    tensor in the chunk's (plane, layer) order, ``(flat, bases, layers)``:
+    the tensor as ``[rows, unit]`` (:func:`_flat_rows`), the first flat row
+    of each of its (plane, layer) blocks (a ``[n]`` int64 tensor on the
+    cache's device), and the layers it holds.
+    """
+    cache, buffer = data["cache"], data["buffer"]
+    if case.layerwise or data["buffer_slots"] is not None or len(cache.parts) != 1 \
+            or buffer.layout.name not in ("lmcache_kv_2ltd", "lmcache_kv_mla") \
+            or not buffer.tensors[0].is_contiguous() or buffer.geometry.L != cache.geometry.L:
+        return None
+    (pv,) = cache.parts
+    g = cache.geometry
+    unit = cache.row_width if pv.heads_contiguous else pv.head_width
+    strided = ("nb", "bs") if unit == cache.row_width else ("nb", "bs", "h")
+    if cache.row_width % unit or any(pv.strides[a] % unit for a in strided):
+        return None
+    per_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for plane in range(g.P):
+        for layer in range(g.L):
+            tensor, offset = pv.tensor_and_offset(plane, layer)
+            if offset % unit:
+                return None
+            _, bases, layers = per_tensor.setdefault(id(tensor), (tensor, [], []))
+            bases.append(offset // unit)
+            if layer not in layers:
+                layers.append(layer)
+    groups = [(_flat_rows(t, unit), torch.tensor(b, dtype=torch.int64, device=cache.device), layers)
+              for t, b, layers in per_tensor.values()]
+    return unit, groups
+
+
+def torch_merged_fn(case: Case, data: dict):
+    """The ``merged`` torch baseline (see the module's docstring), or None where the layouts do not allow it."""
+    plan = merged_plan(case, data)
+    if plan is None:
+        return None
+    unit, groups = plan
+    cache, buffer = data["cache"], data["buffer"]
+    (pv,) = cache.parts
+    g = cache.geometry
+    heads = 1 if unit == cache.row_width else pv.heads
+    # the chunk as [planes, layers, tokens * heads, unit]: the order of the rows the index lists
+    chunk = buffer.tensors[0].view(g.P, g.L, case.T * heads, unit)
+    slots = data["cache_slots"].to(cache.device)
+    head_rows = torch.arange(heads, device=cache.device) * (pv.strides["h"] // unit)
+    to_buffer = case.direction in ("to_host", "gather_device")
+
+    def index(bases: torch.Tensor) -> torch.Tensor:
+        """Flat rows in the chunk's order: (plane, layer) block, then token, then head."""
+        token_rows = (slots // g.BS) * (pv.strides["nb"] // unit) + (slots % g.BS) * (pv.strides["bs"] // unit)
+        return (bases[:, None] + (token_rows[:, None] + head_rows).view(1, -1)).view(-1)
+
+    if len(groups) == 1:           # one tensor holds every layer: one op over [planes*layers*slots, unit]
+        flat, bases, _ = groups[0]
+        on_device = chunk.view(-1, unit) if buffer.device == cache.device else \
+            torch.empty(chunk.numel() // unit, unit, dtype=cache.dtype, device=cache.device)
+
+        if to_buffer:
+            def gather_all():
+                torch.index_select(flat, 0, index(bases), out=on_device)
+                if on_device.data_ptr() != chunk.data_ptr():
+                    chunk.view(-1, unit).copy_(on_device, non_blocking=True)
+            return gather_all
+
+        def scatter_all():
+            if on_device.data_ptr() != chunk.data_ptr():
+                on_device.copy_(chunk.view(-1, unit), non_blocking=True)
+            flat.index_copy_(0, index(bases), on_device)
+        return scatter_all
+    # one tensor per layer: one op per layer over its [planes*slots, unit] view, into / out of a staging buffer
+    # laid out [layers, planes, tokens * heads, unit], and one copy_ of the whole chunk
+    staging = torch.empty(g.L, g.P, case.T * heads, unit, dtype=cache.dtype, device=cache.device)
+
+    if to_buffer:
+        def gather_per_layer():
+            for flat, bases, (layer,) in groups:
+                torch.index_select(flat, 0, index(bases), out=staging[layer].view(-1, unit))
+            chunk.copy_(staging.transpose(0, 1), non_blocking=True)
+        return gather_per_layer
+
+    def scatter_per_layer():
+        staging.transpose(0, 1).copy_(chunk, non_blocking=True)
+        for flat, bases, (layer,) in groups:
+            flat.index_copy_(0, index(bases), staging[layer].view(-1, unit))
+    return scatter_per_layer
+
+
+def torch_fns(case: Case, data: dict) -> dict:
+    """The torch baseline's forms that apply to ``case``: form name -> callable (``per_layer`` always).
+
+    Made once per case and kept in ``data``: the bit-exact check's calls then warm the very callables (and
+    staging buffers) that are timed.
+    """
+    if "torch_fns" not in data:
+        fns = {"per_layer": torch_fn(case, data)}
+        merged = torch_merged_fn(case, data)
+        if merged is not None:
+            fns["merged"] = merged
+        data["torch_fns"] = fns
+    return data["torch_fns"]

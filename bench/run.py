@@ -18,14 +18,19 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 import torch
 
 from . import cases as C
-from .peers import load_peers
 from .report import write_reports
 from .timing import SameSizeCopies, Timer, drifted, host_key, measure_limits
+
+# A CPU run sets torch's thread count to this for kvlayout (whose CPU kernel splits tokens over torch's
+# threads) and the torch baseline alike: a fixed count keeps the two comparable and the figures comparable
+# between machines; torch's default, one thread per core, collapses when other work shares the cores
+CPU_THREADS = 1
 
 
 def _device_copies(tensors, device) -> list[torch.Tensor]:
@@ -38,17 +43,20 @@ def _restore(tensors, saved) -> None:
 
 
 def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
-    """Run kvlayout and the baseline from the same start; compare every destination byte (on the device)."""
+    """Run kvlayout and each form of the baseline from the same start; compare every destination byte (on the
+    device) of each baseline form with kvlayout's."""
     _, _, dst, _ = C.endpoints(case, data)
     start = _device_copies(dst.tensors, timer.device)
     C.kvlayout_fn(case, data)()
     timer.sync()
     ours = _device_copies(dst.tensors, timer.device)
-    _restore(dst.tensors, start)
-    C.torch_fn(case, data)()
-    timer.sync()
-    ok = all(torch.equal(a.view(torch.uint8), b.to(timer.device).view(torch.uint8))
-             for a, b in zip(ours, dst.tensors))
+    ok = True
+    for baseline in C.torch_fns(case, data).values():
+        _restore(dst.tensors, start)
+        baseline()
+        timer.sync()
+        ok = ok and all(torch.equal(a.view(torch.uint8), b.to(timer.device).view(torch.uint8))
+                        for a, b in zip(ours, dst.tensors))
     _restore(dst.tensors, start)
     timer.sync()
     return ok
@@ -91,12 +99,13 @@ def environment(device: torch.device) -> dict:
         env.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda,
                    l2_bytes=props.L2_cache_size)
     else:
-        env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+                   baseline_threads=torch.get_num_threads())
     return env
 
 
 def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, limits: dict,
-                 same_size: SameSizeCopies | None, peers) -> dict:
+                 same_size: SameSizeCopies | None) -> dict:
     """One result row: bit-exactness, then (if exact) kvlayout and torch times against the limits.
 
     kvlayout is timed with ``timer``; the torch baseline (a comparison, some of
@@ -132,17 +141,21 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         row["same_size_gbps"] = same_size.gbps(case.direction, nbytes)
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
     if case.max_ctas == 0 and case.engine == "kernel" and not case.empty:
-        base = baseline_timer(C.torch_fn(case, data))
-        row.update(torch_gbps=base.gbps(nbytes), torch_spread=base.spread, x_torch=base.median / ours.median)
-    matches = peers.matching(case) if peers is not None else []
-    if matches:
-        best = max(matches, key=lambda p: p["pct"])
-        row.update(peer=f"{best['peer']} {best['op']}", peer_gbps=best["gbps"], peer_pct=best["pct"],
-                   vs_peer="ahead" if row["pct_of_limit"] >= best["pct"] else "behind")
-        if "kernel_gbps" in row:
-            kernel_pct = 100 * row["kernel_gbps"] / row["limit_gbps"]
-            row["vs_peer_kernel"] = "ahead" if kernel_pct >= best["pct"] else "behind"
+        row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))
     return row
+
+
+
+def time_baseline(case: C.Case, data: dict, baseline_timer: Timer, nbytes: int, ours_s: float) -> dict:
+    """Every form of the torch baseline that applies (:data:`kvlayout.bench.cases.TORCH_FORMS`); ``x_torch``
+    against the faster form, named by ``torch_form``."""
+    timings = {form: baseline_timer(fn) for form, fn in C.torch_fns(case, data).items()}
+    best = min(timings, key=lambda form: timings[form].median)
+    out = {f"torch_{form}_gbps": t.gbps(nbytes) for form, t in timings.items()}
+    out.update({f"torch_{form}_spread": t.spread for form, t in timings.items()})
+    out.update(torch_form=best, torch_gbps=timings[best].gbps(nbytes), torch_spread=timings[best].spread,
+               x_torch=timings[best].median / ours_s)
+    return out
 
 
 def _read_jsonl(path: str) -> tuple[dict | None, list[dict], dict | None]:
@@ -178,9 +191,38 @@ def document(path: str) -> dict:
     return doc
 
 
+class UsageError(Exception):
+    """A request the bench cannot carry out as asked; ``main`` prints it as one line and exits with status 2."""
+
+
+def planned(device: torch.device, quick: bool, only: str | None) -> list[C.Case]:
+    """The cases a run on ``device`` measures; a :class:`UsageError` when ``only`` selects none of them."""
+    cases = [c for c in (C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()) if selected(c, only)]
+    if not cases:
+        raise UsageError(f"--only {only!r} matches no {device.type} case (groups: {', '.join(GROUPS)}; or a text "
+                         "of a case's description)")
+    return cases
+
+
 def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 0, *,
         jsonl: str | None = None, resume: bool = False) -> dict:
-    """Measure limits then every selected case, appending each to ``jsonl``; returns the result document."""
+    """Measure limits then every selected case, appending each to ``jsonl``; returns the result document.
+
+    Raises :class:`UsageError` (before ``jsonl`` is touched) when ``only`` selects no case.  On a CPU, torch
+    runs on :data:`CPU_THREADS` threads meanwhile.
+    """
+    case_list = planned(device, quick, only)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(CPU_THREADS)
+    try:
+        return _run(device, quick, case_list, seed, jsonl, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, jsonl: str | None,
+         resume: bool) -> dict:
     timer = Timer(device, warmup=1 if quick else 2, reps=7 if quick else 11, budget_s=0.5 if quick else 1.5)
     # the baseline is already warm from the bit-exact check; some of its paths index on the host and are slow
     baseline_timer = Timer(device, warmup=0, reps=7, min_reps=2, budget_s=0.5)
@@ -199,8 +241,6 @@ def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 
         head = {"environment": environment(device), "limits": limits, "quick": quick, "seed": seed}
     if jsonl and not done:
         _append(jsonl, dict(head, kind="run"))
-    case_list = [c for c in (C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()) if selected(c, only)]
-    peers = load_peers() if device.type == "cuda" else None
     same_size = SameSizeCopies(timer) if device.type == "cuda" else None
     inputs = C.Inputs(device, seed)
     results = []
@@ -209,7 +249,7 @@ def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 
             continue
         _progress(i, len(case_list), case.key)
         data = C.build(case, inputs)
-        row = measure_case(case, data, timer, baseline_timer, limits, same_size, peers)
+        row = measure_case(case, data, timer, baseline_timer, limits, same_size)
         results.append(row)
         if jsonl:
             _append(jsonl, dict(row, kind="case"))
@@ -222,6 +262,16 @@ def run(device: torch.device, quick: bool, only: str | None = None, seed: int = 
         _append(jsonl, {"kind": "limits_end", "limits": limits_end})
         return document(jsonl)
     return dict(head, results=results, limits_end=limits_end, limits_drift=drifted(limits, limits_end))
+
+
+def writable_folder(path: str) -> None:
+    """Create ``path`` if needed and check a file can be written in it; a :class:`UsageError` otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {path!r} is not a writable folder: {e.strerror or e}") from None
 
 
 def _append(path: str, obj: dict) -> None:
@@ -251,6 +301,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except UsageError as e:
+        print(f"kvlayout bench: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("kvlayout bench: CUDA requested but not present", file=sys.stderr)
@@ -261,11 +319,13 @@ def main(args: argparse.Namespace) -> int:
         return profile_case(args.profile_case, device)
     stem = args.name or ("h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
                          else device.type)
+    if not args.ncu:
+        planned(device, args.quick, args.only)  # a selection of nothing stops here, before any file is written
+    writable_folder(args.out)
     if args.ncu:
         from .profile import run_ncu
 
         return run_ncu(args.out, stem, args.only)
-    os.makedirs(args.out, exist_ok=True)
     doc = run(device, args.quick, args.only, args.seed, jsonl=os.path.join(args.out, f"{stem}.jsonl"),
               resume=args.resume)
     paths = write_reports(doc, args.out, stem)

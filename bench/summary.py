@@ -3,10 +3,11 @@
     python -m kvlayout.bench.summary bench/results/h200.jsonl [--ncu bench/results/h200_ncu.json]
 
 prints Markdown: the headline rows (L32 shapes, all layers, T = 256 and
-4096), the layer-wise pipeline, the host cost per call, the staged engine
-and the CTA budget, and (with ``--ncu``) the counters of the rows that miss
-their targets.  Every figure is read from the files given; nothing is typed
-by hand.
+4096; kernel only against the peers' overlapped figures and end to end
+against their idle figures, from ``bench/peers.json``), the layer-wise
+pipeline, the host cost per call, the staged engine and the CTA budget,
+and (with ``--ncu``) the counters of the rows that miss their targets.
+Every figure is read from the files given; nothing is typed by hand.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import statistics
 import sys
 
 from .profile import NCU_HEADER, ncu_cells
-from .report import HEADLINE_HEADER, headline_cells, headline_results, markdown_table
+from .report import (
+    HEADLINE_HEADER,
+    compared_with_peers,
+    headline_cells,
+    headline_results,
+    markdown_table,
+    peer_cell,
+    peer_standing,
+)
 from .run import document
 
 
@@ -36,9 +45,11 @@ def _find(rows: list[dict], **want) -> dict | None:
 
 def headline(doc: dict) -> str:
     """The headline group's L32 rows at T = 256 and 4096, with the host time per call."""
-    rows = [headline_cells(r) + [f"{r['host_us']:.0f}"] for r in headline_results(doc)
-            if r["shape"].startswith("L32") and r["T"] in (256, 4096)]
-    return markdown_table(HEADLINE_HEADER + ["host µs/call"], rows)
+    results = [r for r in headline_results(doc) if r["shape"].startswith("L32") and r["T"] in (256, 4096)]
+    table = markdown_table(HEADLINE_HEADER + ["host µs/call"],
+                           [headline_cells(r) + [f"{r['host_us']:.0f}"] for r in results])
+    standing = peer_standing(dict(doc, results=results))
+    return table + ("\n\nAgainst the best peer, " + standing if standing else "")
 
 
 def layerwise(rows: list[dict]) -> str:
@@ -55,11 +66,13 @@ def layerwise(rows: list[dict]) -> str:
         host = f"{r['host_us_per_call']:.1f} / {prepared['host_us_per_call']:.1f}" if prepared else "–"
         out.append([r["shape"], str(r["T"]), r["direction"], f"{r['device_layout']}{arrow}{r['buffer_layout']}",
                     _pct(r), _pct(prepared), _pct(early), _pct(graph), _pct(whole),
-                    f"{r['peer']}: {r['peer_pct']:.0f}%" if "peer" in r else "–", host])
+                    peer_cell(r, "kernel"), peer_cell(r, "end_to_end"), host])
     return markdown_table(["shape", "T", "direction", "layouts", "ops.transfer ×L: GB/s (% ceiling)",
                            "prepared `t.layer(i)` ×L", "prepared, `early_loads=True`", "graph replay",
                            "all layers, one `ops.transfer`",
-                           "best peer (% of its limit)", "host µs per layer call (transfer / prepared)"], out)
+                           "ops.transfer ×L, kernel only vs best peer overlapped",
+                           "ops.transfer ×L, end to end vs best peer idle",
+                           "host µs per layer call (transfer / prepared)"], out)
 
 
 def host_cost(rows: list[dict]) -> str:
@@ -92,10 +105,12 @@ def staged(rows: list[dict]) -> str:
         kernel = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
                        direction=r["direction"], max_ctas=r["max_ctas"])
         out.append([r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"] or "default"), _pct(r),
-                    _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}"])
+                    _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}", peer_cell(r, "kernel"),
+                    peer_cell(r, "end_to_end")])
     return markdown_table(["shape", "T", "direction", "CTAs", "staged GB/s (% ceiling)",
                            "staged kernel only (% ceiling)", "kernel engine, same case (% ceiling)",
-                           "host µs/call (staged)"], out)
+                           "host µs/call (staged)", "staged kernel only vs best peer overlapped",
+                           "staged end to end vs best peer idle"], out)
 
 
 def ctas(rows: list[dict]) -> str:
@@ -111,7 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("jsonl")
     parser.add_argument("--ncu", default=None, help="the <stem>_ncu.json of `kvlayout bench --ncu`")
     args = parser.parse_args(argv)
-    doc = document(args.jsonl)
+    doc = compared_with_peers(document(args.jsonl))
     rows = doc["results"]
     sections = [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
                 ("Staged", staged(rows)), ("CTA budget", ctas(rows))]

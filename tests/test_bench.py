@@ -1,18 +1,25 @@
-"""kvlayout bench on the CPU: cases run, are checked bit-exact against the torch baseline, every finished case
-is on disk at once, an interrupted run resumes, reports are written."""
+"""kvlayout bench on the CPU: cases run, are checked bit-exact against each form of the torch baseline, every
+finished case is on disk at once, an interrupted run resumes, reports are written and compare with the peers like
+for like, plots and usage errors say what went wrong."""
 
 import json
+import pathlib
+import struct
+import sys
+import warnings
 
 import pytest
 import torch
 
 from kvlayout.bench import cases as C
 from kvlayout.bench.peers import load_peers
-from kvlayout.bench.report import markdown, terminal_table, write_reports
-from kvlayout.bench.run import check_bit_exact, document, run, selected
-from kvlayout.bench.timing import Timer, drifted
+from kvlayout.bench.report import markdown, plots, series, terminal_table, write_reports
+from kvlayout.bench.run import CPU_THREADS, check_bit_exact, document, run, selected, time_baseline
+from kvlayout.bench.timing import Timer, Timing, drifted
 
 ONLY = "T=256 ps=16 vllm_flash_attn_hnd"
+ONE_CASE = "T=256 ps=16 vllm_flash_attn_hnd->lmcache_kv_2ltd gather_device"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
 def test_bench_cpu_short_run_writes_reports(tmp_path):
@@ -59,7 +66,8 @@ def test_only_selects_by_group_or_text():
 
 def test_limit_drift_is_flagged_in_the_reports():
     assert drifted({"D2D": 100.0, "H2D": 50.0}, {"D2D": 94.0, "H2D": 49.0}) == {"D2D": (100.0, 94.0)}
-    doc = run(torch.device("cpu"), quick=True, only=ONLY + " gather_device")
+    doc = run(torch.device("cpu"), quick=True, only=ONE_CASE)
+    assert len(doc["results"]) == 1
     doc["limits_drift"] = {"D2D": (100.0, 90.0)}
     assert "WARNING: limit D2D moved from 100.0 to 90.0" in terminal_table(doc)
     assert "**Warning:** limit D2D moved" in markdown(doc)
@@ -69,12 +77,259 @@ def test_peer_figures_match_the_same_job():
     peers = load_peers()
     head = C.Case("headline", "L32_H8_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 4096, 16, "to_host")
     names = {(r["peer"], r["op"]) for r in peers.matching(head)}
-    assert ("LMCache", "multi_layer_kv_transfer") in names and all(r["T"] == 4096 for r in peers.matching(head))
+    assert ("LMCache", "staging: multi_layer_kv_transfer + one pinned copy_") in names
+    assert all(r["T"] == 4096 and r["max_ctas"] == 0 for r in peers.matching(head))
+    # the side-by-side run used NHD caches: an HND cache is another job
+    assert peers.matching(C.Case("layouts", "L32_H8_D128", "vllm_flash_attn_hnd", "lmcache_kv_2ltd", 4096, 16,
+                                 "to_host")) == []
     pool = C.Case("layouts", "L32_H8_D128", "sglang_mha", "hicache_page_first", 4096, 64, "to_host")
     assert {r["peer"] for r in peers.matching(pool)} == {"SGLang"}
     assert all("ps=64" in r["op"] for r in peers.matching(pool))
+    # an SM budget of N CTAs is compared with sgl-kernel's block_quota = N, and with nothing where none was run
+    budget = peers.matching(C.Case("ctas", "L32_H8_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 4096, 16,
+                                   "to_host", max_ctas=4))
+    assert [(r["peer"], r["overlapped_gbps"]) for r in budget] == [("SGLang", 52.0)]
     assert peers.matching(C.Case("ctas", "L32_H8_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 4096, 16,
-                                 "to_host", max_ctas=4)) == []
+                                 "to_host", max_ctas=16)) == []
+
+
+def test_peers_json_holds_both_timings_with_their_source():
+    """Every row names a source with date, machine, method and limits; the side-by-side run's rows carry the
+    overlapped and the idle figure (null only where a row's note says the run gave one figure)."""
+    doc = json.loads((RESULTS.parent / "peers.json").read_text())
+    sources = {s["id"]: s for s in doc["sources"]}
+    for s in sources.values():
+        assert s["date"] and s["machine"] and s["method"] and {"D2D", "H2D_256MiB", "D2H_256MiB"} <= set(s["limits"])
+    for r in doc["rows"]:
+        assert r["source"] in sources and r["overlapped_gbps"] is not None
+        if r["source"] == "side_by_side_7d5fbfc" and "note" not in r:
+            assert r["idle_gbps"] is not None, r
+    side = [r for r in doc["rows"] if r["source"] == "side_by_side_7d5fbfc"]
+    assert len({(r["shape"], r["T"], r["direction"]) for r in side if r["max_ctas"] == 0}) == 30   # 23 note rows
+    h8 = next(r for r in side if (r["shape"], r["T"], r["direction"]) == ("L32_H8_D128", 256, "gather_device"))
+    assert (h8["peer"], h8["overlapped_gbps"], h8["idle_gbps"]) == ("LMCache", 1700, 1116)
+    assert h8["kvlayout_same_run"] == {"overlapped_gbps": 1549, "idle_gbps": 947}
+
+
+def _cuda_result(**over) -> dict:
+    """A result row of a CUDA run (the H8 T=256 on-device gather), figures chosen by the test."""
+    row = {"group": "headline", "shape": "L32_H8_D128", "device_layout": "vllm_flash_attn_nhd",
+           "buffer_layout": "lmcache_kv_2ltd", "T": 256, "page_size": 16, "direction": "gather_device",
+           "layerwise": False, "max_ctas": 0, "engine": "kernel", "call": "transfer", "bit_exact": True,
+           "limit_name": "D2D", "limit_gbps": 2120.0, "pct_of_limit": None, "host_us": 20.0}
+    row.update(over)
+    row["pct_of_limit"] = 100 * row["gbps"] / row["limit_gbps"]
+    return row
+
+
+def test_report_compares_kernel_only_with_overlapped_and_end_to_end_with_idle(tmp_path):
+    """The peers' overlapped figure (1700 GB/s) is judged against kvlayout's kernel-only figure, their idle figure
+    (1116) against kvlayout's end to end one: 1800 kernel only is ahead, 1000 end to end behind, though 1000 would
+    be 'behind' and 1800 'ahead' of either figure; a stale comparison stored by an older record is replaced."""
+    row = _cuda_result(gbps=1000.0, kernel_gbps=1800.0, vs_peer="behind", vs_peer_kernel="behind",
+                       peer="LMCache old", peer_gbps=1431.5, peer_pct=67.0)
+    doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200"}, "limits": {"D2D": 2120.0}, "results": [row]}
+    paths = write_reports(doc, str(tmp_path), "h200")
+    (out,) = json.loads((tmp_path / "h200.json").read_text())["results"]
+    assert (out["vs_peer_kernel"], out["peer_kernel_gbps"]) == ("ahead", 1700)
+    assert (out["vs_peer_end_to_end"], out["peer_end_to_end_gbps"]) == ("behind", 1116)
+    assert out["x_peer_kernel"] == pytest.approx(1800 / 1700) and "vs_peer" not in out and "peer" not in out
+    md = (tmp_path / "h200.md").read_text()
+    assert "LMCache: multi_layer_kv_transfer 1700.0 (80%): ahead 1.06×" in md
+    assert "LMCache: multi_layer_kv_transfer 1116.0 (53%): behind 0.90×" in md
+    assert "kernel only vs the peers' overlapped figure: ahead on 1 of 1 rows" in md
+    assert "end to end vs the peers' idle figure: ahead on 0 of 1 rows, behind on 1" in md
+    assert "`side_by_side_7d5fbfc` (2026-12-04" in md and any(p.endswith("h200.md") for p in paths)
+
+
+def test_a_cpu_run_is_compared_with_no_peer():
+    """The peers ran on an H200: a CPU row of the same job is not judged against them."""
+    row = _cuda_result(gbps=20.0, limit_gbps=25.0)
+    doc = load_peers().annotate({"environment": {"device": "cpu"}, "limits": {}, "results": [row]})
+    assert not any(k.startswith(("peer", "vs_peer", "x_peer")) for k in doc["results"][0])
+
+
+@pytest.mark.parametrize("stem", ["h200", "h200_headline", "h200_layerwise", "h200_host"])
+def test_committed_records_render_with_the_current_peers(tmp_path, stem, capsys):
+    doc = document(str(RESULTS / f"{stem}.jsonl"))
+    write_reports(doc, str(tmp_path), stem)
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert "end to end vs best peer idle" in md
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())["results"]
+    assert not any("vs_peer" in r for r in rows)         # the stale single comparison is gone
+    if stem != "h200_host":                             # (layer-wise peers were timed one way only)
+        assert any("vs_peer_kernel" in r for r in rows)
+    if stem in ("h200", "h200_headline"):
+        assert any("vs_peer_end_to_end" in r for r in rows)
+
+
+def test_merged_torch_baseline_where_the_layouts_allow_it_and_bit_exact():
+    """The merged form (index_select over [planes*layers*slots, row] views, one copy_) runs beside the per-layer
+    form for one-part caches against an all-layer chunk, in every direction; both match kvlayout byte for byte."""
+    timer = Timer(torch.device("cpu"), warmup=0, reps=1)
+    for dev, buf, shape in [("vllm_flash_attn_nhd", "lmcache_kv_2ltd", "L32_H8_D128"),
+                            ("vllm_flash_attn_hnd", "lmcache_kv_2ltd", "L32_H8_D128"),
+                            ("vllm_flashinfer_nhd", "lmcache_kv_2ltd", "L32_H1_D128"),
+                            ("vllm_mla", "lmcache_kv_mla", "L32_MLA_D576")]:
+        for direction in C.DIRECTIONS:
+            case = C.Case("headline", shape, dev, buf, 24, 16, direction)
+            data = C.build(case, C.Inputs(torch.device("cpu"), seed=3), min_cache_slots=128)
+            assert set(C.torch_fns(case, data)) == {"per_layer", "merged"}, case.key
+            assert check_bit_exact(case, data, timer), case.key
+    # two-part caches (K and V apart), host pools with slots and one-layer calls: the per-layer form only
+    for case in (C.Case("layouts", "L32_H1_D128", "sglang_mha", "lmcache_kv_2ltd", 24, 16, "to_host"),
+                 C.Case("layouts", "L32_H1_D128", "vllm_flash_attn_nhd", "hicache_layer_first", 24, 16, "to_host"),
+                 C.Case("layerwise", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_t2d", 24, 16, "to_host",
+                        layerwise=True)):
+        data = C.build(case, C.Inputs(torch.device("cpu"), seed=4), min_cache_slots=128)
+        assert set(C.torch_fns(case, data)) == {"per_layer"}, case.key
+
+
+def test_bit_exact_check_covers_each_torch_form(monkeypatch):
+    """A merged form that moves nothing fails the check, though the per-layer form is right."""
+    case = C.Case("headline", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 24, 16, "gather_device")
+    data = C.build(case, C.Inputs(torch.device("cpu"), seed=5), min_cache_slots=128)
+    timer = Timer(torch.device("cpu"), warmup=0, reps=1)
+    assert check_bit_exact(case, data, timer)
+    monkeypatch.setattr(C, "torch_merged_fn", lambda case, data: (lambda: None))
+    data = C.build(case, C.Inputs(torch.device("cpu"), seed=5), min_cache_slots=128)
+    assert not check_bit_exact(case, data, timer)
+
+
+def test_merged_torch_baseline_on_cuda_is_bit_exact(cuda_device):
+    """On the device, with pinned host chunks: the merged form's permuted and cross-device copies move the same
+    bytes as kvlayout, in every direction."""
+    timer = Timer(torch.device(cuda_device), warmup=0, reps=1)
+    for dev, buf, shape in [("vllm_flash_attn_nhd", "lmcache_kv_2ltd", "L32_H8_D128"),
+                            ("vllm_flash_attn_hnd", "lmcache_kv_2ltd", "L32_H8_D128"),
+                            ("vllm_mla", "lmcache_kv_mla", "L32_MLA_D576")]:
+        for direction in C.DIRECTIONS:
+            case = C.Case("headline", shape, dev, buf, 40, 16, direction)
+            data = C.build(case, C.Inputs(torch.device(cuda_device), seed=6), min_cache_slots=256)
+            assert "merged" in C.torch_fns(case, data), case.key
+            assert check_bit_exact(case, data, timer), case.key
+
+
+def test_cuda_bench_row_is_compared_with_the_peers_in_both_timings(cuda_device, tmp_path):
+    only = "L32_H8_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd gather_device all layers ctas=default"
+    doc = run(torch.device(cuda_device), quick=True, only=only)
+    (row,) = doc["results"]
+    assert row["bit_exact"] and row["kernel_gbps"] > 0 and {"torch_per_layer_gbps", "torch_merged_gbps"} <= set(row)
+    write_reports(doc, str(tmp_path), "gpu")
+    (out,) = json.loads((tmp_path / "gpu.json").read_text())["results"]
+    assert out["vs_peer_kernel"] in ("ahead", "behind") and out["vs_peer_end_to_end"] in ("ahead", "behind")
+    assert (out["peer_kernel_gbps"], out["peer_end_to_end_gbps"]) == (1700, 1116)
+
+
+class _FixedTimer:
+    """Stands in for a Timer: each callable's median is the seconds it was registered with."""
+
+    cuda = False
+
+    def __init__(self, seconds: dict):
+        self.seconds = seconds
+
+    def __call__(self, fn):
+        s = self.seconds[fn]
+        return Timing(s, s * 0.9, s * 1.2, 3)
+
+
+def test_x_torch_is_against_the_faster_torch_form(monkeypatch):
+    per_layer, merged = (lambda: None), (lambda: None)
+    monkeypatch.setattr(C, "torch_fns", lambda case, data: {"per_layer": per_layer, "merged": merged})
+    out = time_baseline(None, None, _FixedTimer({per_layer: 4e-3, merged: 1e-3}), 10**6, 5e-4)
+    assert out["torch_form"] == "merged" and out["x_torch"] == pytest.approx(2.0)
+    assert out["torch_gbps"] == pytest.approx(1.0) and out["torch_per_layer_gbps"] == pytest.approx(0.25)
+    assert out["torch_spread"] == pytest.approx(0.3)
+    monkeypatch.setattr(C, "torch_fns", lambda case, data: {"per_layer": per_layer})
+    out = time_baseline(None, None, _FixedTimer({per_layer: 4e-3}), 10**6, 5e-4)
+    assert out["torch_form"] == "per_layer" and out["x_torch"] == pytest.approx(8.0)
+
+
+def test_cpu_run_fixes_the_thread_count_and_says_so():
+    before = torch.get_num_threads()
+    doc = run(torch.device("cpu"), quick=True, only=ONE_CASE)
+    assert torch.get_num_threads() == before                       # restored after the run
+    env = doc["environment"]
+    assert env["threads"] == env["baseline_threads"] == CPU_THREADS
+    (row,) = doc["results"]
+    assert row["torch_form"] in ("per_layer", "merged") and {"torch_per_layer_gbps", "torch_merged_gbps"} <= set(row)
+    text = markdown(doc)
+    assert f"Threads: kvlayout ran on {CPU_THREADS} and the torch baseline on {CPU_THREADS} thread" in text
+
+
+def test_a_loaded_machine_is_flagged_by_the_baseline_spread():
+    row = {"group": "headline", "shape": "L32_H1_D128", "device_layout": "vllm_flash_attn_nhd",
+           "buffer_layout": "lmcache_kv_2ltd", "T": 256, "page_size": 16, "direction": "gather_device",
+           "layerwise": False, "max_ctas": 0, "bit_exact": True, "gbps": 20.0, "limit_gbps": 20.0,
+           "pct_of_limit": 100.0, "torch_gbps": 2.0, "x_torch": 10.0, "torch_spread": 0.2}
+    doc = {"environment": {"device": "cpu", "threads": 1, "baseline_threads": 1}, "limits": {"D2D": 20.0},
+           "results": [row, dict(row, torch_spread=3.5)]}
+    assert "the machine was loaded" in markdown(doc) and "WARNING: the torch baseline's spread" in terminal_table(doc)
+    assert "on 1 of 2 rows (up to 350%)" in markdown(doc)
+    quiet = dict(doc, results=[row])
+    assert "the machine was loaded" not in markdown(quiet) and "WARNING" not in terminal_table(quiet)
+
+
+def _cpu_rows(layouts=("vllm_flash_attn_nhd", "vllm_flash_attn_hnd")) -> list[dict]:
+    return [{"group": "headline", "shape": "L32_H1_D128", "device_layout": dev, "buffer_layout": "lmcache_kv_2ltd",
+             "T": T, "page_size": 16, "direction": d, "layerwise": False, "max_ctas": 0, "bit_exact": True,
+             "gbps": float(T // 256 + i), "limit_gbps": 20.0, "pct_of_limit": 5.0 * (T // 256 + i)}
+            for i, dev in enumerate(layouts) for T in (256, 4096) for d in ("gather_device", "scatter_device")]
+
+
+def test_plot_lines_keep_layouts_apart():
+    lines = series(_cpu_rows(), "T", ("gather_device", "scatter_device"))
+    assert len(lines) == 4                                  # NHD and HND, gather and scatter: never one zigzag
+    for label, points in lines.items():
+        assert [T for T, _ in points] == [256, 4096], label
+    assert series(_cpu_rows(), "T", ("to_host", "from_host")) == {}
+
+
+def test_a_plot_that_cannot_be_drawn_says_why(tmp_path, monkeypatch, capsys):
+    doc = {"environment": {"device": "cpu"}, "limits": {"D2D": 20.0}, "results": _cpu_rows()}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
+    paths, skipped = plots(doc, str(tmp_path), "cpu")
+    assert paths == [] and any("cpu_tokens.png: matplotlib is not installed" in s for s in skipped)
+    assert any("cpu_ctas.png: the run has no measured CTA-budget" in s for s in skipped)
+    write_reports(doc, str(tmp_path), "cpu")
+    err = capsys.readouterr().err
+    assert "kvlayout bench: no plot cpu_tokens.png: matplotlib is not installed (pip install matplotlib)" in err
+
+
+def test_cpu_plot_has_no_empty_panel_and_no_warning(tmp_path):
+    pytest.importorskip("matplotlib")
+    doc = {"environment": {"device": "cpu"}, "limits": {"D2D": 20.0}, "results": _cpu_rows()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)         # a leaked matplotlib warning fails the test
+        paths, _ = plots(doc, str(tmp_path), "cpu")
+    assert paths == [str(tmp_path / "cpu_tokens.png")]
+    width = struct.unpack(">I", (tmp_path / "cpu_tokens.png").read_bytes()[16:20])[0]
+    assert width < 800                                        # one panel (6.5 in at 110 dpi), not two
+
+
+def _cli(*argv) -> int:
+    from kvlayout.cli import main
+
+    return main(["bench", *argv])
+
+
+def test_only_matching_nothing_is_a_usage_error_that_keeps_previous_results(tmp_path, capsys):
+    previous = tmp_path / "cpu.jsonl"
+    previous.write_text('{"kind": "run"}\n')
+    assert _cli("--device", "cpu", "--only", "no such case", "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kvlayout bench: --only 'no such case' matches no cpu case")
+    assert previous.read_text() == '{"kind": "run"}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["cpu.jsonl"]
+
+
+def test_an_unwritable_out_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out in (blocker, blocker / "sub"):
+        assert _cli("--device", "cpu", "--only", "host_cost", "--out", str(out)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"kvlayout bench: --out {str(out)!r} is not a writable")
 
 
 @pytest.mark.slow   # CPU only: the transfers themselves are covered by the ops tests and conformance
@@ -123,15 +378,16 @@ def test_ncu_profile_cases_are_bench_rows_and_counters_fold_per_case():
 
 
 def test_readme_tables_come_from_the_recorded_run(capsys):
-    """The README's performance tables are printed from the committed H200 run (kvlayout.bench.summary)."""
-    import pathlib
-
+    """The README's performance tables are printed from the committed H200 run (kvlayout.bench.summary), with
+    kvlayout's standing against the peers per timing."""
     from kvlayout.bench import summary
 
-    results = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
-    assert summary.main([str(results / "h200.jsonl")]) == 0
+    assert summary.main([str(RESULTS / "h200.jsonl")]) == 0
     out = capsys.readouterr().out
-    rows = [r for r in document(str(results / "h200.jsonl"))["results"] if r["group"] == "headline"]
+    rows = [r for r in document(str(RESULTS / "h200.jsonl"))["results"] if r["group"] == "headline"]
     some = next(r for r in rows if r["shape"] == "L32_H8_D128" and r["T"] == 4096 and r["direction"] == "to_host")
-    assert f"| L32_H8_D128 | 4096 | to_host | {some['gbps']:.1f} ({some['pct_of_limit']:.0f}%) |" in out
+    assert (f"| L32_H8_D128 | vllm_flash_attn_nhd->lmcache_kv_2ltd | 4096 | to_host | {some['gbps']:.1f} "
+            f"({some['pct_of_limit']:.0f}%) |") in out
+    assert "Against the best peer, kernel only vs the peers' overlapped figure: ahead on " in out
+    assert "end to end vs the peers' idle figure: ahead on " in out
     assert "one prepared layer call" in out and "<!-- Staged -->" in out
