@@ -142,8 +142,8 @@ def _help(capsys, command: str) -> str:
 def _option_help(text: str, option: str) -> str:
     """The help text of ``option`` in a flattened ``--help`` output (up to the next option)."""
     options = re.split(r"options:|optional arguments:", text, maxsplit=1)[1]
-    match = re.search(r"(?:^| )" + re.escape(option) + r"(?: [A-Z_]+)?(?:, --[a-z-]+(?: [A-Z_]+)?)? (.*?)(?= --[a-z]|$)",
-                      options)
+    metavar, alias = r"(?: [A-Z_]+)?", r"(?:, --[a-z-]+(?: [A-Z_]+)?)?"
+    match = re.search(r"(?:^| )" + re.escape(option) + metavar + alias + r" (.*?)(?= --[a-z]|$)", options)
     assert match, option
     return match.group(1)
 
