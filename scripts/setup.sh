@@ -19,7 +19,7 @@ else
     say "reusing the virtual environment .venv"
 fi
 
-say "torch==$TORCH_VERSION (CPU wheel unless a CUDA build is already installed; the first time it is a large download)"
+say "torch==$TORCH_VERSION (pinned: the native extension is built against it; the first time, a large download)"
 .venv/bin/pip install -q "torch==$TORCH_VERSION"
 .venv/bin/pip install -q "setuptools>=64" wheel
 
