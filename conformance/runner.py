@@ -40,7 +40,7 @@ import zlib
 
 EXAMPLE_PRESETS = {"small": 10, "default": 100, "large": 1000}
 DEFAULT_EXAMPLES = EXAMPLE_PRESETS["default"]
-"""Cases per operation family and device (the README's main command uses it: a few minutes on 2 cores)."""
+"""Cases per operation family and device (the README's main command uses it: conformance/reports/cpu.md)."""
 
 DEFAULT_OUT = os.path.join("results", "conformance")
 """Where the reports go unless ``--out`` names another folder (git-ignored; relative to the working folder)."""
