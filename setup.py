@@ -9,11 +9,20 @@ The extension must link the same shared libstdc++ as torch. A toolchain
 that links libstdc++ statically into shared objects (CXX pointing at such a
 g++) produces a _C.so that crashes on its first formatted error message;
 build with the system compiler then (CXX=/usr/bin/g++ CC=/usr/bin/gcc).
+
+An in-place or editable build is skipped when nothing native changed: the
+fingerprint of the sources under torch_ext/, this file, the torch version and
+the build choices (CUDA/SYCL, compilers, architectures) is stored next to the
+built library (kvlayout/_C.build-stamp) and compared on the next build.
+KVLAYOUT_REBUILD=1 rebuilds anyway.  A wheel (not in place) is always built.
 """
 
 import glob
+import hashlib
+import json
 import os
 import shutil
+import sysconfig
 
 import torch
 from setuptools import setup
@@ -47,6 +56,48 @@ def _want_sycl():
     except Exception:
         pass
     return has_xpu and shutil.which("icpx") is not None and hasattr(cpp_extension, "SyclExtension")
+
+
+STAMP = os.path.join(ROOT, "kvlayout", "_C.build-stamp")
+"""The fingerprint of the native sources and build choices that the in-place library was built from."""
+
+
+def built_library() -> str:
+    """Where an in-place or editable build puts the extension."""
+    return os.path.join(ROOT, "kvlayout", "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def native_fingerprint() -> str:
+    """sha256 of every file under torch_ext/ and setup.py (paths and contents), the torch version and the choices
+    this build makes (CUDA/SYCL kernels, compilers, CUDA architectures)."""
+    h = hashlib.sha256()
+    files = sorted(f for f in glob.glob(os.path.join(ROOT, EXT, "**"), recursive=True) if os.path.isfile(f))
+    for path in files + [os.path.join(ROOT, "setup.py")]:
+        h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read() + b"\0")
+    choices = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+               "suffix": sysconfig.get_config_var("EXT_SUFFIX"), "cuda": bool(_want_cuda()), "sycl": bool(_want_sycl()),
+               **{k: os.environ.get(k, "") for k in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CXX", "CC",
+                                                      "KVLAYOUT_FORCE_CPU_ONLY")}}
+    h.update(json.dumps(choices, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def native_status() -> tuple[bool, str]:
+    """(whether the in-place library is current, why) - what an in-place build decides."""
+    if os.environ.get("KVLAYOUT_REBUILD", "0") == "1":
+        return False, "KVLAYOUT_REBUILD=1"
+    if not os.path.exists(built_library()):
+        return False, f"no {os.path.relpath(built_library(), ROOT)} yet"
+    try:
+        with open(STAMP, encoding="utf-8") as f:
+            stamp = f.read().strip()
+    except OSError:
+        return False, f"no {os.path.relpath(STAMP, ROOT)} (built by another route)"
+    if stamp != native_fingerprint():
+        return False, "torch_ext/, setup.py, torch or the build choices changed since the last build"
+    return True, f"torch_ext/, setup.py and torch {torch.__version__} unchanged since the last build"
 
 
 def _extension():
@@ -93,11 +144,23 @@ def _extension():
     )
 
 
-if shutil.which("ninja") is None:
-    print("kvlayout: ninja not found, building without it (slower)")
-os.environ.setdefault("MAX_JOBS", str(max(1, os.cpu_count() or 1)))
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)):
+    """torch's build, skipped in place when :func:`native_status` says the library is current; stamps a build."""
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
-)
+    def run(self):
+        in_place = self.inplace or getattr(self, "editable_mode", False)
+        current, why = native_status()
+        if in_place and current:
+            print(f"kvlayout: native extension not rebuilt: {why}")
+            return
+        if shutil.which("ninja") is None:
+            print("kvlayout: ninja not found, building without it (slower)")
+        super().run()
+        if in_place and os.path.exists(built_library()):
+            with open(STAMP, "w", encoding="utf-8") as f:
+                f.write(native_fingerprint() + "\n")
+
+
+if __name__ == "__main__":   # setuptools runs this file as __main__; `kvlayout_setup` imports it for the stamp
+    os.environ.setdefault("MAX_JOBS", str(max(1, os.cpu_count() or 1)))
+    setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})

@@ -284,14 +284,14 @@ def _append(path: str, obj: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present, else cpu)")
     parser.add_argument("--quick", action="store_true", help="a short case list")
-    parser.add_argument("--out", default="bench-results", help="folder for JSON-lines, JSON, Markdown and PNG output")
+    parser.add_argument("--out", default="results/bench", help="folder of all outputs (default: %(default)s)")
     parser.add_argument("--name", default=None, help="file stem of the outputs (default: the device kind)")
     parser.add_argument("--only", default=None,
                         help="comma-separated: run only cases of these groups (headline, layouts, layerwise, ctas, "
                              "copy_engine, staged, host_cost) or whose description contains one of these texts")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run recorded in <out>/<name>.jsonl (skips the cases it holds)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the cache contents and slots (default 0)")
     parser.add_argument("--ncu", action="store_true",
                         help="hardware counters (Nsight Compute) of the cases that miss their targets, one ncu "
                              "process per case: <out>/<name>_ncu.{json,md} (see kvlayout.bench.profile)")

@@ -8,6 +8,7 @@ import os
 
 from .families import FAMILIES
 from .families.rope import FP32_PAIR_TOLERANCE
+from .runner import SANITIZE_SCOPE
 
 RULES = {
     "copies": "every output tensor of the op equals the reference's, bit for bit (compared as unsigned "
@@ -189,8 +190,7 @@ def markdown(data: dict) -> str:
     lines += ["", "## Sanitizer", ""]
     san = data["sanitizer"]
     if san is None:
-        lines.append("Not requested (`--sanitize` runs the bad-input, fuzzed-index and transfer cases on CUDA "
-                     "under `compute-sanitizer --tool memcheck`).")
+        lines.append(f"Not requested (`--sanitize` {SANITIZE_SCOPE}).")
     else:
         lines.append(f"**{san['status']}**" + (f": {san['detail']}" if san.get("detail") else ""))
         if san.get("command"):

@@ -7,9 +7,14 @@ same command draws the same cases) and runs each one.  Failures are then
 shrunk, per layout family, to a minimal failing sample whose replay command
 (``kvlayout conformance --device D --replay '<repr>'``) goes into the report.
 
+The reports (``<name>.json`` and ``<name>.md``) go to ``--out`` (default
+``results/conformance``, a git-ignored folder); the committed records in
+``conformance/reports`` are refreshed only by naming that folder.
+
 Exit status: 0 when every case passed; 1 when a case failed (or the sanitizer
-found errors); 2 when none of the requested devices could be tested; 3 when
-``--sanitize`` was asked for but the sanitizer could not run.
+found errors); 2 on a usage error (one line on standard error) or when none of
+the requested devices could be tested; 3 when ``--sanitize`` was asked for but
+the sanitizer could not run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the reference runs on the CPU; jax must not take GPU memory
 
 import argparse
+import ast
 import collections
 import fnmatch
 import json
@@ -34,9 +40,16 @@ import zlib
 
 EXAMPLE_PRESETS = {"small": 10, "default": 100, "large": 1000}
 DEFAULT_EXAMPLES = EXAMPLE_PRESETS["default"]
-"""Cases per operation family and device (the README's main command uses it: a few minutes on 2 cores)."""
+"""Cases per operation family and device (the README's main command uses it: conformance/reports/cpu.md)."""
+
+DEFAULT_OUT = os.path.join("results", "conformance")
+"""Where the reports go unless ``--out`` names another folder (git-ignored; relative to the working folder)."""
 
 SANITIZE_FAMILIES = "bad_input,fuzz_index,hostile,transfer"
+SANITIZE_SCOPE = ("runs the families " + ", ".join(SANITIZE_FAMILIES.split(",")[:-1]) + " and "
+                  + SANITIZE_FAMILIES.split(",")[-1] + " once more on CUDA, under compute-sanitizer memcheck, "
+                  "with --sanitize-examples cases each")
+"""What ``--sanitize`` does, in the words the help, the report and the docs use."""
 MAX_SHRUNK_GROUPS = 6
 """Failing groups shrunk per family and device; later ones report their first failing case as drawn."""
 
@@ -64,17 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"cases per operation family and device, or {'/'.join(EXAMPLE_PRESETS)} "
                              f"({', '.join(f'{k} = {v}' for k, v in EXAMPLE_PRESETS.items())}; "
                              f"default {DEFAULT_EXAMPLES})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the case generation (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the case generation: the same seed, family and device draw the same cases "
+                             "(default 0)")
     parser.add_argument("--only", metavar="PATTERN",
                         help="comma-separated shell patterns over family names (transfer, prepared, staged, "
                              "gather, scatter, move, pages, rope, fuzz_index, bad_input, hostile)")
     parser.add_argument("--replay", metavar="SAMPLE",
                         help="run one sample, given as its repr (the reproducer of a report), on --device and "
                              "print the outcome with the traceback")
-    parser.add_argument("--report", metavar="DIR",
-                        help="write DIR/<name>.json and DIR/<name>.md (name: cpu, h200, or the device kind)")
-    parser.add_argument("--sanitize", action="store_true",
-                        help="CUDA: re-run the bad-index and fuzzed-index cases under compute-sanitizer memcheck")
+    parser.add_argument("--out", "--report", dest="out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"write DIR/<name>.json and DIR/<name>.md (name: cpu, h200, or the device kind; "
+                             f"default: {DEFAULT_OUT}; the committed records are refreshed with "
+                             f"--out conformance/reports)")
+    parser.add_argument("--sanitize", action="store_true", help=f"{SANITIZE_SCOPE} (needs a CUDA device)")
     parser.add_argument("--sanitize-examples", type=_examples, default=EXAMPLE_PRESETS["small"], metavar="N",
                         help="cases per family in the sanitizer run (default: small)")
     parser.add_argument("--jobs", type=int, default=0, metavar="N",
@@ -85,11 +101,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvlayout conformance", description=__doc__.split("\n\n")[0])
+    """``kvlayout conformance ARGS`` (also ``python -m kvlayout.conformance.runner ARGS``); the exit status."""
+    from kvlayout.cli import ArgumentParser, UsageError
+
+    parser = ArgumentParser(prog="kvlayout conformance", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run(args)
+    try:
+        return run(parser.parse_args(argv))
+    except UsageError as e:
+        print(f"kvlayout conformance: {e}", file=sys.stderr)
+        return e.code
 
 
 def command_line(args) -> str:
@@ -101,8 +123,8 @@ def command_line(args) -> str:
         parts += ["--seed", str(args.seed)]
     if args.only:
         parts += ["--only", args.only]
-    if args.report:
-        parts += ["--report", args.report]
+    if args.out != DEFAULT_OUT:
+        parts += ["--out", args.out]
     if args.sanitize:
         parts.append("--sanitize")
         if args.sanitize_examples != EXAMPLE_PRESETS["small"]:
@@ -424,7 +446,7 @@ def sanitize(args, cuda_ran: bool) -> dict:
     tmp = tempfile.mkdtemp(prefix="kvlayout-sanitize-")
     child = [sys.executable, "-m", "kvlayout", "conformance", "--device", "cuda", "--only", SANITIZE_FAMILIES,
              "--examples", str(args.sanitize_examples), "--seed", str(args.seed), "--jobs", "1",
-             "--shrink-seconds", "0", "--no-progress", "--report", tmp]
+             "--shrink-seconds", "0", "--no-progress", "--out", tmp]
     cmd = [exe, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "100"] + child
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     started = time.monotonic()
@@ -467,6 +489,9 @@ def sanitize(args, cuda_ran: bool) -> dict:
 # ---------------------------------------------------------------------------------------
 
 def select_families(only: str | None) -> list[str]:
+    """The families ``--only`` selects (all without it); :class:`~kvlayout.cli.UsageError` when it selects none."""
+    from kvlayout.cli import UsageError
+
     from .families import FAMILIES
 
     if not only:
@@ -474,19 +499,79 @@ def select_families(only: str | None) -> list[str]:
     patterns = [p.strip() for p in only.split(",") if p.strip()]
     chosen = [f for f in FAMILIES if any(fnmatch.fnmatchcase(f, p) for p in patterns)]
     if not chosen:
-        raise SystemExit(f"kvlayout conformance: --only {only!r} matches no family ({', '.join(FAMILIES)})")
+        raise UsageError(f"--only {only!r} matches no family ({', '.join(FAMILIES)})")
     return chosen
+
+
+def parse_devices(text: str) -> list[str]:
+    """``--device``: the device kinds, in order; :class:`~kvlayout.cli.UsageError` for an empty list or an
+    unknown kind."""
+    from kvlayout.cli import UsageError
+
+    from . import environment
+
+    devices = environment.parse_devices(text)
+    if not devices:
+        raise UsageError(f"--device {text!r} names no device (cpu, cuda, xpu or all)")
+    unknown = [d for d in devices if d not in environment.KNOWN_DEVICES]
+    if unknown:
+        raise UsageError(f"--device {text!r}: unknown device kind {unknown[0]!r} "
+                         f"(known: {', '.join(environment.KNOWN_DEVICES)}, all)")
+    return devices
+
+
+# What a sample's repr is made of: calls of the sample classes by name with keyword arguments, tuples and lists,
+# literal numbers, strings, booleans and None, and negative numbers.  Anything else (arithmetic, subscripts,
+# attributes, comprehensions, ...) is refused before the text is evaluated, so no replay text can compute.
+_REPR_NODES = (ast.Expression, ast.Call, ast.Name, ast.Load, ast.keyword, ast.Constant, ast.Tuple, ast.List,
+               ast.UnaryOp, ast.USub)
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def check_replay_text(text: str) -> ast.Expression:
+    """The syntax tree of a ``--replay`` text made only of what a sample's repr uses; else
+    :class:`~kvlayout.cli.UsageError` naming what is not allowed."""
+    from kvlayout.cli import UsageError
+
+    if not text.strip():
+        raise UsageError("--replay needs the repr of a sample (the reproducer of a report), not an empty text")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise UsageError(f"--replay is not a sample's repr: {type(e).__name__}: "
+                         f"{getattr(e, 'msg', None) or e}") from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _REPR_NODES):
+            raise UsageError(f"--replay is not a sample's repr: {type(node).__name__} "
+                             f"{_clip(ast.get_source_segment(text.strip(), node) or '')!r} is not allowed (a sample is "
+                             "made of calls with keyword arguments, tuples, numbers, strings, booleans and None)")
+        if isinstance(node, ast.UnaryOp) and not (isinstance(node.operand, ast.Constant)
+                                                  and type(node.operand.value) in (int, float)):
+            raise UsageError("--replay is not a sample's repr: a minus sign may only precede a number")
+        if isinstance(node, ast.Constant) and type(node.value) not in (int, float, str, bool, type(None)):
+            raise UsageError(f"--replay is not a sample's repr: the literal {node.value!r} is not allowed")
+    return tree
 
 
 def replay(text: str, devices: list[str]) -> int:
     """``--replay``: run one sample on each requested device that is present; 0 if it passed everywhere."""
+    check_replay_text(text)   # before the heavy imports: a text that is no sample is refused at once
+
     import traceback
+
+    from kvlayout.cli import UsageError
 
     from . import environment
     from .families import parse_sample
     from .families.core import clear_errors
 
-    sample = parse_sample(text)
+    try:
+        sample = parse_sample(text)
+    except Exception as e:  # noqa: BLE001 - an unknown class, a missing or unknown field: not a sample
+        raise UsageError(f"--replay is not a sample's repr: {str(e).removeprefix('--replay: ')}") from None
     print(f"{sample.family}: {sample.describe()}")
     code, ran = 0, 0
     for status in environment.devices(devices):
@@ -506,14 +591,15 @@ def replay(text: str, devices: list[str]) -> int:
 
 
 def run(args) -> int:
+    from kvlayout.cli import writable_dir
+
     from . import environment, report
 
-    if args.replay:
-        return replay(args.replay, environment.parse_devices(args.device))
-    requested = environment.parse_devices(args.device)
-    if not requested:
-        raise SystemExit("kvlayout conformance: --device names no device")
+    if args.replay is not None:
+        return replay(args.replay, parse_devices(args.device))
+    requested = parse_devices(args.device)
     families = select_families(args.only)
+    writable_dir(args.out)   # before the run, not after it
     statuses = environment.devices(requested)
     if "xpu" not in requested:   # say plainly what happened to XPU even when it was not asked for
         xpu = environment.devices(["xpu"])[0]
@@ -534,9 +620,8 @@ def run(args) -> int:
         statuses=statuses, results=results, environment=environment.collect(statuses),
         seconds=time.time() - started, sanitizer=sanitizer, name=environment.report_name(statuses))
     print(report.terminal(data))
-    if args.report:
-        paths = report.write(args.report, data)
-        print("reports: " + ", ".join(paths))
+    paths = report.write(args.out, data)
+    print("reports: " + ", ".join(paths))
     if data["summary"]["failed"] or (sanitizer and sanitizer.get("errors")):
         return 1
     if not ran:

@@ -33,6 +33,7 @@ Nothing here imports torch: the ops layer reads the same catalog.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Mapping, Sequence
 
@@ -267,7 +268,10 @@ def get(name: str | Layout) -> Layout:
     try:
         return CATALOG[name]
     except KeyError:
-        raise KeyError(f"unknown layout {name!r}; known: {', '.join(sorted(CATALOG))}") from None
+        pass
+    close = difflib.get_close_matches(str(name), CATALOG, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise KeyError(f"unknown layout {name!r}; {hint}known: {', '.join(sorted(CATALOG))}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -425,7 +429,7 @@ def part_to_logical_pattern(part: Part) -> str:
 
 
 def part_from_logical_pattern(part: Part) -> str:
-    """The inverse of :func:`part_to_logical_pattern`."""
+    """The inverse of ``part_to_logical_pattern``."""
     lhs, rhs = part_to_logical_pattern(part).split(" -> ")
     return f"{rhs} -> {lhs}"
 

@@ -48,7 +48,7 @@ def as_bits(x: jax.Array) -> jax.Array:
 
 
 def from_bits(x: jax.Array, dtype) -> jax.Array:
-    """Inverse of :func:`as_bits`."""
+    """Inverse of ``as_bits``."""
     dtype = jnp.dtype(dtype)
     return x if dtype == x.dtype else jax.lax.bitcast_convert_type(x, dtype)
 
@@ -65,7 +65,7 @@ def parts_of(layout: Layout | str, physical: Physical) -> tuple:
 
 
 def from_parts(layout: Layout | str, parts: Sequence) -> Physical:
-    """Inverse of :func:`parts_of`."""
+    """Inverse of ``parts_of``."""
     layout = get(layout)
     return parts[0] if layout.single_part else tuple(parts)
 
@@ -116,7 +116,7 @@ def to_logical(layout: Layout | str, physical: Physical, geom: Geometry | None =
 
 
 def from_logical(layout: Layout | str, logical: jax.Array, geom: Geometry) -> Physical:
-    """Physical cache holding ``logical`` ``[P, L, N, H, E]`` (inverse of :func:`to_logical`)."""
+    """Physical cache holding ``logical`` ``[P, L, N, H, E]`` (inverse of ``to_logical``)."""
     layout = get(layout)
     expected = (geom.P, geom.L, geom.N, geom.H, geom.E)
     if tuple(logical.shape) != expected:

@@ -10,7 +10,7 @@ to unsigned integers of their width first.
 
 The rules these functions decide (negative slots, out-of-range and repeated
 slots, empty transfers, ``skip_prefix``, overlap in ``move``, ...) are the
-named items of :mod:`kvlayout.reference.semantics`; every check here raises
+named items of ``kvlayout.reference.semantics``; every check here raises
 through its rule.  Slot values are checked whenever they are concrete (not
 traced under ``jit``).
 """
@@ -63,8 +63,10 @@ def skip_prefix(slots, n: int, num_tokens: int | None = None) -> jax.Array:
     """LMCache ``skip_prefix_n_tokens``: the first ``n`` tokens become "no token".
 
     ``slots [T]`` (``None`` = the positions ``0..T-1`` of a chunk, with
-    ``T = num_tokens``) -> ``[T]`` with entries ``< n`` replaced by -1.  Chunk
-    positions stay absolute: token t still pairs with chunk position t.
+    ``T = num_tokens``) -> ``[T]``: the entries at positions ``0..n-1`` set
+    to -1, every later entry kept whatever its value (the positions are
+    counted, not the slot values compared with ``n``).  Chunk positions stay
+    absolute: token t still pairs with chunk position t.
     """
     if slots is None:
         if num_tokens is None:
@@ -121,7 +123,7 @@ def transfer(src_layout: Layout | str, src: Physical, dst_layout: Layout | str, 
     ``src_layers``/``dst_layers``: the layers to copy, paired in order (default
     all; the two lists must have the same length).  ``src_planes``/``dst_planes``
     likewise for planes.  ``skip_prefix``: the first ``skip_prefix`` tokens are
-    neither read nor written (see :func:`skip_prefix`).
+    neither read nor written (see ``skip_prefix``).
 
     Rule: for each token t < T that is not skipped and has
     ``src_slots[t] >= 0`` and ``dst_slots[t] >= 0``, each plane pair (ps, pd)

@@ -23,7 +23,7 @@ from .operations import as_bits, from_bits
 
 
 def slot_map(layout: Layout | str, geom: Geometry) -> list[np.ndarray]:
-    """For every physical array (in :func:`flat_arrays` order): the slot of each element."""
+    """For every physical array (in ``flat_arrays`` order): the slot of each element."""
     slots = np.broadcast_to(np.arange(geom.N).reshape(1, 1, geom.N, 1, 1), (geom.P, geom.L, geom.N, geom.H, geom.E))
     physical = from_logical(layout, jnp.asarray(slots, dtype=jnp.int32), geom)
     return [np.asarray(x) for x in flat_arrays(layout, physical)]
@@ -54,7 +54,7 @@ def get_page(layout: Layout | str, cache: Physical, page: int, *, page_size: int
 
 
 def set_page(layout: Layout | str, cache: Physical, page: int, flat, *, page_size: int | None = None) -> Physical:
-    """Cache with the page replaced by ``flat`` (as returned by :func:`get_page`)."""
+    """Cache with the page replaced by ``flat`` (as returned by ``get_page``)."""
     layout = get(layout)
     geom = geometry_of(layout, cache, page_size)
     masks = _page_masks(layout, geom, page)
@@ -89,7 +89,7 @@ def page_spans(layout: Layout | str, geom: Geometry, pages, itemsize: int) -> li
 
     Returns ``(array index, byte offset, byte length)`` per maximal run of
     consecutive elements that belong to the page, page by page in the order
-    given, arrays in :func:`flat_arrays` order, runs in memory order (runs are
+    given, arrays in ``flat_arrays`` order, runs in memory order (runs are
     not merged across pages).  Offsets are from the start of each (contiguous)
     array.
     """

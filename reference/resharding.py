@@ -21,14 +21,14 @@ token ``t``, each head ``k`` a receiver rank ``d`` holds from one sender rank
 that holds ``k``.  When several sender ranks hold ``k`` (replicas), the one
 whose replica index is ``d mod replicas`` sends it, so the receivers spread
 over the replicas.  Consecutive heads with the same (sender, receiver) form
-one :class:`Route`; every head of every receiver is covered by exactly one
+one ``Route``; every head of every receiver is covered by exactly one
 route.  Layers pair in order (layer ``l`` to layer ``l``) and tokens pair by
 position in the two slot lists: token ``t`` is read at the sender's
 ``src_slots[t]`` and written at the receiver's ``dst_slots[t]``, and moves
 only when both are ``>= 0`` (the transfer rule of ``operations``).
 
-:func:`kv_heads` and :func:`kv_routes` are plain Python (no jax, no torch):
-the torch side reads the same rules.  :func:`reshard` is the oracle, a
+``kv_heads`` and ``kv_routes`` are plain Python (no jax, no torch):
+the torch side reads the same rules.  ``reshard`` is the oracle, a
 composition of the reference's ``gather`` and ``scatter``.
 """
 
@@ -129,11 +129,11 @@ def reshard(src_layout: Layout | str, src_caches: Sequence, src_slots, dst_layou
     ``n`` receiver ranks.  ``src_slots``/``dst_slots``: ``[T]`` slots shared
     by the ranks of a side, or one ``[T]`` list per rank.  Every cache has the
     same layer count, plane count and element size; rank ``r``'s row holds
-    its :func:`kv_heads` of ``D`` elements each (``D`` = row width / heads,
+    its ``kv_heads`` of ``D`` elements each (``D`` = row width / heads,
     the same on both sides).
 
     Returns the receivers' new caches.  Rule: for each route of
-    :func:`kv_routes`, each plane ``p``, layer ``l`` and token ``t`` with
+    ``kv_routes``, each plane ``p``, layer ``l`` and token ``t`` with
     ``src_slots[s][t] >= 0`` and ``dst_slots[d][t] >= 0``, the route's heads
     of ``dst[d][p, l, dst_slots[d][t]]`` become those of
     ``src[s][p, l, src_slots[s][t]]``, bit for bit; everything else keeps its

@@ -1,6 +1,6 @@
 """The decided semantics: every rule the engines leave open, stated once, as data.
 
-Each rule is a named :class:`Rule`: a statement (what the specification
+Each rule is a named ``Rule``: a statement (what the specification
 says) and, for a rule that refuses an input, the one exception type every
 path raises for it - the reference, the torch ops on every device and the
 compat layer alike.  Nothing else states these rules:
@@ -8,7 +8,7 @@ compat layer alike.  Nothing else states these rules:
 * the reference's own checks raise through the rule
   (``SLOT_OUT_OF_RANGE.fail(message)``), so the type the spec names is the
   type the oracle raises;
-* ``kvlayout spec`` renders :data:`RULES` as the "Decided semantics" section
+* ``kvlayout spec`` renders ``RULES`` as the "Decided semantics" section
   of ``docs/spec.md``;
 * the conformance families and the tests cite rules by name
   (``tests/test_semantics.py`` checks, rule by rule, that the reference and

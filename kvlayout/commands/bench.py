@@ -1,6 +1,12 @@
 """``kvlayout bench``: measure the ops against the machine's copy limits and the torch baseline (see
 :mod:`kvlayout.bench.run`); ``--dist``: KV moved between ranks by ``kvlayout.dist`` against a send/recv of the
-same bytes (see :mod:`kvlayout.bench.dist`)."""
+same bytes (see :mod:`kvlayout.bench.dist`).
+
+Outputs go to ``--out`` (default ``results/bench``, a git-ignored folder); the committed records in
+``bench/results`` are refreshed only by naming that folder.  The command line is checked before anything is
+measured: an ``--out`` that cannot be written, a ``--device`` torch does not know or an ``--only`` that selects no
+case is a usage error (one line, exit status 2).
+"""
 
 from __future__ import annotations
 
@@ -19,11 +25,50 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pairs", type=int, default=1, help="with --dist: sender/receiver GPU pairs run at once")
 
 
+def _check_device(text: str | None):
+    """The torch device ``--device`` names (``None``: the default); :class:`~kvlayout.cli.UsageError` otherwise."""
+    import torch
+
+    from kvlayout.cli import UsageError
+
+    if text is None:
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {text!r} is not a device (cuda or cpu)") from None
+    if device.type not in ("cuda", "cpu"):
+        raise UsageError(f"--device {text!r}: the bench runs on cuda or cpu")
+    return device
+
+
+def _check_only(args) -> None:
+    """An ``--only`` that selects no case of this run is a usage error, before anything is measured or written
+    (an empty run would otherwise replace the previous results with nothing)."""
+    import torch
+
+    from kvlayout.bench import cases as C
+    from kvlayout.bench.run import GROUPS, selected
+    from kvlayout.cli import UsageError
+
+    device = _check_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    planned = C.plan_cases(args.quick) if device.type == "cuda" else C.cpu_cases()
+    if args.only is not None and not any(selected(c, args.only) for c in planned):
+        raise UsageError(f"--only {args.only!r} selects none of the {len(planned)} cases of a {device.type} run "
+                         f"(give group names: {', '.join(GROUPS)}, or texts of case descriptions)")
+
+
 def run(args) -> int:
+    from kvlayout.cli import writable_dir
+
     if getattr(args, "dist", False):
         from kvlayout.bench.dist import main as dist_main
 
+        writable_dir(args.out)
         return dist_main(args)
+    if not args.profile_case:   # a profiled case writes nothing and names its case itself
+        _check_only(args)
+        writable_dir(args.out)
     from kvlayout.bench.run import main
 
     return main(args)

@@ -213,6 +213,7 @@ def check(path: str, text: str) -> int:
         print(f"kvlayout spec --check: {path} does not exist; run `kvlayout spec --out {path}`", file=sys.stderr)
         return 1
     if committed == text:
+        print(f"kvlayout spec --check: {path} is up to date")
         return 0
     diff = list(difflib.unified_diff(committed.splitlines(), text.splitlines(), f"{path} (committed)",
                                      f"{path} (rendered)", lineterm="", n=1))
@@ -222,6 +223,10 @@ def check(path: str, text: str) -> int:
 
 
 def run(args) -> int:
+    from kvlayout.cli import writable_file
+
+    if args.out:
+        writable_file(args.out)   # before rendering, so that a bad path costs nothing
     text = render()
     if getattr(args, "check", None):
         return check(args.check, text)

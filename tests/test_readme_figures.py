@@ -1,0 +1,193 @@
+"""Every figure of the README (and of docs/performance.md and docs/conformance.md) is printed from a committed
+result file: this module renders each figure-bearing sentence and table from the files, and the tests check that
+the documents hold exactly that text (compared with whitespace folded, so the prose may wrap anywhere).
+
+The README keeps no other figure: with the rendered parts taken out, no number with a unit is left.
+To refresh the documents after a new record, print the parts with
+``python tests/test_readme_figures.py`` and paste them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "results"
+REPORTS = ROOT / "conformance" / "reports"
+
+# The headline rows the README shows: (shape, T, direction), all from the H200 record's headline group.
+README_HEADLINE = [(shape, 4096, direction) for shape in ("L32_H8_D128", "L32_MLA_D576")
+                   for direction in ("to_host", "from_host", "gather_device", "scatter_device")]
+
+# The host_cost rows: (what the row measures, the row's `call`, a text its key holds)
+HOST_COST_ROWS = [
+    ("all-layer `ops.transfer` (32 layers, one call)", "transfer", "all layers"),
+    ("one-layer `ops.transfer`", "transfer", "x32 layers"),
+    ("prepared layer call `t.layer(i)`", "prepared", "prepared empty"),
+    ("the same layer call launching nothing (`skip_prefix` = T)", "prepared-no-launch", "prepared-no-launch"),
+]
+
+
+def fold(text: str) -> str:
+    """Whitespace folded to single spaces."""
+    return " ".join(text.split())
+
+
+def _jsonl(path: pathlib.Path) -> tuple[dict, list[dict], dict | None]:
+    head, rows, end = None, [], None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        kind = obj.pop("kind", None)
+        if kind == "run":
+            head = obj
+        elif kind == "case":
+            rows.append(obj)
+        elif kind == "limits_end":
+            end = obj["limits"]
+    return head, rows, end
+
+
+def _row(rows: list[dict], call: str, key_text: str) -> dict | None:
+    return next((r for r in rows if r["group"] == "host_cost" and r.get("call") == call and key_text in r["key"]),
+                None)
+
+
+def host_cost_table() -> str:
+    """Host time of a call with nothing to move, against one torch op and one bare launch measured beside it in
+    the same run (`bench/results/h200_host.jsonl`, `bench/results/cpu.jsonl`)."""
+    _, gpu, _ = _jsonl(BENCH / "h200_host.jsonl")
+    _, cpu, _ = _jsonl(BENCH / "cpu.jsonl")
+    lines = ["| call, nothing to move | H200: host µs | × one torch op | × one bare launch "
+             "| CPU (2 cores): host µs | × one torch op |", "|---|--:|--:|--:|--:|--:|"]
+    for label, call, key_text in HOST_COST_ROWS:
+        cells = [label]
+        g = _row(gpu, call, key_text)
+        cells += ([f"{g['host_us_per_call']:.1f}", f"{g['host_us_per_call'] / g['torch_op_host_us']:.2f}×",
+                   f"{g['host_us_per_call'] / g['launch_host_us']:.2f}×"] if g else ["–", "–", "–"])
+        c = _row(cpu, call, key_text)
+        cells += ([f"{c['host_us_per_call']:.1f}", f"{c['host_us_per_call'] / c['torch_op_host_us']:.2f}×"]
+                  if c else ["–", "–"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def headline_table() -> str:
+    """The README's headline rows from the H200 record (`bench/results/h200.jsonl`)."""
+    _, rows, _ = _jsonl(BENCH / "h200.jsonl")
+    lines = ["| shape | T | direction | kvlayout GB/s (% of limit) | kernel only GB/s (% of limit) | torch GB/s "
+             "| × torch |", "|---|--:|---|--:|--:|--:|--:|"]
+    for shape, T, direction in README_HEADLINE:
+        r = next(r for r in rows if r["group"] == "headline" and r["shape"] == shape and r["T"] == T
+                 and r["direction"] == direction and "gbps" in r)
+        lines.append(f"| {shape} | {T} | {direction} | {r['gbps']:.1f} ({r['pct_of_limit']:.0f}%) | "
+                     f"{r['kernel_gbps']:.1f} ({100 * r['kernel_gbps'] / r['limit_gbps']:.0f}%) | "
+                     f"{r['torch_gbps']:.1f} | {r['x_torch']:.1f}× |")
+    return "\n".join(lines)
+
+
+def limits_note(stem: str) -> str:
+    """What a run's limits did: measured at the start and the end; every one that moved by more than 5 % named."""
+    head, rows, end = _jsonl(BENCH / f"{stem}.jsonl")
+    start = head["limits"]
+    moved = [(k, start[k], end[k]) for k in start if end and k in end and abs(end[k] - start[k]) > DRIFT * start[k]]
+    text = f"`{stem}` ({len(rows)} cases, {head['environment']['time'][:10]}): "
+    if end is None:
+        return text + "limits measured at the start only (the run was cut short)."
+    if not moved:
+        return text + f"no limit moved by more than {DRIFT * 100:.0f} % during the run."
+    return text + "flagged: " + "; ".join(f"{k} {a:.1f} → {b:.1f} GB/s" for k, a, b in moved) + "."
+
+
+def main_job_sentence() -> str:
+    """The README's main command, from the committed CPU record."""
+    d = json.loads((REPORTS / "cpu.json").read_text(encoding="utf-8"))
+    return (f"the committed CPU record ([conformance/reports/cpu.md](conformance/reports/cpu.md)) has "
+            f"{d['summary']['cases']:,} cases, {d['summary']['passed']:,} passed, in {d['seconds']:.0f} s on "
+            f"{d['environment']['cpu_count']} CPU cores")
+
+
+def conformance_record(name: str) -> str:
+    """One committed conformance record in a sentence (docs/conformance.md)."""
+    d = json.loads((REPORTS / f"{name}.json").read_text(encoding="utf-8"))
+    s, h, env = d["summary"], d["hostile_inputs"], d["environment"]
+    devices = ", ".join(x["device"] for x in d["devices"] if x["status"] == "run")
+    text = (f"[`{name}`](../conformance/reports/{name}.md) (devices {devices}, commit "
+            f"{(env.get('git_commit') or '?')[:7]}, {d['date'][:10]}): {s['cases']:,} cases, {s['passed']:,} "
+            f"passed, in {d['seconds']:.0f} s. Invalid and hostile inputs ({', '.join(h['families'])}): "
+            f"{h['tried']} tried, {h['crashes']} crashes, {h['wrong_outcomes']} wrong outcomes")
+    san = d.get("sanitizer")
+    if san and san.get("errors") is not None:
+        text += (f"; {san['cases']} CUDA cases under compute-sanitizer memcheck, {san['errors']} errors "
+                 f"({h['out_of_bounds']} out-of-bounds accesses)")
+    return text + "."
+
+
+def method_figures() -> list[str]:
+    """Figures of the method, not of a measurement: the size of the pinned copy that is the host ceiling (the
+    record's own limit name) and the drift that flags a limit."""
+    _, rows, _ = _jsonl(BENCH / "h200.jsonl")
+    ceiling = next(r["limit_name"] for r in rows if r.get("direction") == "to_host" and "limit_name" in r)
+    return [re.sub(r"^[A-Z2]+_(\d+)MiB$", r"\1 MiB", ceiling), f"{DRIFT * 100:.0f} %"]
+
+
+DRIFT = 0.05
+"""A limit that moved by more than this fraction between a run's start and end is flagged."""
+
+FIGURE = re.compile(r"\d[\d,]*(?:\.\d+)?\s*(?:µs|GB/s|GiB|MiB|%|×|s\b|min\b|cases\b|passed\b)")
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_headline_table_is_the_h200_record():
+    assert fold(headline_table()) in fold(_readme())
+
+
+def test_readme_host_cost_table_is_the_host_cost_records():
+    assert fold(host_cost_table()) in fold(_readme())
+
+
+def test_readme_main_job_figures_are_the_cpu_record():
+    assert fold(main_job_sentence()) in fold(_readme())
+
+
+def test_readme_limits_notes_name_every_flagged_limit():
+    for stem in ("h200", "h200_host", "cpu"):
+        assert fold(limits_note(stem)) in fold(_readme()), stem
+
+
+def test_readme_has_no_figure_without_a_source():
+    """With the rendered parts and the code blocks taken out, no number with a unit is left in the README."""
+    text = fold(re.sub(r"```.*?```", " ", _readme(), flags=re.S))
+    parts = [headline_table(), host_cost_table(), main_job_sentence()] + [limits_note(s) for s in
+                                                                          ("h200", "h200_host", "cpu")]
+    for part in parts + method_figures():
+        text = text.replace(fold(part), " ")
+    assert not FIGURE.findall(text), FIGURE.findall(text)
+
+
+def test_performance_doc_figures_are_the_records():
+    doc = fold((ROOT / "docs" / "performance.md").read_text(encoding="utf-8"))
+    assert fold(host_cost_table()) in doc
+    assert fold(headline_table()) in doc
+    for path in sorted(BENCH.glob("*.jsonl")):
+        assert fold(limits_note(path.stem)) in doc, path.stem
+
+
+def test_conformance_doc_records_are_the_reports():
+    doc = fold((ROOT / "docs" / "conformance.md").read_text(encoding="utf-8"))
+    for name in ("cpu", "h200"):
+        assert fold(conformance_record(name)) in doc, name
+
+
+if __name__ == "__main__":
+    print(headline_table(), host_cost_table(), main_job_sentence(), sep="\n\n")
+    for path in sorted(BENCH.glob("*.jsonl")):
+        print("*", limits_note(path.stem))
+    for name in ("cpu", "h200"):
+        print(conformance_record(name))
