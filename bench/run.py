@@ -18,10 +18,11 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 import torch
+
+from kvlayout.cli import UsageError, writable_dir
 
 from . import cases as C
 from .report import write_reports
@@ -191,16 +192,13 @@ def document(path: str) -> dict:
     return doc
 
 
-class UsageError(Exception):
-    """A request the bench cannot carry out as asked; ``main`` prints it as one line and exits with status 2."""
-
-
 def planned(device: torch.device, quick: bool, only: str | None) -> list[C.Case]:
     """The cases a run on ``device`` measures; a :class:`UsageError` when ``only`` selects none of them."""
-    cases = [c for c in (C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()) if selected(c, only)]
+    every = C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()
+    cases = [c for c in every if selected(c, only)]
     if not cases:
-        raise UsageError(f"--only {only!r} matches no {device.type} case (groups: {', '.join(GROUPS)}; or a text "
-                         "of a case's description)")
+        raise UsageError(f"--only {only!r} selects none of the {len(every)} cases of a {device.type} run "
+                         f"(give group names: {', '.join(GROUPS)}, or texts of case descriptions)")
     return cases
 
 
@@ -264,16 +262,6 @@ def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, 
     return dict(head, results=results, limits_end=limits_end, limits_drift=drifted(limits, limits_end))
 
 
-def writable_folder(path: str) -> None:
-    """Create ``path`` if needed and check a file can be written in it; a :class:`UsageError` otherwise."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UsageError(f"--out {path!r} is not a writable folder: {e.strerror or e}") from None
-
-
 def _append(path: str, obj: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(obj) + "\n")
@@ -301,18 +289,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        return _main(args)
-    except UsageError as e:
-        print(f"kvlayout bench: {e}", file=sys.stderr)
-        return 2
-
-
-def _main(args: argparse.Namespace) -> int:
+    """``kvlayout bench`` (usage errors raise :class:`~kvlayout.cli.UsageError`: one line, exit status 2)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("kvlayout bench: CUDA requested but not present", file=sys.stderr)
-        return 2
+        raise UsageError("--device cuda: CUDA is not present on this machine")
     if args.profile_case:
         from .profile import profile_case
 
@@ -321,7 +301,7 @@ def _main(args: argparse.Namespace) -> int:
                          else device.type)
     if not args.ncu:
         planned(device, args.quick, args.only)  # a selection of nothing stops here, before any file is written
-    writable_folder(args.out)
+    writable_dir(args.out)
     if args.ncu:
         from .profile import run_ncu
 

@@ -319,7 +319,7 @@ def test_only_matching_nothing_is_a_usage_error_that_keeps_previous_results(tmp_
     previous.write_text('{"kind": "run"}\n')
     assert _cli("--device", "cpu", "--only", "no such case", "--out", str(tmp_path)) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("kvlayout bench: --only 'no such case' matches no cpu case")
+    assert len(err.splitlines()) == 1 and err.startswith("kvlayout bench: --only 'no such case' selects none of the")
     assert previous.read_text() == '{"kind": "run"}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["cpu.jsonl"]
 
 
@@ -329,7 +329,7 @@ def test_an_unwritable_out_is_a_usage_error(tmp_path, capsys):
     for out in (blocker, blocker / "sub"):
         assert _cli("--device", "cpu", "--only", "host_cost", "--out", str(out)) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and err.startswith(f"kvlayout bench: --out {str(out)!r} is not a writable")
+        assert len(err.splitlines()) == 1 and err.startswith(f"kvlayout bench: --out {out}: ")
 
 
 @pytest.mark.slow   # CPU only: the transfers themselves are covered by the ops tests and conformance

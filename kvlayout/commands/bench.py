@@ -42,22 +42,6 @@ def _check_device(text: str | None):
     return device
 
 
-def _check_only(args) -> None:
-    """An ``--only`` that selects no case of this run is a usage error, before anything is measured or written
-    (an empty run would otherwise replace the previous results with nothing)."""
-    import torch
-
-    from kvlayout.bench import cases as C
-    from kvlayout.bench.run import GROUPS, selected
-    from kvlayout.cli import UsageError
-
-    device = _check_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    planned = C.plan_cases(args.quick) if device.type == "cuda" else C.cpu_cases()
-    if args.only is not None and not any(selected(c, args.only) for c in planned):
-        raise UsageError(f"--only {args.only!r} selects none of the {len(planned)} cases of a {device.type} run "
-                         f"(give group names: {', '.join(GROUPS)}, or texts of case descriptions)")
-
-
 def run(args) -> int:
     from kvlayout.cli import writable_dir
 
@@ -66,9 +50,7 @@ def run(args) -> int:
 
         writable_dir(args.out)
         return dist_main(args)
-    if not args.profile_case:   # a profiled case writes nothing and names its case itself
-        _check_only(args)
-        writable_dir(args.out)
-    from kvlayout.bench.run import main
+    _check_device(args.device)
+    from kvlayout.bench.run import main  # (which checks --only and --out before measuring anything)
 
     return main(args)
