@@ -150,7 +150,7 @@ def _set_fmt(obj, fmt: MemoryFormat) -> None:
     cur = getattr(meta, "fmt", None)
     if cur is not None and not isinstance(cur, (MemoryFormat, int)) and hasattr(cur, "value"):
         try:
-            meta.fmt = type(cur)(int(fmt))
+            meta.fmt = type(cur)(fmt.value)
             return
         except (TypeError, ValueError):
             pass

@@ -9,7 +9,9 @@ tensors with :func:`kvlayout.ops.bind` and calls :func:`kvlayout.ops.transfer`
 (or :func:`kvlayout.ops.rope_reposition`).  No addresses are computed here.
 
 Enums: kvlayout's :class:`GPUKVFormat`, :class:`MemoryFormat` and
-:class:`TransferDirection` carry LMCache's integer values; wherever one is
+:class:`TransferDirection` carry LMCache's integer values (``MemoryFormat``
+is a plain ``Enum`` like LMCache's, the other two ``IntEnum``s like its
+pybind enums); wherever one is
 taken, LMCache's own members (Python or pybind enums) and plain ints are
 accepted too (:func:`as_gpu_kv_format`, :func:`as_memory_format`).
 LMCache's geometry helpers (``get_num_blocks``, ``get_block_size``,
@@ -105,8 +107,13 @@ class GPUKVFormat(enum.IntEnum):
 EngineKVFormat = GPUKVFormat
 
 
-class MemoryFormat(enum.IntEnum):
-    """Shape of an LMCache memory object's tensor."""
+class MemoryFormat(enum.Enum):
+    """Shape of an LMCache memory object's tensor.
+
+    A plain ``Enum`` with LMCache's values, as LMCache's own: a member is not
+    an int (``MemoryFormat.KV_2LTD != 1``); :func:`as_memory_format` takes
+    ints and LMCache's members where a format is read.
+    """
 
     UNDEFINED = 0
     KV_2LTD = 1         # [2, L, T, NH*HS]
@@ -156,7 +163,7 @@ SINGLE_LAYER_FORMATS = frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS
 
 
 _SUPPORTED_GPU_KV_FORMATS = f"supported: {sorted(int(f) for f in LAYOUT_OF_FORMAT)}"
-_SUPPORTED_MEMORY_FORMATS = f"supported: {[int(f) for f in MemoryFormat]}"
+_SUPPORTED_MEMORY_FORMATS = f"supported: {[f.value for f in MemoryFormat]}"
 
 
 def _enum_int(value, what: str) -> int:
