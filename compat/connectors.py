@@ -28,7 +28,11 @@ Conventions shared by all connectors:
   ``load_stream`` and a ``store_stream`` (``None`` on the host, where work is
   synchronous).  Each class documents where it waits; wherever it waits on
   the host it also calls :func:`kvlayout.ops.check_errors`, so a slot a
-  device kernel skipped as out of range raises ``IndexError`` there.
+  device kernel skipped as out of range raises ``IndexError`` there.  Every
+  tensor work on a connector's own stream uses (the caller's slots and
+  memory objects, staging buffers) is kept for that stream
+  (:class:`~kvlayout.compat._device.InFlight`): the caller may free what it
+  passed as soon as a call returns.
   ``validate=`` (constructor default, or ``kwargs["validate"]`` per call) is
   forwarded to kvlayout: ``True`` checks every slot on the host first.
 * ``use_gpu=True`` stages memory objects that do not live on the cache's

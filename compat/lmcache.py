@@ -16,7 +16,11 @@ taken, LMCache's own members (Python or pybind enums) and plain ints are
 accepted too (:func:`as_gpu_kv_format`, :func:`as_memory_format`).
 LMCache's geometry helpers (``get_num_blocks``, ``get_block_size``,
 ``get_head_size``, ``get_num_heads``, ``get_hidden_dim_size``, ``is_mla``,
-...) are here under their names, read from the bound kvlayout geometry.
+...) are here under their names, read as LMCache reads them from layer 0
+(bound as a one-layer kvlayout cache: a hybrid model's layers may differ in
+head size and dtype).  LMCache's older per-layer ops
+(:func:`load_and_reshape_flash`, :func:`reshape_and_cache_back_flash`) are
+here too.
 
 Direction names follow LMCache: ``H2D`` = memory object -> paged engine cache
 (retrieve), ``D2H`` = paged engine cache -> memory object (store), wherever
