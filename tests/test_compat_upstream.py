@@ -197,6 +197,27 @@ def test_flash_ops_refuse_bad_arguments_by_name():
         lm.reshape_and_cache_back_flash(torch.ones(2, 2, 3, H * 8), kv[0][0], kv[0][1], torch.tensor([0, 1, N]), 0)
 
 
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("head_size", [66, 576])
+def test_mla_multi_layer_rows_of_no_16_byte_multiple(device, head_size):
+    """MLA (format 3) rows of 132 bytes (an indexer cache's 66 bf16 elements) and 1152 bytes: out into a
+    [1, L, T, HS] object and back into fresh caches, bit for bit."""
+    gen = torch.Generator().manual_seed(head_size)
+    kv = make_cache(3, 2, NB, BS, 1, head_size, torch.bfloat16, device, gen)
+    slots = distinct_slots(11, N, gen, device, negatives=(3,))
+    obj = torch.zeros(1, 2, 11, head_size, dtype=torch.bfloat16, device=device)
+    lm.multi_layer_kv_transfer(obj, kv, slots, device, 0, lm.TransferDirection.D2H, 3)
+    s = slots.cpu()
+    want = logical(3, kv).cpu()[:, :, s.clamp(min=0)]
+    want[:, :, 3] = 0
+    assert same(obj.cpu(), want)
+    fresh = zeros_like(kv)
+    lm.multi_layer_kv_transfer(obj, fresh, slots, device, 0, lm.TransferDirection.H2D, 3)
+    valid = s[s >= 0]
+    assert same(logical(3, fresh).cpu()[:, :, valid], logical(3, kv).cpu()[:, :, valid])
+    assert int(logical(3, fresh).cpu().count_nonzero()) == int(logical(3, fresh).cpu()[:, :, valid].count_nonzero())
+
+
 # ---------------------------------------------------------------------------------------
 # SGLang's current host pool: constructor and assertions
 # ---------------------------------------------------------------------------------------
