@@ -496,8 +496,11 @@ class _DevicePool:
         self.layer_transfer_counter = layer_transfer_counter
 
     def _wait_for_layer(self, layer_id: int) -> None:
+        """Wait for the layer's load (a registered counter); the id is checked first, so a bad one waits for
+        nothing."""
+        local = self._local(layer_id)
         if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
+            self.layer_transfer_counter.wait_until(local)
 
     def _cast(self, t: torch.Tensor, scale=None) -> torch.Tensor:
         """Rows in the pool's dtype, then viewed as the stored dtype (fp8 pools store uint8)."""

@@ -194,12 +194,18 @@ def _split_groups(layers, groups):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", [1, 2, 3])
 @pytest.mark.parametrize("use_gpu, where", [(False, "device"), (False, "host"), (True, "host")])
-def test_v2_streams(device, fmt, use_gpu, where):
+@pytest.mark.parametrize("xpu_class", [False, True])
+def test_v2_streams(device, fmt, use_gpu, where, xpu_class):
+    """V2, and the XPU class of V2 (the same code; geometry read from the first caches), on a CUDA device."""
     gen = torch.Generator().manual_seed(fmt * 10 + use_gpu)
     heads = 1 if fmt == 3 else H
     kv = make_cache(fmt, LAYERS, NB, BS, heads, D, torch.bfloat16, device, gen)
-    make = lambda: C.VLLMPagedMemGPUConnectorV2(heads * D, LAYERS, use_gpu=use_gpu, device=device,  # noqa: E731
-                                                use_mla=fmt == 3, kv_layout="NHD")
+
+    def make():
+        if xpu_class:
+            return C.VLLMPagedMemXPUConnectorV2(use_gpu=use_gpu, device=device, kv_layout="NHD", kvcaches=kv)
+        return C.VLLMPagedMemGPUConnectorV2(heads * D, LAYERS, use_gpu=use_gpu, device=device, use_mla=fmt == 3,
+                                            kv_layout="NHD")
     _chunk_round_trip(device, make(), make(), kv, fmt, 1 if fmt == 3 else 2, where, gen)
 
 
@@ -280,12 +286,12 @@ def _layerwise_round_trip(device, conn, kv, fmt, where, gen, caller_stream=None)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", [1, 3])
 @pytest.mark.parametrize("use_gpu, where", [(False, "device"), (False, "host"), (True, "host")])
-def test_vllm_layerwise_streams(device, fmt, use_gpu, where):
+@pytest.mark.parametrize("cls", [C.VLLMPagedMemLayerwiseGPUConnector, C.VLLMPagedMemLayerwiseXPUConnector])
+def test_vllm_layerwise_streams(device, fmt, use_gpu, where, cls):
     gen = torch.Generator().manual_seed(50 + fmt)
     heads = 1 if fmt == 3 else H
     kv = make_cache(fmt, LAYERS, NB, BS, heads, D, torch.bfloat16, device, gen)
-    conn = C.VLLMPagedMemLayerwiseGPUConnector(heads * D, LAYERS, use_gpu=use_gpu, device=device, use_mla=fmt == 3,
-                                               kv_layout="NHD")
+    conn = cls(heads * D, LAYERS, use_gpu, device=device, use_mla=fmt == 3, kv_layout="NHD")
     _layerwise_round_trip(device, conn, kv, fmt, where, gen)
 
 
