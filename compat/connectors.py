@@ -219,6 +219,18 @@ def _structure(kvcaches):
     return ("object", id(kvcaches))
 
 
+def _tensors_of(kvcaches):
+    """Every tensor of an engine's cache structure, in order."""
+    if isinstance(kvcaches, torch.Tensor):
+        yield kvcaches
+    elif isinstance(kvcaches, Mapping):
+        for v in kvcaches.values():
+            yield from _tensors_of(v)
+    elif isinstance(kvcaches, (list, tuple)):
+        for v in kvcaches:
+            yield from _tensors_of(v)
+
+
 class StagingBuffers:
     """The device buffers a connector stages memory objects through: LMCache's ``gpu_buffer_allocator``.
 
@@ -333,9 +345,11 @@ class _Connector:
         return fmt
 
     def _note_registered(self, kvcaches, layout) -> None:
-        """Remember what was registered: the structure as given (held, so the identities in
-        :func:`_structure` stay its own) and the layout it was read with."""
+        """Remember what was registered: the structure as given and the layout it was read with.  Its tensors
+        are held as well (not only the list, which the engine may change in place), so no other tensor can
+        take the identity of one of them in :func:`_structure`."""
         self._registered = kvcaches
+        self._registered_tensors = tuple(_tensors_of(kvcaches))
         self._registered_structure = (_structure(kvcaches), layout)
 
     def _set_geometry(self, bound: ops.KVCache) -> None:

@@ -420,6 +420,14 @@ def test_the_same_tensors_in_a_new_list_are_not_registered_again(cls, monkeypatc
     same_list[1] = kv[1].clone()                           # the same list object, a tensor replaced in place
     call(same_list)
     assert len(registered) == 6
+    # a tensor dropped from the list and a new one made in its place: the registration still holds the old
+    # tensor, so the new one cannot take its identity
+    own = [kv[0].clone(), kv[1].clone(), kv[2].clone()]
+    call(own)
+    del own[1]
+    own.insert(1, kv[1].clone())
+    call(own)
+    assert len(registered) == 8
 
 
 # ---------------------------------------------------------------------------------------
