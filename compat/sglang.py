@@ -1029,8 +1029,9 @@ class HostKVPool:
         # page-locking only serves a device pool on a GPU (the kernels and the copy engine reach it directly)
         self.pin_memory = bool(pin_memory) and torch.device(getattr(device_pool, "device", "cpu")).type == "cuda"
         self.pinned = self.pin_memory
-        self.token_stride_size = (self.kv_cache_dim if self.is_mla else self.head_num * self.head_dim) * \
-            torch.empty((), dtype=self.dtype).element_size()
+        # elements of one token's row of one layer (and plane): SGLang's element_dim
+        self.element_dim = self.kv_cache_dim if self.is_mla else self.head_num * self.head_dim
+        self.token_stride_size = self.element_dim * torch.empty((), dtype=self.dtype).element_size()
         self.layout_dim = self.token_stride_size * self.layer_num
         self._alloc_buffers()
         self.cache = ops.bind(self.host_layout, self._physical(), page_size=self.page_size)

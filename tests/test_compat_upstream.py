@@ -229,7 +229,12 @@ def _small_host_pool(**kw):
 
 
 def test_host_pool_takes_allocator_type():
-    assert _small_host_pool(allocator_type="default").allocator_type == "default"
+    host = _small_host_pool(allocator_type="default")
+    assert host.allocator_type == "default"
+    # SGLang's sizes: a row of H*D elements, 2*L rows per token, the buffer exactly size tokens
+    assert host.element_dim == 2 * 4 and host.token_stride_size == 2 * 4 * 2
+    assert host.size_per_token == 2 * 2 * host.token_stride_size
+    assert host.kv_buffer.nbytes == host.size * host.size_per_token
     with pytest.raises(ValueError, match="allocator_type = 'shm' is not supported"):
         _small_host_pool(allocator_type="shm")
 
