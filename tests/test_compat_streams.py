@@ -465,3 +465,57 @@ def test_a_prepared_transfer_collected_while_a_program_registers_does_not_deadlo
     thread.start()
     thread.join(timeout=30)
     assert done.is_set(), "a finalizer's unpin deadlocked on the program registry's lock"
+
+
+# ---------------------------------------------------------------------------------------
+# InFlight itself (stand-in streams and events, so it runs anywhere)
+# ---------------------------------------------------------------------------------------
+
+def test_in_flight_records_device_tensors_and_holds_host_ones_until_the_stream_passes(monkeypatch):
+    import types
+    import weakref
+
+    from kvlayout.compat import _device
+
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.done, self.stream = False, None
+            events.append(self)
+
+        def record(self, stream):
+            self.stream = stream
+
+        def query(self):
+            return self.done
+
+    monkeypatch.setattr(_device, "_module", lambda device: types.SimpleNamespace(Event=Event))
+    stream = types.SimpleNamespace(device=torch.device("cuda"))
+
+    class DeviceTensor:                       # a device tensor's face: its device and record_stream
+        device = torch.device("cuda")
+
+        def __init__(self, can_record=True):
+            self.recorded, self.can_record = [], can_record
+
+        def record_stream(self, s):
+            if not self.can_record:
+                raise RuntimeError("this allocator cannot record")
+            self.recorded.append(s)
+
+    flight = _device.InFlight()
+    recorded, unrecordable, host = DeviceTensor(), DeviceTensor(can_record=False), torch.zeros(4)
+    flight.keep(stream, recorded, None, unrecordable, host)
+    assert recorded.recorded == [stream]                      # recorded on the stream, not held
+    assert len(flight) == 2 and len(events) == 1 and events[0].stream is stream
+    gone = weakref.ref(host)
+    del host
+    assert gone() is not None                                 # held while the stream's work may still use it
+    flight.release_finished()
+    assert gone() is not None
+    events[0].done = True
+    flight.keep(stream)                                       # a later call lets go of what has passed
+    assert gone() is None and len(flight) == 0
+    flight.keep(None, torch.zeros(1))                         # the host: synchronous, nothing to keep
+    assert len(flight) == 0
