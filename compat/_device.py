@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -63,5 +64,54 @@ def synchronize_stream(stream) -> None:
         stream.synchronize()
 
 
+class InFlight:
+    """Keeps the tensors that work enqueued on a stream uses from being reused before that work has run.
+
+    The caching allocators know only the stream a tensor was allocated on: a
+    tensor the caller made (slots, memory objects) or a buffer allocated on
+    another stream, used by work on a stream the adapter chose and then freed
+    by its owner, could be handed out again (and written) while that work
+    still reads or writes it.  :meth:`keep` records each device tensor on the
+    stream (``Tensor.record_stream``); a host tensor (pinned memory a kernel
+    reads or writes directly), or one whose device cannot record, is held
+    here until an event recorded after the work has passed, and released by a
+    later :meth:`keep` (or :meth:`release_finished`).
+    """
+
+    def __init__(self):
+        self._held: collections.deque = collections.deque()     # (event, tensors) in stream order
+
+    def keep(self, stream, *tensors) -> None:
+        """Make ``tensors`` (``None`` entries are ignored) outlive the work enqueued on ``stream`` so far.
+        ``stream`` ``None`` (the host: synchronous) does nothing."""
+        if stream is None:
+            return
+        self.release_finished()
+        held = []
+        for t in tensors:
+            if t is None:
+                continue
+            if t.device.type == stream.device.type:
+                try:
+                    t.record_stream(stream)
+                    continue
+                except (RuntimeError, NotImplementedError):     # a device whose allocator cannot record
+                    pass
+            held.append(t)
+        if held:
+            event = _module(stream.device).Event()
+            event.record(stream)
+            self._held.append((event, held))
+
+    def release_finished(self) -> None:
+        """Let go of the tensors whose work has run."""
+        while self._held and self._held[0][0].query():
+            self._held.popleft()
+
+    def __len__(self) -> int:
+        """Tensors still held."""
+        return sum(len(t) for _, t in self._held)
+
+
 __all__ = ["launch_device", "indices_on", "new_stream", "on_stream", "current_stream", "wait_stream",
-           "synchronize_stream"]
+           "synchronize_stream", "InFlight"]

@@ -28,7 +28,11 @@ Conventions shared by all connectors:
   ``load_stream`` and a ``store_stream`` (``None`` on the host, where work is
   synchronous).  Each class documents where it waits; wherever it waits on
   the host it also calls :func:`kvlayout.ops.check_errors`, so a slot a
-  device kernel skipped as out of range raises ``IndexError`` there.
+  device kernel skipped as out of range raises ``IndexError`` there.  Every
+  tensor work on a connector's own stream uses (the caller's slots and
+  memory objects, staging buffers) is kept for that stream
+  (:class:`~kvlayout.compat._device.InFlight`): the caller may free what it
+  passed as soon as a call returns.
   ``validate=`` (constructor default, or ``kwargs["validate"]`` per call) is
   forwarded to kvlayout: ``True`` checks every slot on the host first.
 * ``use_gpu=True`` stages memory objects that do not live on the cache's
@@ -51,7 +55,7 @@ import torch
 
 from kvlayout import ops
 
-from ._device import current_stream, new_stream, on_stream, synchronize_stream, wait_stream
+from ._device import InFlight, current_stream, new_stream, on_stream, synchronize_stream, wait_stream
 from .lmcache import (
     CROSS_LAYER_FORMATS,
     MLA_FORMATS,
@@ -150,7 +154,7 @@ def _set_fmt(obj, fmt: MemoryFormat) -> None:
     cur = getattr(meta, "fmt", None)
     if cur is not None and not isinstance(cur, (MemoryFormat, int)) and hasattr(cur, "value"):
         try:
-            meta.fmt = type(cur)(int(fmt))
+            meta.fmt = type(cur)(fmt.value)
             return
         except (TypeError, ValueError):
             pass
@@ -199,6 +203,84 @@ def _kv_shape(metadata) -> tuple[int, int, int, int]:
     return shape[0], shape[2], shape[3], shape[4]
 
 
+def _structure(kvcaches):
+    """The identity of an engine's cache structure: its nesting, with each tensor by identity.
+
+    Two structures compare equal when they hold the very same tensor objects in
+    the same places, whatever list objects carry them (an engine may build a
+    new list of the same tensors for every call).
+    """
+    if isinstance(kvcaches, torch.Tensor):
+        return id(kvcaches)
+    if isinstance(kvcaches, Mapping):
+        return tuple((k, _structure(v)) for k, v in kvcaches.items())
+    if isinstance(kvcaches, (list, tuple)):
+        return tuple(_structure(x) for x in kvcaches)
+    return ("object", id(kvcaches))
+
+
+def _tensors_of(kvcaches):
+    """Every tensor of an engine's cache structure, in order."""
+    if isinstance(kvcaches, torch.Tensor):
+        yield kvcaches
+    elif isinstance(kvcaches, Mapping):
+        for v in kvcaches.values():
+            yield from _tensors_of(v)
+    elif isinstance(kvcaches, (list, tuple)):
+        for v in kvcaches:
+            yield from _tensors_of(v)
+
+
+class StagingBuffers:
+    """The device buffers a connector stages memory objects through: LMCache's ``gpu_buffer_allocator``.
+
+    kvlayout's connectors hold whole buffers (one per use: a load or store
+    slot, CacheBlend's two ping-pong buffers) and hand out views of them, so
+    nothing is allocated or freed per call.  :meth:`memcheck` checks that
+    bookkeeping: every buffer lives on the connector's device, no two buffers
+    share memory, and every view last handed out lies inside its own buffer.
+    """
+
+    def __init__(self, connector: "_Connector"):
+        self._connector = connector
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer held now."""
+        c = self._connector
+        return list(c._staging.values()) + list(getattr(c, "_pingpong", None) or [])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers."""
+        return sum(b.nbytes for b in self.buffers())
+
+    def memcheck(self) -> bool:
+        """True when the buffers are consistent (see the class); False names nothing but is logged."""
+        c = self._connector
+        spans = []
+        for b in self.buffers():
+            if c.device is not None and b.device != c.device:
+                logger.error("staging buffer on %s, the connector's caches on %s", b.device, c.device)
+                return False
+            start = b.untyped_storage().data_ptr() + b.storage_offset() * b.element_size()
+            spans.append((start, start + b.nbytes))
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            if start < end:
+                logger.error("two staging buffers share memory")
+                return False
+        for slot, (_, view) in c._staging_views.items():
+            buf = c._staging.get(slot)
+            if buf is None:
+                logger.error("a view of staging slot %r outlived its buffer", slot)
+                return False
+            lo = buf.data_ptr()
+            if view.numel() and not (lo <= view.data_ptr() and view.data_ptr() + view.nbytes <= lo + buf.nbytes):
+                logger.error("a view of staging slot %r lies outside its buffer", slot)
+                return False
+        return True
+
+
 # ---------------------------------------------------------------------------------------
 # Shared machinery
 # ---------------------------------------------------------------------------------------
@@ -232,6 +314,9 @@ class _Connector:
         self.gpu_kv_format: GPUKVFormat | None = None
         self._staging: dict[int, torch.Tensor] = {}
         self._staging_views: dict = {}      # slot -> ((shape, dtype), the last view of it handed out)
+        self.gpu_buffer_allocator = StagingBuffers(self)
+        self._in_flight = InFlight()        # what work on a stream other than its own still uses
+        self._registered = self._registered_structure = None
         self.load_stream = self.store_stream = None
         self._make_streams()
         if kvcaches is not None:
@@ -254,10 +339,18 @@ class _Connector:
             raise ValueError(f"use_mla={self.use_mla} but the caches are {fmt.name}")
         self.gpu_kv_format = fmt
         self.kvcaches = kv
-        self._registered = kvcaches
         bound = bind_kv_caches(kv, fmt)
         self._set_geometry(bound)
+        self._note_registered(kvcaches, layout)
         return fmt
+
+    def _note_registered(self, kvcaches, layout) -> None:
+        """Remember what was registered: the structure as given and the layout it was read with.  Its tensors
+        are held as well (not only the list, which the engine may change in place), so no other tensor can
+        take the identity of one of them in :func:`_structure`."""
+        self._registered = kvcaches
+        self._registered_tensors = tuple(_tensors_of(kvcaches))
+        self._registered_structure = (_structure(kvcaches), layout)
 
     def _set_geometry(self, bound: ops.KVCache) -> None:
         """LMCache's connector attributes, read from the bound geometry."""
@@ -289,15 +382,28 @@ class _Connector:
         return kwargs.get("validate", self.validate)
 
     def _caches(self, kwargs):
+        """The registered caches; ``kwargs["kvcaches"]`` registers others first.  The same tensors in the same
+        places (in a new list or the same one) are not registered again: only a tensor replaced, moved or
+        added, or another ``kv_layout``, binds afresh."""
         kv = kwargs.get("kvcaches")
-        if kv is not None and kv is not getattr(self, "_registered", None):
-            self.register_kv_caches(kv, kwargs.get("kv_layout"))
+        if kv is not None:
+            layout = kwargs.get("kv_layout") or self.kv_layout
+            if self._registered_structure != (_structure(kv), layout):
+                self.register_kv_caches(kv, kwargs.get("kv_layout"))
         if self.kvcaches is None:
             raise ValueError("no kv caches: pass kvcaches=... or call register_kv_caches first")
         return self.kvcaches
 
     def _current(self):
         return current_stream(self.device)
+
+    def _keep(self, *tensors) -> None:
+        """The work just enqueued on the current stream uses ``tensors`` (slots, memory objects, staging
+        buffers; ``None`` entries are ignored): none may be reused before it has run, even when its owner frees
+        it right after the call (see :class:`~kvlayout.compat._device.InFlight`)."""
+        stream = self._current()
+        if stream is not None:
+            self._in_flight.keep(stream, *tensors)
 
     # -- staging ------------------------------------------------------------------------
     def _stages(self, tensor: torch.Tensor) -> bool:
@@ -383,6 +489,7 @@ class _ChunkConnector(_Connector):
         staging buffer where there is one."""
         for i, ((kv, fmt, src), slots) in enumerate(zip(self._pairs(memory_obj), slots_per_pair)):
             staged = self._staging_view(src, slot=i)
+            self._keep(src, staged, slots if isinstance(slots, torch.Tensor) else None)
             if staged is not None:
                 staged.copy_(src, non_blocking=True)
                 src = staged
@@ -409,6 +516,7 @@ class _ChunkConnector(_Connector):
         with on_stream(stream):
             for i, ((kv, fmt, dst), slots) in enumerate(zip(self._pairs(memory_obj), slots_per_pair)):
                 staged = self._staging_view(dst, slot=("store", i))
+                self._keep(dst, staged, slots if isinstance(slots, torch.Tensor) else None)
                 self._transfer(staged if staged is not None else dst, kv, fmt, slots, D2H,
                                validate=self._validate(kwargs))
                 if staged is not None:
@@ -518,10 +626,11 @@ class VLLMPagedMemGPUConnectorV3(_ChunkConnector):
                     raise ValueError(f"kv_layer_groups[{g}]: layer {i} is {tuple(t.shape)} {t.dtype}, layer "
                                      f"{layers[0]} {tuple(tensors[0].shape)} {tensors[0].dtype}")
             self.groups.append((layers, discover_gpu_kv_format(tensors, "vllm", hints), tensors))
-        self.kvcaches, self._registered = kv, kvcaches
+        self.kvcaches = kv
         self.gpu_kv_format = self.groups[0][1]
         self._set_geometry(bind_kv_caches(self.groups[0][2], self.gpu_kv_format))
         self.num_layers = len(kv)
+        self._note_registered(kvcaches, layout)
         return self.gpu_kv_format
 
     initialize_kvcaches_ptr = _Connector.initialize_kvcaches_ptr
@@ -600,7 +709,16 @@ class SGLangGPUConnector(_ChunkConnector):
     from_metadata = classmethod(VLLMPagedMemGPUConnectorV2.from_metadata.__func__)
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([1 if self.use_mla else 2, self.num_layers, num_tokens, self.hidden_dim_size])
+        """``[2, L, T, D]``, MLA included, as LMCache's SGLang connector sizes its objects (an MLA object's
+        second plane is not used); MLA objects of ``[1, L, T, D]`` are accepted too."""
+        return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
+
+    def _pairs(self, memory_obj):
+        """MLA rows live in plane 0 of a ``[2, L, T, D]`` object (LMCache's SGLang shape)."""
+        pairs = super()._pairs(memory_obj)
+        if self.use_mla:
+            pairs = [(kv, fmt, t[:1] if t.dim() == 4 and t.shape[0] == 2 else t) for kv, fmt, t in pairs]
+        return pairs
 
     def _transfer(self, tensor, kv, fmt, slots, direction, skip=0, validate=None):
         multi_layer_kv_transfer_unilateral(tensor, kv, slots, self.device, 0, direction, fmt, validate=validate)
@@ -795,12 +913,14 @@ class _LayerwiseConnector(_Connector):
             dim = self._token_dim
             total = sum(t.shape[dim] for t in tensors)
             staged = self._device_buffer(self.get_shape(total), tensors[0].dtype, slot=layer % 2)
+            self._keep(staged, chunk_slots.joined(), *tensors)
             off = 0
             for t in tensors:
                 staged.narrow(dim, off, t.shape[dim]).copy_(t, non_blocking=True)
                 off += t.shape[dim]
             self._move_layer(layer, staged, chunk_slots.joined(), H2D, validate, owned=True)
         else:
+            self._keep(*tensors, *chunk_slots)
             for t, slots in zip(tensors, chunk_slots):
                 self._move_layer(layer, t, slots, H2D, validate)
 
@@ -808,6 +928,7 @@ class _LayerwiseConnector(_Connector):
         for obj, slots in zip(objs, chunk_slots):
             dst = _tensor(obj)
             staged = self._staging_view(dst, slot=("store", layer % 2))
+            self._keep(dst, staged, slots)
             if staged is None:
                 self._move_layer(layer, dst, slots, D2H, validate)
             else:
@@ -1021,11 +1142,14 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
             if step < self.num_layers:                       # stage 1: receive and load layer step
                 objs = self._layer_objs((yield), given, step)
                 with on_stream(self.load_stream):
+                    self._keep(load, old_positions)
                     for s, e, obj in zip(starts, ends, objs):
                         _check_fmt(obj, MemoryFormat.KV_2TD)
+                        self._keep(_tensor(obj))
                         load[:, s - base:e - base].copy_(_tensor(obj), non_blocking=True)
                         if self.cache_positions and step == 0:
                             cached = getattr(_meta(obj), "cached_positions", None)
+                            self._keep(cached)
                             old_positions[s - base:e - base] = cached if cached is not None else \
                                 torch.arange(s, e, dtype=torch.int64, device=dev)
             elif step == self.num_layers:
@@ -1042,15 +1166,21 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
         cur = self._current()
         for layer in range(self.num_layers):
             tmp = self._device_buffer(self.get_shape(int(slots_all.shape[0])), dtype, slot=("store", 0))
+            # made on the caller's stream, which reads them (a tensor made on the store stream and freed by the
+            # caller could be handed out again there while the caller's work still reads it)
+            positions = [torch.arange(s, e, dtype=torch.int64, device=self.device) if self.cache_positions
+                         else None for s, e in zip(starts, ends)]
             with on_stream(self.store_stream):
                 wait_stream(self.store_stream, cur)
+                self._keep(tmp, slots_all)
                 self._move_layer(layer, tmp, slots_all, D2H, validate, owned=True)
                 off = 0
-                for obj, (s, e), length in zip(memory_objs[layer], zip(starts, ends), lengths):
+                for obj, pos, length in zip(memory_objs[layer], positions, lengths):
+                    self._keep(_tensor(obj))
                     _tensor(obj).copy_(tmp[:, off:off + length], non_blocking=True)
                     off += length
-                    if self.cache_positions:
-                        _meta(obj).cached_positions = torch.arange(s, e, dtype=torch.int64, device=self.device)
+                    if pos is not None:
+                        _meta(obj).cached_positions = pos
                     _tag_stored(obj, MemoryFormat.KV_2TD, False)
             yield
             synchronize_stream(self.store_stream)

@@ -9,12 +9,18 @@ tensors with :func:`kvlayout.ops.bind` and calls :func:`kvlayout.ops.transfer`
 (or :func:`kvlayout.ops.rope_reposition`).  No addresses are computed here.
 
 Enums: kvlayout's :class:`GPUKVFormat`, :class:`MemoryFormat` and
-:class:`TransferDirection` carry LMCache's integer values; wherever one is
+:class:`TransferDirection` carry LMCache's integer values (``MemoryFormat``
+is a plain ``Enum`` like LMCache's, the other two ``IntEnum``s like its
+pybind enums); wherever one is
 taken, LMCache's own members (Python or pybind enums) and plain ints are
 accepted too (:func:`as_gpu_kv_format`, :func:`as_memory_format`).
 LMCache's geometry helpers (``get_num_blocks``, ``get_block_size``,
 ``get_head_size``, ``get_num_heads``, ``get_hidden_dim_size``, ``is_mla``,
-...) are here under their names, read from the bound kvlayout geometry.
+...) are here under their names, read as LMCache reads them from layer 0
+(bound as a one-layer kvlayout cache: a hybrid model's layers may differ in
+head size and dtype).  LMCache's older per-layer ops
+(:func:`load_and_reshape_flash`, :func:`reshape_and_cache_back_flash`) are
+here too.
 
 Direction names follow LMCache: ``H2D`` = memory object -> paged engine cache
 (retrieve), ``D2H`` = paged engine cache -> memory object (store), wherever
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -50,13 +57,26 @@ from ._device import indices_on, launch_device
 
 logger = logging.getLogger(__name__)
 
+_warned_no_layout_hint = False
+
+
+def _no_layout_hint() -> None:
+    """vLLM caches came without a ``kv_layout`` hint, so NHD is assumed.  Said once per process at WARNING (an
+    engine that registers its caches on every call would otherwise repeat it per call), then at DEBUG."""
+    global _warned_no_layout_hint
+    level = logging.DEBUG if _warned_no_layout_hint else logging.WARNING
+    _warned_no_layout_hint = True
+    logger.log(level, "no kv_layout hint for vLLM caches; assuming NHD (pass layout_hints={'kv_layout': ...} "
+               "to choose)")
+
 __all__ = [
     "GPUKVFormat", "EngineKVFormat", "MemoryFormat", "TransferDirection", "LAYOUT_OF_FORMAT",
     "MLA_FORMATS", "HND_FORMATS", "CROSS_LAYER_FORMATS", "layout_of", "bind_kv_caches",
     "discover_gpu_kv_format", "canonicalize_kv_caches", "permute_to_contiguous",
     "permute_kv_caches_to_contiguous", "ensure_contiguous_kv_caches", "normalize_and_discover",
     "multi_layer_kv_transfer", "multi_layer_kv_transfer_unilateral", "single_layer_kv_transfer",
-    "single_layer_kv_transfer_sgl", "LayerwiseKV", "rotary_embedding_k_fused", "as_gpu_kv_format", "as_memory_format",
+    "single_layer_kv_transfer_sgl", "load_and_reshape_flash", "reshape_and_cache_back_flash", "LayerwiseKV",
+    "rotary_embedding_k_fused", "as_gpu_kv_format", "as_memory_format",
     "get_num_layers", "get_num_blocks", "get_block_size", "get_page_buffer_size", "get_num_heads", "get_head_size",
     "get_hidden_dim_size", "get_tokens_per_layer", "get_elements_per_layer", "get_dtype", "get_kv_size",
     "get_kv_cache_data_ptrs", "is_mla", "is_hnd", "is_cross_layer_format",
@@ -91,8 +111,13 @@ class GPUKVFormat(enum.IntEnum):
 EngineKVFormat = GPUKVFormat
 
 
-class MemoryFormat(enum.IntEnum):
-    """Shape of an LMCache memory object's tensor."""
+class MemoryFormat(enum.Enum):
+    """Shape of an LMCache memory object's tensor.
+
+    A plain ``Enum`` with LMCache's values, as LMCache's own: a member is not
+    an int (``MemoryFormat.KV_2LTD != 1``); :func:`as_memory_format` takes
+    ints and LMCache's members where a format is read.
+    """
 
     UNDEFINED = 0
     KV_2LTD = 1         # [2, L, T, NH*HS]
@@ -142,7 +167,7 @@ SINGLE_LAYER_FORMATS = frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS
 
 
 _SUPPORTED_GPU_KV_FORMATS = f"supported: {sorted(int(f) for f in LAYOUT_OF_FORMAT)}"
-_SUPPORTED_MEMORY_FORMATS = f"supported: {[int(f) for f in MemoryFormat]}"
+_SUPPORTED_MEMORY_FORMATS = f"supported: {[f.value for f in MemoryFormat]}"
 
 
 def _enum_int(value, what: str) -> int:
@@ -345,7 +370,8 @@ def _bind_sgl_layer(k: torch.Tensor, v: torch.Tensor) -> ops.KVCache:
     """One SGLang layer's K and V: ``[PBS, NH, HS]``, ``[NB, BS, NH, HS]`` (block and slot axes merged) or
     ``[PBS, D]`` (one head of D)."""
     def as3(t):
-        return t.flatten(0, 1) if t.dim() == 4 else (t.unsqueeze(1) if t.dim() == 2 else t)
+        # a view, never a copy: rows written into a copy would be lost
+        return t.view(-1, *t.shape[2:]) if t.dim() == 4 else (t.unsqueeze(1) if t.dim() == 2 else t)
 
     return ops.bind("sglang_mha", ([as3(k)], [as3(v)]))
 
@@ -383,6 +409,62 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: torch.Tensor, sgl_key_cach
     chunk = _bind_layer_chunk(lmc_key_value_cache, token_major, False)
     paged = _bind_sgl_layer(sgl_key_cache, sgl_value_cache)
     _move_rows(chunk, paged, slot_mapping, direction, validate=validate)
+
+
+def _flash_layer(key_value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer_idx,
+                 slot_mapping, what: str) -> tuple[ops.KVCache, ops.KVCache, int, torch.Tensor]:
+    """(chunk, one-layer cache, layer index, slots) for the two per-layer flash ops, checked."""
+    if not isinstance(key_value, torch.Tensor) or key_value.dim() != 4 or key_value.shape[0] != 2:
+        raise ValueError(f"{what}: key_value must be [2, L, T, NH*HS], got "
+                         f"{tuple(getattr(key_value, 'shape', ()))}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{what}: {name} must be one layer's [NB, BS, NH, HS], got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"{what}: key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} "
+                         "differ in shape")
+    if isinstance(layer_idx, bool):
+        raise TypeError(f"{what}: layer_idx must be an int, got {layer_idx!r}")
+    try:
+        layer = operator.index(layer_idx)
+    except TypeError:
+        raise TypeError(f"{what}: layer_idx must be an int, got {type(layer_idx).__name__}") from None
+    layers = key_value.shape[1]
+    if not 0 <= layer < layers:
+        raise IndexError(f"{what}: layer_idx = {layer} is out of range: key_value holds {layers} layers")
+    chunk = _bind_chunk(key_value, False)
+    paged = _bind_sgl_layer(key_cache, value_cache)
+    slots = indices_on(slot_mapping, launch_device(chunk, paged))
+    if slots.dim() != 1 or slots.shape[0] != key_value.shape[2]:
+        raise ValueError(f"{what}: slot_mapping has {tuple(slots.shape)} entries, key_value {key_value.shape[2]} "
+                         "tokens")
+    return chunk, paged, layer, slots
+
+
+def load_and_reshape_flash(key_value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, layer_idx: int, *, validate: bool | None = None) -> None:
+    """Paged cache -> memory object, one layer (LMCache's older per-layer op, still exported).
+
+    ``key_value [2, L, T, NH*HS]``; ``key_cache`` / ``value_cache``: one
+    layer's K and V ``[NB, BS, NH, HS]`` (vLLM FlashAttention's
+    ``kv_cache[layer][0]`` / ``[1]``); ``slot_mapping [T]``.  For each ``t``
+    with ``slot_mapping[t] >= 0``: ``key_value[0, layer_idx, t]`` = K row and
+    ``key_value[1, layer_idx, t]`` = V row of that slot; the other layers of
+    ``key_value`` are untouched.
+    """
+    chunk, paged, layer, slots = _flash_layer(key_value, key_cache, value_cache, layer_idx, slot_mapping,
+                                              "load_and_reshape_flash")
+    ops.transfer(paged, chunk, slots, None, src_layers=[0], dst_layers=[layer], validate=validate)
+
+
+def reshape_and_cache_back_flash(key_value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 slot_mapping: torch.Tensor, layer_idx: int, *,
+                                 validate: bool | None = None) -> None:
+    """Memory object -> paged cache, one layer: the inverse of :func:`load_and_reshape_flash`."""
+    chunk, paged, layer, slots = _flash_layer(key_value, key_cache, value_cache, layer_idx, slot_mapping,
+                                              "reshape_and_cache_back_flash")
+    ops.transfer(chunk, paged, None, slots, src_layers=[layer], dst_layers=[0], validate=validate)
 
 
 class LayerwiseKV:
@@ -578,7 +660,7 @@ def discover_gpu_kv_format(kv_caches, engine, layout_hints: Mapping[str, Any] | 
             fmt = F.NB_NL_TWO_NH_BS_HS
     elif eng == "vllm":
         if "kv_layout" not in hints:
-            logger.warning("no kv_layout hint for vLLM caches; assuming NHD")
+            _no_layout_hint()
         hnd = str(hints.get("kv_layout", "NHD")).upper() == "HND"
         if depth == 0 and ndim == 6:
             fmt = F.NB_NL_TWO_BS_NH_HS
@@ -694,7 +776,7 @@ def normalize_and_discover(kv_caches, engine, layout_hints: Mapping[str, Any] | 
         _assert_contiguous(kv[0])
         kv = [t.view(*t.shape[:3], 2, t.shape[3] // 2) for t in kv]
         if "kv_layout" not in hints:
-            logger.warning("no kv_layout hint for vLLM caches; assuming NHD")
+            _no_layout_hint()
         hnd = str(hints.get("kv_layout", "NHD")).upper() == "HND"
         fmt = F.NL_X_NB_NH_BS_TWO_HS if hnd else F.NL_X_NB_BS_NH_TWO_HS
         logger.info("kv_caches: %s (%s) -> kvlayout layout %s", fmt.name, int(fmt), LAYOUT_OF_FORMAT[fmt])
@@ -703,14 +785,38 @@ def normalize_and_discover(kv_caches, engine, layout_hints: Mapping[str, Any] | 
 
 
 # ---------------------------------------------------------------------------------------
-# Geometry getters (LMCache's names), read from the bound kvlayout geometry
+# Geometry getters (LMCache's names), read from layer 0's bound kvlayout geometry
 # ---------------------------------------------------------------------------------------
 
 SGLANG_FORMATS = frozenset({F.TWO_X_NL_X_NBBS_NH_HS, F.NL_X_NBBS_ONE_HS})
 
 
+def _first_layer(kv_caches, gpu_kv_format):
+    """The engine's structure cut down to its first layer (the whole tensor for cross-layer formats).
+
+    LMCache's geometry helpers read layer 0: a hybrid model's layer groups may
+    differ in head size and dtype, and the helpers must still answer.
+    """
+    fmt = as_gpu_kv_format(gpu_kv_format)
+    if fmt in CROSS_LAYER_FORMATS:
+        return kv_caches
+    if isinstance(kv_caches, torch.Tensor):
+        raise ValueError(f"format {fmt.name} expects a list of per-layer tensors, got one tensor")
+    if fmt == F.TWO_X_NL_X_NBBS_NH_HS:
+        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != 2:
+            raise ValueError("format TWO_X_NL_X_NBBS_NH_HS expects [[K_0..K_L-1], [V_0..V_L-1]]")
+        k, v = kv_caches
+        if not len(k) or not len(v):
+            raise ValueError("kv_caches holds no layers")
+        return [[k[0]], [v[0]]]
+    if not len(kv_caches):
+        raise ValueError("kv_caches holds no layers")
+    return [kv_caches[0]]
+
+
 def _geometry(kv_caches, gpu_kv_format):
-    return bind_kv_caches(kv_caches, gpu_kv_format).geometry
+    """The geometry of layer 0 (see :func:`_first_layer`)."""
+    return bind_kv_caches(_first_layer(kv_caches, gpu_kv_format), gpu_kv_format).geometry
 
 
 def _paged_only(gpu_kv_format, what: str) -> GPUKVFormat:
@@ -721,8 +827,12 @@ def _paged_only(gpu_kv_format, what: str) -> GPUKVFormat:
 
 
 def get_num_layers(kv_caches, gpu_kv_format) -> int:
-    """Layers of the engine's caches."""
-    return _geometry(kv_caches, gpu_kv_format).L
+    """Layers of the engine's caches (layers may differ in shape and dtype: each is counted, none is bound)."""
+    fmt = as_gpu_kv_format(gpu_kv_format)
+    if fmt in CROSS_LAYER_FORMATS:
+        return bind_kv_caches(kv_caches, fmt).geometry.L
+    _first_layer(kv_caches, fmt)          # checks the structure
+    return len(kv_caches[0]) if fmt == F.TWO_X_NL_X_NBBS_NH_HS else len(kv_caches)
 
 
 def get_num_blocks(kv_caches, gpu_kv_format) -> int:
@@ -766,8 +876,8 @@ def get_elements_per_layer(kv_caches, gpu_kv_format) -> int:
 
 
 def get_dtype(kv_caches, gpu_kv_format) -> torch.dtype:
-    """The caches' dtype."""
-    return bind_kv_caches(kv_caches, gpu_kv_format).dtype
+    """Layer 0's dtype."""
+    return bind_kv_caches(_first_layer(kv_caches, gpu_kv_format), gpu_kv_format).dtype
 
 
 def get_kv_size(gpu_kv_format) -> int:
@@ -792,6 +902,18 @@ def get_kv_cache_data_ptrs(kv_caches, gpu_kv_format) -> list[int]:
     """LMCache's pointer list (for registration with transports; kvlayout's ops take the tensors).
 
     Cross-layer formats: one pointer; format 4: ``[K_0..K_L-1, V_0..V_L-1]``;
-    the others one per layer.
+    the others one per layer.  Layers are not bound together (they may differ
+    in shape and dtype).
     """
-    return [t.data_ptr() for t in bind_kv_caches(kv_caches, gpu_kv_format).tensors]
+    fmt = as_gpu_kv_format(gpu_kv_format)
+    _first_layer(kv_caches, fmt)          # checks the structure
+    if fmt in CROSS_LAYER_FORMATS:
+        tensors = [kv_caches[0] if isinstance(kv_caches, (list, tuple)) else kv_caches]
+    elif fmt == F.TWO_X_NL_X_NBBS_NH_HS:
+        tensors = list(kv_caches[0]) + list(kv_caches[1])
+    else:
+        tensors = list(kv_caches)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"kv_caches[{i}] must be a tensor, got {type(t).__name__}")
+    return [t.data_ptr() for t in tensors]

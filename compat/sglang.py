@@ -67,7 +67,8 @@ __all__ = [
     "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf",
     "transfer_kv_direct", "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf",
     "move_kv_cache", "page_slots", "MHATokenToKVPool", "MLATokenToKVPool", "HostKVPool",
-    "MHATokenToKVPoolHost", "MLATokenToKVPoolHost", "HOST_LAYOUTS", "HostPoolError",
+    "MHATokenToKVPoolHost", "MLATokenToKVPoolHost", "HOST_LAYOUTS", "HostPoolError", "HostPoolCorruption",
+    "host_memory_reserve_for", "HOST_MEMORY_RESERVE_BYTES", "ALLOCATOR_TYPES",
 ]
 
 # SGLang's kernels take the K and V halves of a host buffer as two separate
@@ -408,14 +409,44 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype in FP8_DTYPES else dtype
 
 
-def _layer_id(layer) -> int:
-    """SGLang passes its attention layer object (``layer.layer_id``); an int is taken as the id itself."""
-    layer_id = getattr(layer, "layer_id", layer)
+def _as_layer_id(layer_id, name: str = "layer_id") -> int:
+    """A layer id as a Python int: ints and numpy / torch integer scalars are taken, ``bool`` is refused (``True``
+    would silently mean layer 1), as is anything else (``TypeError`` naming ``name``)."""
+    if isinstance(layer_id, (bool, np.bool_)) or (isinstance(layer_id, torch.Tensor) and layer_id.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer layer id, got the bool {layer_id!r}")
     try:
         return operator.index(layer_id)
     except TypeError:
-        raise TypeError(f"layer must be an attention layer with .layer_id or an int, got {type(layer).__name__}") \
+        raise TypeError(f"{name} must be an integer layer id, got {type(layer_id).__name__}") from None
+
+
+def _layer_id(layer) -> int:
+    """SGLang passes its attention layer object (``layer.layer_id``); an int is taken as the id itself."""
+    if hasattr(layer, "layer_id"):
+        return _as_layer_id(layer.layer_id, "layer.layer_id")
+    try:
+        return _as_layer_id(layer, "layer")
+    except TypeError:
+        got = repr(layer) if isinstance(layer, (bool, np.bool_)) else type(layer).__name__
+        raise TypeError(f"layer must be an attention layer with .layer_id or an integer layer id, got {got}") \
             from None
+
+
+def _whole(value, name: str, minimum: int = 0) -> int:
+    """An integer pool argument (an integral float such as ``4.0`` is taken; ``2.5`` or a bool is refused)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, (float, np.floating)):
+        if not math.isfinite(value) or not float(value).is_integer():
+            raise ValueError(f"{name} = {value!r} must be a whole number")
+        value = int(value)
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} = {value} must be >= {minimum}")
+    return value
 
 
 def _ptr_table(tensors, device) -> torch.Tensor:
@@ -437,15 +468,14 @@ class _DevicePool:
     cpu_offloading_chunk_size = CPU_COPY_CHUNK
 
     def _init_common(self, size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer):
-        self.size, self.page_size, self.dtype = int(size), int(page_size), dtype
-        if self.size < 0 or self.page_size <= 0:
-            raise ValueError(f"size = {size} must be >= 0 and page_size = {page_size} > 0")
+        self.size, self.page_size, self.dtype = _whole(size, "size"), _whole(page_size, "page_size", 1), dtype
         self.store_dtype = _store_dtype(dtype)
-        self.layer_num = int(layer_num)
+        self.layer_num = _whole(layer_num, "layer_num", 1)
         self.device = torch.device(device)
         self.enable_memory_saver = bool(enable_memory_saver)
-        self.start_layer = int(start_layer or 0)
-        self.end_layer = int(end_layer) if end_layer is not None else self.start_layer + self.layer_num - 1
+        self.start_layer = _whole(start_layer or 0, "start_layer")
+        self.end_layer = _whole(end_layer, "end_layer") if end_layer is not None else \
+            self.start_layer + self.layer_num - 1
         self.layer_transfer_counter = None
         self.mem_usage = 0
 
@@ -454,6 +484,7 @@ class _DevicePool:
         return self.page_size if (self.size + self.page_size) % self.page_size == 0 else None
 
     def _local(self, layer_id: int) -> int:
+        layer_id = _as_layer_id(layer_id)
         local = layer_id - self.start_layer
         if not 0 <= local < self.layer_num:
             raise IndexError(f"layer_id = {layer_id} is outside this pool's layers {self.start_layer}.."
@@ -465,8 +496,11 @@ class _DevicePool:
         self.layer_transfer_counter = layer_transfer_counter
 
     def _wait_for_layer(self, layer_id: int) -> None:
+        """Wait for the layer's load (a registered counter); the id is checked first, so a bad one waits for
+        nothing."""
+        local = self._local(layer_id)
         if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
+            self.layer_transfer_counter.wait_until(local)
 
     def _cast(self, t: torch.Tensor, scale=None) -> torch.Tensor:
         """Rows in the pool's dtype, then viewed as the stored dtype (fp8 pools store uint8)."""
@@ -498,17 +532,72 @@ class _DevicePool:
         return per_layer
 
     def load_cpu_copy(self, kv_cache_cpu, indices, *, validate=None) -> None:
-        """Inverse of :meth:`get_cpu_copy`: write the host rows back at ``indices``."""
+        """Inverse of :meth:`get_cpu_copy`: write the host rows back at ``indices``.
+
+        ``kv_cache_cpu[layer][chunk]`` must hold exactly the rows of its chunk
+        of ``indices`` (``ValueError`` otherwise, before anything is written),
+        as SGLang's shape check demands.
+        """
+        chunks = self._chunks(indices)
+        if len(kv_cache_cpu) != self.layer_num:
+            raise ValueError(f"kv_cache_cpu has {len(kv_cache_cpu)} layers, the pool {self.layer_num}")
+        packed = []
+        for c, chunk in enumerate(chunks):
+            per_layer = []
+            for l in range(self.layer_num):
+                if len(kv_cache_cpu[l]) != len(chunks):
+                    raise ValueError(f"kv_cache_cpu[{l}] has {len(kv_cache_cpu[l])} chunks, indices make "
+                                     f"{len(chunks)} of {self.CPU_COPY_CHUNK}")
+                per_layer.append(self._pack(kv_cache_cpu[l][c], int(chunk.numel()), f"kv_cache_cpu[{l}][{c}]"))
+            packed.append(torch.stack(per_layer, dim=1))
         _sync(self.device)
-        for c, chunk in enumerate(self._chunks(indices)):
-            rows = torch.stack([self._pack(kv_cache_cpu[l][c]) for l in range(self.layer_num)], dim=1)
+        for rows, chunk in zip(packed, chunks):
             ops.scatter(self.cache, rows.to(self.device), chunk, validate=validate)
         _sync(self.device)
 
+    def _row_shape(self) -> tuple[int, int]:
+        """``(heads, elements per head)`` of one stored row."""
+        g = self.cache.geometry
+        return g.H, g.E
+
+    def _check_rows(self, t: torch.Tensor, count: int, what: str) -> None:
+        """``t`` must be ``[count, H, E]`` rows of this pool (SGLang raises on a shape mismatch too)."""
+        want = (count, *self._row_shape())
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            raise ValueError(f"{what} must be {list(want)} ([tokens, heads, head size] of this pool), got "
+                             f"{list(getattr(t, 'shape', ()))}")
+
     def _scatter_layer(self, layer_id: int, rows: torch.Tensor, loc, validate) -> None:
-        """``rows [P, 1, T, H, E]`` -> layer ``layer_id`` at slots ``loc``."""
-        ops.scatter(self.cache, rows, indices_on(loc, self.device), layers=[self._local(layer_id)],
-                    validate=validate)
+        """``rows [P, 1, T, H, E]`` -> layer ``layer_id`` at slots ``loc [T]``."""
+        local = self._local(layer_id)
+        idx = indices_on(loc, self.device)
+        ops.scatter(self.cache, rows, idx, layers=[local], validate=validate)
+
+    def _locations(self, loc) -> torch.Tensor:
+        idx = indices_on(loc, self.device)
+        if idx.dim() != 1:
+            raise ValueError(f"loc must be 1-D slots [T], got shape {tuple(idx.shape)}")
+        return idx
+
+    # -- SGLang 0.4.8's flat-data helpers ----------------------------------------------------
+    def get_flat_data(self, indices, *, validate=None) -> torch.Tensor:
+        """Every layer's rows at ``indices [n]`` as one new tensor: MHA ``[2, L, n, H, D]`` (K then V), MLA
+        ``[L, n, 1, kd]``, in the stored dtype, on the pool's device."""
+        rows = ops.gather(self.cache, self._locations(indices), validate=validate)     # [P, L, n, H, E]
+        return self._flat(rows)
+
+    def transfer(self, indices, flat_data: torch.Tensor, *, validate=None) -> None:
+        """Inverse of :meth:`get_flat_data`: write ``flat_data`` (any device) at ``indices`` in every layer."""
+        idx = self._locations(indices)
+        rows = self._unflat(flat_data, int(idx.numel()), self.layer_num, "flat_data")
+        ops.scatter(self.cache, rows.to(self.device), idx, validate=validate)
+
+    def transfer_per_layer(self, indices, flat_data: torch.Tensor, layer_id: int, *, validate=None) -> None:
+        """One layer's rows: ``flat_data`` MHA ``[2, n, H, D]``, MLA ``[n, 1, kd]`` -> layer ``layer_id`` (a global
+        id) at ``indices [n]``."""
+        idx = self._locations(indices)
+        rows = self._unflat(flat_data, int(idx.numel()), None, "flat_data")
+        ops.scatter(self.cache, rows.to(self.device), idx, layers=[self._local(layer_id)], validate=validate)
 
     def _buffers(self) -> list:
         return list(self.cache.tensors)
@@ -544,10 +633,10 @@ class MHATokenToKVPool(_DevicePool):
                  device="cpu", enable_memory_saver: bool = False, start_layer: int | None = None,
                  end_layer: int | None = None, **_ignored):
         self._init_common(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
-        self.head_num, self.head_dim = int(head_num), int(head_dim)
+        self.head_num, self.head_dim = _whole(head_num, "head_num", 1), _whole(head_dim, "head_dim", 1)
         shape = (self.size + self.page_size, self.head_num, self.head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
         self.cache = ops.bind("sglang_mha", (self.k_buffer, self.v_buffer), page_size=self._bind_page_size())
         self.k_data_ptrs = _ptr_table(self.k_buffer, self.device)
         self.v_data_ptrs = _ptr_table(self.v_buffer, self.device)
@@ -581,14 +670,33 @@ class MHATokenToKVPool(_DevicePool):
         another dtype are divided by ``k_scale``/``v_scale`` (when given) and
         cast to the pool's dtype (fp8 pools store the bytes as uint8).
         """
+        layer_id = _layer_id(layer)
+        idx = self._locations(loc)
+        self._check_rows(cache_k, idx.numel(), "cache_k")
+        self._check_rows(cache_v, idx.numel(), "cache_v")
         rows = torch.stack([self._cast(cache_k, k_scale), self._cast(cache_v, v_scale)])[:, None]
-        self._scatter_layer(_layer_id(layer), rows, loc, validate)
+        self._scatter_layer(layer_id, rows, idx, validate)
 
     def _unpack(self, rows):                     # [2, n, H, E] -> [k, v]
         return [rows[0].contiguous(), rows[1].contiguous()]
 
-    def _pack(self, kv):
+    def _pack(self, kv, count: int, what: str):
+        """``[k, v]`` of ``count`` rows each -> ``[2, count, H, E]`` (checked)."""
+        if len(kv) != 2:
+            raise ValueError(f"{what} must be [k, v], got {len(kv)} tensors")
+        self._check_rows(kv[0], count, f"{what}[0]")
+        self._check_rows(kv[1], count, f"{what}[1]")
         return torch.stack([kv[0], kv[1]])
+
+    def _flat(self, rows):                       # [2, L, n, H, E]
+        return rows
+
+    def _unflat(self, flat, count: int, layers: int | None, what: str):
+        """MHA ``[2, L, n, H, D]`` (``layers`` given) or ``[2, n, H, D]`` -> ``[2, L or 1, n, H, D]``."""
+        want = (2, *((layers,) if layers is not None else ()), count, *self._row_shape())
+        if not isinstance(flat, torch.Tensor) or tuple(flat.shape) != want:
+            raise ValueError(f"{what} must be {list(want)}, got {list(getattr(flat, 'shape', ()))}")
+        return flat if layers is not None else flat[:, None]
 
 
 class MLATokenToKVPool(_DevicePool):
@@ -603,10 +711,11 @@ class MLATokenToKVPool(_DevicePool):
                  layer_num: int, device="cpu", enable_memory_saver: bool = False, start_layer: int | None = None,
                  end_layer: int | None = None, **_ignored):
         self._init_common(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
-        self.kv_lora_rank, self.qk_rope_head_dim = int(kv_lora_rank), int(qk_rope_head_dim)
+        self.kv_lora_rank = _whole(kv_lora_rank, "kv_lora_rank", 1)
+        self.qk_rope_head_dim = _whole(qk_rope_head_dim, "qk_rope_head_dim")
         self.kv_cache_dim = self.kv_lora_rank + self.qk_rope_head_dim
         shape = (self.size + self.page_size, 1, self.kv_cache_dim)
-        self.kv_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.kv_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
         self.cache = ops.bind("sglang_mla", self.kv_buffer, page_size=self._bind_page_size())
         self.data_ptrs = _ptr_table(self.kv_buffer, self.device)
         self.mem_usage = self.get_kv_size_bytes() / (1 << 30)
@@ -628,7 +737,10 @@ class MLATokenToKVPool(_DevicePool):
     def set_kv_buffer(self, layer, loc, cache_k: torch.Tensor, cache_v=None, k_scale=None, v_scale=None, *,
                       validate=None, **_ignored) -> None:
         """Write one layer's rows ``[T, 1, kd]`` at ``loc`` (cast to the pool's dtype; ``cache_v`` unused)."""
-        self._scatter_layer(_layer_id(layer), self._cast(cache_k, k_scale)[None, None], loc, validate)
+        layer_id = _layer_id(layer)
+        idx = self._locations(loc)
+        self._check_rows(cache_k, idx.numel(), "cache_k")
+        self._scatter_layer(layer_id, self._cast(cache_k, k_scale)[None, None], idx, validate)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor, *,
                           validate=None) -> None:
@@ -638,14 +750,33 @@ class MLATokenToKVPool(_DevicePool):
             raise ValueError(f"cache_k_nope / cache_k_rope end in {cache_k_nope.shape[-1]} / "
                              f"{cache_k_rope.shape[-1]} elements; the pool's rows are kv_lora_rank = "
                              f"{self.kv_lora_rank} + qk_rope_head_dim = {self.qk_rope_head_dim}")
+        layer_id = _layer_id(layer)
+        idx = self._locations(loc)
+        n = idx.numel()
+        for name, t, width in (("cache_k_nope", cache_k_nope, self.kv_lora_rank),
+                               ("cache_k_rope", cache_k_rope, self.qk_rope_head_dim)):
+            if tuple(t.shape) != (n, 1, width):
+                raise ValueError(f"{name} must be [{n}, 1, {width}], got {list(t.shape)}")
         rows = torch.cat([cache_k_nope.to(self.dtype), cache_k_rope.to(self.dtype)], dim=-1)
-        self._scatter_layer(_layer_id(layer), self._cast(rows)[None, None], loc, validate)
+        self._scatter_layer(layer_id, self._cast(rows)[None, None], idx, validate)
 
     def _unpack(self, rows):                     # [1, n, 1, E] -> tensor
         return rows[0].contiguous()
 
-    def _pack(self, kv):
+    def _pack(self, kv, count: int, what: str):
+        """The row tensor ``[count, 1, kd]`` -> ``[1, count, 1, kd]`` (checked)."""
+        self._check_rows(kv, count, what)
         return kv[None]
+
+    def _flat(self, rows):                       # [1, L, n, 1, E] -> [L, n, 1, E]
+        return rows[0]
+
+    def _unflat(self, flat, count: int, layers: int | None, what: str):
+        """MLA ``[L, n, 1, kd]`` (``layers`` given) or ``[n, 1, kd]`` -> ``[1, L or 1, n, 1, kd]``."""
+        want = (*((layers,) if layers is not None else ()), count, *self._row_shape())
+        if not isinstance(flat, torch.Tensor) or tuple(flat.shape) != want:
+            raise ValueError(f"{what} must be {list(want)}, got {list(getattr(flat, 'shape', ()))}")
+        return flat[None] if layers is not None else flat[None, None]
 
 
 # ---------------------------------------------------------------------------------------
@@ -659,7 +790,22 @@ HOST_LAYOUTS = {
 }
 """SGLang's host ``layout`` names -> catalog layouts, for MHA and MLA pools (read from the catalog)."""
 IO_BACKENDS = ("kernel", "direct")
+ALLOCATOR_TYPES = ("default",)
 HOST_MEMORY_RESERVE_BYTES = 10 * (1 << 30)
+"""SGLang's host-memory reserve: a host pool must leave this much of the available host memory free.  kvlayout
+keeps it for pools of this size or more and scales it down to the pool's own size for smaller ones (see
+:func:`host_memory_reserve_for`)."""
+
+
+def host_memory_reserve_for(pool_bytes: int) -> int:
+    """The host memory a pool of ``pool_bytes`` leaves free by default: ``min(10 GiB, pool_bytes)``.
+
+    SGLang reserves 10 GiB whatever the pool's size, so a pool of a few KiB is
+    refused on a machine with less than ~10 GiB free.  Here a pool of 10 GiB or
+    more keeps SGLang's reserve, and a smaller one leaves at least its own size
+    free (it takes at most half of what is available).
+    """
+    return min(HOST_MEMORY_RESERVE_BYTES, max(0, int(pool_bytes)))
 
 
 def _available_host_memory() -> int | None:
@@ -679,7 +825,13 @@ def _available_host_memory() -> int | None:
 
 
 class HostPoolError(ValueError, AssertionError):
-    """A host-pool request SGLang rejects with an assertion (kvlayout raises it as a ValueError too)."""
+    """A host-pool request SGLang rejects with an assertion (kvlayout raises it as a ValueError too): a size that
+    is not whole pages, a double free (the message starts with ``Double-free``)."""
+
+
+class HostPoolCorruption(RuntimeError, AssertionError):
+    """The host pool's free list hands out a slot that is in use (``Double-alloc``): SGLang asserts it, kvlayout
+    raises it as a RuntimeError too; nothing is taken."""
 
 
 def _is_mla_pool(device_pool) -> bool:
@@ -738,9 +890,11 @@ def _page_locked_bytes(nbytes: int) -> torch.Tensor | None:
 
 
 def _layer_index(layer_id, num_layers: int) -> int:
-    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < num_layers:
+    """``layer_id`` (an int or numpy/torch integer scalar; not a bool) checked against ``num_layers``."""
+    layer = _as_layer_id(layer_id)
+    if not 0 <= layer < num_layers:
         raise IndexError(f"layer_id = {layer_id!r} is out of range: the pool holds {num_layers} layers")
-    return layer_id
+    return layer
 
 
 class HostKVPool:
@@ -759,10 +913,20 @@ class HostKVPool:
     ``L*kd*es`` (MLA); ``size`` = ``host_size`` GB / size_per_token when
     ``host_size > 0``, else ``device_pool.size * host_to_device_ratio``; then
     one extra page: ``page_num = size // page_size + 1``, ``size = page_num *
-    page_size``.  A pool larger than the available host memory minus
-    ``host_memory_reserve`` (10 GiB) raises; one no larger than the device
-    pool only warns.  ``token_stride_size`` = bytes of one token of one layer
-    (and plane), ``layout_dim`` = ``token_stride_size * layer_num``.
+    page_size``.  ``host_to_device_ratio`` must be finite and > 0 (when it
+    sizes the pool), ``host_size`` finite and >= 0.
+
+    Host-memory reserve: a pool larger than the available host memory
+    (``MemAvailable``) minus ``host_memory_reserve`` bytes raises
+    ``ValueError``.  The default reserve is ``min(10 GiB, the pool's bytes)``:
+    SGLang's 10 GiB for pools of 10 GiB or more, and for a smaller pool its
+    own size (it may take at most half of what is available), so a pool of a
+    few KiB works on a machine with little free memory.  Pass
+    ``host_memory_reserve=10 * 2**30`` for SGLang's rule exactly, or another
+    byte count.  A pool no larger than the device pool only warns.
+
+    ``token_stride_size`` = bytes of one token of one layer (and plane),
+    ``layout_dim`` = ``token_stride_size * layer_num``.
 
     Buffers (one tensor; MHA K = ``kv_buffer[0]``, V = ``kv_buffer[1]``):
 
@@ -793,16 +957,36 @@ class HostKVPool:
     host unless ``validate=False`` (SGLang reads them there); ``validate``
     (constructor default, or per call) is forwarded to kvlayout.
 
+    ``allocator_type``: SGLang's keyword; ``"default"`` (plain host memory)
+    is the one supported, any other value raises ``ValueError``.
+
     Allocator: ``alloc`` hands out whole, page-aligned pages; ``free`` takes
-    slots back (raising ``ValueError`` for a negative, out-of-range, repeated
-    or unallocated slot, before changing anything), and a page becomes
-    allocatable again once all of its slots are free.
+    slots back, and a page becomes allocatable again once all of its slots
+    are free.  ``free`` raises ``ValueError`` for a negative or out-of-range
+    slot, and :class:`HostPoolError` (a ``ValueError`` and, as SGLang's, an
+    ``AssertionError``; message ``Double-free of host slots [...]``) for a
+    repeated or unallocated one, before changing anything.  An ``alloc``
+    whose free list holds a slot in use raises :class:`HostPoolCorruption`
+    (``RuntimeError`` and ``AssertionError``, ``Double-alloc: host slots
+    [...]``) and takes nothing.
     """
 
     def __init__(self, device_pool, host_to_device_ratio: float = 2.0, host_size: float = 0,
                  page_size: int | None = None, layout: str = "layer_first", pin_memory: bool = True,
-                 device: str = "cpu", *, max_ctas: int = 0, host_memory_reserve: int | None = None,
-                 validate: bool | None = None):
+                 device: str = "cpu", allocator_type: str = "default", *, max_ctas: int = 0,
+                 host_memory_reserve: int | None = None, validate: bool | None = None):
+        if allocator_type not in ALLOCATOR_TYPES:
+            raise ValueError(f"allocator_type = {allocator_type!r} is not supported; supported: {ALLOCATOR_TYPES}")
+        self.allocator_type = allocator_type
+        for name, value in (("host_to_device_ratio", host_to_device_ratio), ("host_size", host_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not math.isfinite(host_size) or host_size < 0:
+            raise ValueError(f"host_size = {host_size!r} GB must be finite and >= 0 (0: size by "
+                             "host_to_device_ratio)")
+        if host_size <= 0 and (not math.isfinite(host_to_device_ratio) or host_to_device_ratio <= 0):
+            raise ValueError(f"host_to_device_ratio = {host_to_device_ratio!r} must be a finite number > 0 "
+                             "(the host pool's size in device-pool sizes)")
         self.device_pool = device_pool
         self.validate = validate
         self.is_mla = _is_mla_pool(device_pool)
@@ -815,7 +999,7 @@ class HostKVPool:
             raise ValueError(f"device = {device!r}: the host pool lives in host memory ('cpu')")
         self.layout = layout
         self.device = str(device)
-        self.page_size = int(page_size or device_pool.page_size)
+        self.page_size = _whole(page_size or device_pool.page_size, "page_size", 1)
         self.dtype = device_pool.store_dtype
         self.max_ctas = max_ctas
         self._prepared_load = None   # (key, what the key names, prepared transfer): see _load_key
@@ -831,18 +1015,23 @@ class HostKVPool:
         if self.size <= device_pool.size:
             logger.warning("host pool (%d tokens) is not larger than the device pool (%d tokens)",
                            self.size, device_pool.size)
-        # the seed's rule: the pool must leave host_memory_reserve bytes (default 10 GiB) available
-        reserve = HOST_MEMORY_RESERVE_BYTES if host_memory_reserve is None else int(host_memory_reserve)
-        available = _available_host_memory()
+        # the pool must leave host_memory_reserve bytes available: by default min(10 GiB, its own size)
         need = self.size * self.size_per_token
+        reserve = host_memory_reserve_for(need) if host_memory_reserve is None else \
+            _whole(host_memory_reserve, "host_memory_reserve")
+        self.host_memory_reserve = reserve
+        available = _available_host_memory()
         if available is not None and need > available - reserve:
             raise ValueError(f"not enough host memory for the host pool: need {need / 1e9:.2f} GB, "
-                             f"{available / 1e9:.2f} GB available, {reserve / 1e9:.2f} GB reserved")
+                             f"{available / 1e9:.2f} GB available, {reserve / 1e9:.2f} GB reserved "
+                             f"(host_memory_reserve=; by default min(10 GiB, the pool's size)); lower "
+                             "host_to_device_ratio or host_size")
         # page-locking only serves a device pool on a GPU (the kernels and the copy engine reach it directly)
         self.pin_memory = bool(pin_memory) and torch.device(getattr(device_pool, "device", "cpu")).type == "cuda"
         self.pinned = self.pin_memory
-        self.token_stride_size = (self.kv_cache_dim if self.is_mla else self.head_num * self.head_dim) * \
-            torch.empty((), dtype=self.dtype).element_size()
+        # elements of one token's row of one layer (and plane): SGLang's element_dim
+        self.element_dim = self.kv_cache_dim if self.is_mla else self.head_num * self.head_dim
+        self.token_stride_size = self.element_dim * torch.empty((), dtype=self.dtype).element_size()
         self.layout_dim = self.token_stride_size * self.layer_num
         self._alloc_buffers()
         self.cache = ops.bind(self.host_layout, self._physical(), page_size=self.page_size)
@@ -942,8 +1131,10 @@ class HostKVPool:
             if need_size > self.free_slots.numel():
                 return None
             select = self.free_slots[:need_size]
-            if self.slot_used[select].any():    # checked before anything is taken: a failed alloc loses no slot
-                raise RuntimeError("host pool allocator would hand out a slot twice")
+            used = self.slot_used[select]
+            if used.any():    # checked before anything is taken: a failed alloc loses no slot
+                raise HostPoolCorruption(f"Double-alloc: host slots {select[used].tolist()} are in use but on the "
+                                         "free list (the allocator would hand them out twice); nothing was taken")
             self.free_slots = self.free_slots[need_size:]
             self.slot_used[select] = True
             return select
@@ -968,11 +1159,16 @@ class HostKVPool:
                     raise ValueError(f"indices[{i}] = {int(idx[i])} {why}")
             uniq, counts = torch.unique(idx, return_counts=True)
             if (counts > 1).any():
-                raise ValueError(f"indices repeats slot {int(uniq[counts > 1][0])}")
-            hit = torch.nonzero(~self.slot_used[idx])
+                twice = uniq[counts > 1]
+                raise HostPoolError(f"Double-free of host slots {twice.tolist()}: indices repeats slot "
+                                    f"{int(twice[0])}; nothing was freed")
+            free_now = ~self.slot_used[idx]
+            hit = torch.nonzero(free_now)
             if hit.numel():
                 i = int(hit[0, 0])
-                raise ValueError(f"indices[{i}] = {int(idx[i])} is not allocated (never handed out, or freed already)")
+                raise HostPoolError(f"Double-free of host slots {idx[free_now].tolist()}: indices[{i}] = "
+                                    f"{int(idx[i])} is not allocated (never handed out, or freed already); "
+                                    "nothing was freed")
             self.slot_used[idx] = False
             # the touched pages in order of first appearance; only those now entirely free return
             pages = torch.tensor(list(dict.fromkeys((idx // self.page_size).tolist())), dtype=torch.int64)
@@ -1009,6 +1205,7 @@ class HostKVPool:
         indices - page slots for ``page_first_direct`` - are then made once
         too), the others reuse it (one launch, or the layer's copies, each).
         """
+        layer_id = _as_layer_id(layer_id)        # numpy / torch integers as ints, on every backend; no bools
         key = self._load_key(device_pool, host_indices, device_indices, io_backend, validate)
         held = self._prepared_load
         if key is None or held is None or held[0] != key:

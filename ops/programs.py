@@ -27,7 +27,9 @@ from .planner import cache_spec, program_steps
 from .settings import environment_capacity
 from .views import KVCache
 
-_lock = threading.Lock()
+# reentrant: a prepared transfer's finalizer unpins its program, and the garbage collector may run it on this
+# thread while the lock is held (an allocation inside program_handle or _evict)
+_lock = threading.RLock()
 _handles: collections.OrderedDict = collections.OrderedDict()   # program key -> handle, least recent first
 _pins: dict[int, int] = {}                                       # handle -> pin count
 _capacity = environment_capacity("KVLAYOUT_PROGRAM_CACHE", 512)
@@ -53,7 +55,9 @@ def _evict() -> None:
     for key in list(_handles):
         if excess <= 0:
             break
-        handle = _handles[key]
+        handle = _handles.get(key)
+        if handle is None:          # evicted by a finalizer's unpin that ran inside this loop
+            continue
         if handle not in _pins:
             del _handles[key]
             _C.drop_program(handle)

@@ -283,7 +283,10 @@ def test_sglang_connector(device, use_mla, use_gpu):
     conn.batched_from_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots)
     for obj, (s, e) in zip(objs, CHUNKS):
         assert obj.fmt == (MF.KV_MLA_FMT if use_mla else MF.KV_2LTD)
-        assert same(obj.tensor, _expected_chunk(fmt, kv, slots, s, e))
+        assert obj.tensor.shape[0] == 2        # LMCache's SGLang shape, MLA included
+        planes = 1 if use_mla else 2
+        assert same(obj.tensor[:planes], _expected_chunk(fmt, kv, slots, s, e))
+        assert not obj.tensor[planes:].any()   # an MLA object's second plane is not written
     fresh = zeros_like(kv)
     conn.batched_to_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots, kvcaches=fresh)
     s_cpu = slots.cpu()

@@ -40,8 +40,13 @@ def memobj_shape(fmt, T):
 
 def test_enum_values():
     assert [int(f) for f in F] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
-    assert lm.MemoryFormat.KV_2LTD == 1 and lm.MemoryFormat.KV_T2D == 2 and lm.MemoryFormat.KV_2TD == 3
-    assert lm.MemoryFormat.BINARY == 4 and lm.MemoryFormat.BINARY_BUFFER == 5 and lm.MemoryFormat.KV_MLA_FMT == 6
+    assert [(f.name, f.value) for f in lm.MemoryFormat] == [
+        ("UNDEFINED", 0), ("KV_2LTD", 1), ("KV_T2D", 2), ("KV_2TD", 3), ("BINARY", 4), ("BINARY_BUFFER", 5),
+        ("KV_MLA_FMT", 6)]
+    # a plain Enum, as LMCache's: members are not ints, and ints still name them where a format is read
+    assert type(lm.MemoryFormat.KV_2LTD) is lm.MemoryFormat and not isinstance(lm.MemoryFormat.KV_2LTD, int)
+    assert lm.MemoryFormat.KV_2LTD != 1
+    assert lm.as_memory_format(1) is lm.MemoryFormat.KV_2LTD
     assert lm.TransferDirection.H2D == 0 and lm.TransferDirection.D2H == 1
     assert lm.layout_of(0) == "vllm_cross_layer" and lm.layout_of(8) == "trtllm_cross_layer_hnd"
 

@@ -340,12 +340,6 @@ def test_host_pool_pages(mla, layout):
         host.get_data_page(1)
 
 
-@pytest.fixture(autouse=True)
-def no_host_memory_reserve(monkeypatch):
-    """The tests' pools are tiny: whether the machine has 10 GiB spare must not matter."""
-    monkeypatch.setattr(S, "HOST_MEMORY_RESERVE_BYTES", 0)
-
-
 def test_host_pool_refuses_more_than_the_available_memory_minus_the_reserve(monkeypatch):
     pool = _device_pool("cpu", torch.Generator().manual_seed(9))
     assert S._available_host_memory() > 0

@@ -204,16 +204,25 @@ def test_xpu_classes_construct_as_the_xpu_source():
 # ---------------------------------------------------------------------------------------
 
 class _Streams:
-    """Stand-ins for the stream helpers the connectors call: every call and transfer is recorded."""
+    """Stand-ins for the stream helpers the connectors call: every call and transfer is recorded; the tensors
+    a connector keeps alive for a stream's work (``InFlight.keep``) are recorded in ``kept`` as
+    ``(stream, tensor)``."""
 
     def __init__(self, monkeypatch):
         import contextlib
 
         from kvlayout import ops
         self.log, self.current, made = [], "cur", iter(["load", "store"] * 8)
+        self.kept = []
         real = ops.transfer
+        rec = self
+
+        class Kept:
+            def keep(self, stream, *tensors):
+                rec.kept += [(stream, t) for t in tensors if t is not None]
+        monkeypatch.setattr(C, "InFlight", Kept)
         monkeypatch.setattr(C, "new_stream", lambda device: next(made))
-        monkeypatch.setattr(C, "current_stream", lambda device: "cur")
+        monkeypatch.setattr(C, "current_stream", lambda device: self.current)
         monkeypatch.setattr(C, "wait_stream", lambda w, p: self.log.append(("wait", w, p)))
         monkeypatch.setattr(C, "synchronize_stream", lambda s: self.log.append(("sync", s)))
         monkeypatch.setattr(ops, "transfer", lambda *a, **k: (self.log.append(("copy", self.current)),
@@ -244,6 +253,10 @@ def test_paged_streams_as_lmcache(monkeypatch):
     conn.batched_from_gpu(objs, [0, 4], [4, 8], slot_mapping=slots)
     # each store: the store stream waits for the caller's, copies, and the host waits (host memory object)
     assert rec.take() == [("wait", "store", "cur"), ("copy", "store"), ("sync", "store")] * 2
+    # the caller's tensors the store stream used are kept for it: each object and its slots
+    kept = {(stream, t.data_ptr()) for stream, t in rec.kept}
+    assert {("store", o.tensor.data_ptr()) for o in objs} | {("store", slots[0:4].data_ptr()),
+                                                            ("store", slots[4:8].data_ptr())} <= kept
     conn.batched_to_gpu(objs, [0, 4], [4, 8], slot_mapping=slots)
     # loads on the load stream; returns when they have landed
     assert rec.take() == [("copy", "load"), ("copy", "load"), ("sync", "load")]
@@ -273,8 +286,11 @@ def test_layerwise_streams_as_lmcache(monkeypatch):
     next(load)
     assert rec.take() == []
     for l in range(L):
+        rec.kept.clear()
         load.send(objs[l])                                     # the caller's stream waits (device side) first
         assert rec.take() == [("wait", "cur", "load"), ("copy", "load")]
+        assert {(s, t.data_ptr()) for s, t in rec.kept} >= {("load", objs[l][0].tensor.data_ptr()),
+                                                            ("load", slots.data_ptr())}
     next(load)
     assert rec.take() == [("wait", "cur", "load")]
     nosync = conn.batched_to_gpu([0], [4], slot_mapping=slots, sync=False, memory_objs=objs)
