@@ -68,7 +68,9 @@ class PreparedTransfer:
         weakref.finalize(self, self._pin.release)
         if args.engine == "copy":
             routes.check_not_shared(src, dst, args)
-            self._steps = [resolve(self._handle, k, src, dst) for k in range(1 + self._num_layers)]
+            # (launches without segments, of an empty layer or plane choice, move nothing)
+            self._steps = [[launch for launch in resolve(self._handle, k, src, dst) if len(launch.src_segments)]
+                           for k in range(1 + self._num_layers)]
             self._views = self._view_words(src, dst)   # what the resolved byte offsets depend on
             self._native = None
             return

@@ -315,6 +315,11 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
     Step& step = steps_[k];
     for (const LaunchSpec& spec : program.steps[k]) {
       CopyPlan plan = resolve_launch(spec, program, src, dst);
+      if (plan.num_segments == 0) {  // (no layer or plane chosen) nothing to check, nothing to launch
+        step.launches.push_back(nullptr);
+        step.plans.push_back(std::move(plan));
+        continue;
+      }
       check_copy_plan(plan, src, dst, std::nullopt, std::nullopt);
       for (int64_t g = 0; g < plan.num_segments; ++g) {
         const int64_t i = plan.src_tensor[g], j = plan.dst_tensor[g];
@@ -372,7 +377,7 @@ bool BoundProgram::still_bound(int64_t step, at::TensorList src, at::TensorList 
 bool BoundProgram::still_valid(at::TensorList src, at::TensorList dst) const {
   // Step 0 (every chosen layer) uses every tensor any other step uses.
   for (const auto& l : steps_.front().launches)
-    if (!l->still_valid(src, dst)) return false;
+    if (l != nullptr && !l->still_valid(src, dst)) return false;
   return true;
 }
 
