@@ -286,3 +286,15 @@ def test_a_destination_re_strided_after_prepare_is_refused(device, engine):
         t.layer(0)                        # layer 0 was not touched: it still runs
         assert int(layers[0].count_nonzero()) > 0
     assert int(layers[1].count_nonzero()) == 0
+
+
+def test_a_copy_of_more_than_2_to_the_63_bytes_is_refused():
+    """Identity slots over a geometry of 2^62 slots that all sit at one row (strides 0): num_tokens rows of
+    1 MiB would overflow the walk's 64-bit item count; refused before anything moves."""
+    src = torch.ones(1 << 20, dtype=torch.uint8)
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    geom = [1 << 62, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"num_tokens = 4611686018427387904 tokens of 1048576 bytes each would "
+                                         r"move more than 2\^63 bytes"):
+        _native.copy_rows([src], [dst], None, None, 1 << 62, 0, [0, 0], [0, 0], geom, list(geom), 1, 1 << 20)
+    assert int(dst.count_nonzero()) == 0
