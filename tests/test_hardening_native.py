@@ -102,6 +102,31 @@ def test_interleaved_planes_of_one_buffer_are_still_accepted(device):
     assert int(plain.tensors[0].count_nonzero()) > 0
 
 
+def test_per_layer_views_of_a_layer_inner_buffer_are_still_accepted(device):
+    """Per-layer views ``buf[:, :, l]`` of one ``[2, NB, L, BS, H, D]`` buffer: each view spans nearly the whole
+    buffer (two strided outer axes), yet no two share a byte; the copy is exact."""
+    L = 3
+    g = torch.Generator().manual_seed(5)
+    src = ops.bind("vllm_flash_attn_nhd", [torch.randn(2, NB, BS, H, D, generator=g).half().to(device)
+                                           for _ in range(L)])
+    buf = torch.zeros(2, NB, L, BS, H, D, dtype=torch.float16, device=device)
+    dst = ops.bind("vllm_flash_attn_nhd", [buf[:, :, i] for i in range(L)])
+    plain = ops.bind("vllm_flash_attn_nhd", [torch.zeros(2, NB, BS, H, D, dtype=torch.float16, device=device)
+                                             for _ in range(L)])
+    s = torch.tensor([3, 0, 17, 9, 30], device=device)
+    d = torch.tensor([5, 31, 1, 12, 20], device=device)
+    ops.transfer(src, dst, s, d)
+    ops.transfer(src, plain, s, d)
+    for got, want in zip(dst.tensors, plain.tensors):
+        assert torch.equal(got, want)
+    assert int(buf.count_nonzero()) > 0
+    # and the same buffer's views one token apart do share bytes
+    layer0 = buf[:, :, 0]
+    shifted = [layer0, torch.as_strided(buf, layer0.shape, layer0.stride(), buf.storage_offset() + H * D)]
+    with pytest.raises(ValueError, match=r"dst\[0\] and dst\[1\] overlap in memory"):
+        ops.transfer(src, ops.bind("vllm_flash_attn_nhd", shifted + [buf[:, :, 2]]), s, d)
+
+
 # ---------------------------------------------------------------------------------------
 # rows longer than the walk's 32-bit vector count
 # ---------------------------------------------------------------------------------------
@@ -298,3 +323,67 @@ def test_a_copy_of_more_than_2_to_the_63_bytes_is_refused():
                                          r"move more than 2\^63 bytes"):
         _native.copy_rows([src], [dst], None, None, 1 << 62, 0, [0, 0], [0, 0], geom, list(geom), 1, 1 << 20)
     assert int(dst.count_nonzero()) == 0
+
+
+def _addresses(t: torch.Tensor) -> set[int]:
+    """Every byte address of ``t``'s elements (brute force)."""
+    idx = torch.zeros((), dtype=torch.int64)
+    for d in range(t.dim()):
+        shape = [1] * t.dim()
+        shape[d] = t.size(d)
+        idx = idx + (torch.arange(t.size(d)) * t.stride(d)).view(shape)
+    base = t.data_ptr()
+    isz = t.element_size()
+    return {base + int(e) * isz + b for e in idx.reshape(-1).tolist() for b in range(isz)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_destination_overlap_check_agrees_with_the_byte_addresses(seed):
+    """Random strided views of one buffer as two destination tensors of the raw op: refused exactly when two
+    of them share a byte, for views of one shape (for views of different shapes: whenever they share one)."""
+    rng = np.random.default_rng(seed)
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    src = torch.ones(8, dtype=torch.uint8)
+    geom = [1, 1, 0, 0, 0]
+    seen = {"refused": 0, "accepted": 0}
+    for _ in range(150):
+        dtype = torch.int16 if rng.random() < 0.3 else torch.uint8
+        isz = 2 if dtype == torch.int16 else 1
+        flat = buffer.view(dtype)
+        dims = int(rng.integers(1, 4))
+
+        def layout():
+            """Sizes and strides of a view without internal overlap: each stride past the inner extent (plus
+            a gap), in a random order of the dimensions."""
+            sizes = [int(rng.integers(1, 5)) for _ in range(dims)]
+            strides, extent = [], 1
+            for n in sizes:
+                strides.append(extent + int(rng.integers(0, 3)) * int(rng.random() < 0.5) * extent)
+                extent = strides[-1] * n
+            order = rng.permutation(dims)
+            return [sizes[i] for i in order], [strides[i] for i in order]
+
+        sizes, strides = layout()
+        same = rng.random() < 0.7
+        sizes_b, strides_b = (sizes, strides) if same else layout()
+        a = flat.as_strided(sizes, strides, int(rng.integers(0, 48)))
+        b = flat.as_strided(sizes_b, strides_b, int(rng.integers(0, 48)))
+        if torch._debug_has_internal_overlap(a) == 1 or torch._debug_has_internal_overlap(b) == 1:
+            continue       # (refused for internal overlap, another check)
+        if a.data_ptr() == b.data_ptr():
+            continue       # (one base for both segments: refused by the segment check)
+        shared = bool(_addresses(a) & _addresses(b))
+        try:
+            _native.copy_rows([src], [a.view(torch.uint8) if isz == 1 else a, b], None, None, 1, 0, [0, 0, 0, 0],
+                              [0, 0, 1, 0], geom, list(geom), 1, isz)
+            refused = False
+        except ValueError as e:
+            assert "dst[0] and dst[1] overlap in memory" in str(e), e
+            refused = True
+        if same:
+            assert refused == shared, (sizes, strides, a.data_ptr() - b.data_ptr(), shared)
+        else:
+            assert refused or not shared, (sizes, strides, sizes_b, strides_b, "a shared byte was missed")
+        seen["refused" if refused else "accepted"] += 1
+        buffer.zero_()
+    assert seen["refused"] > 10 and seen["accepted"] > 10, seen

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -233,6 +234,47 @@ bool interleave_disjointly(const at::Tensor& a, const at::Tensor& b) {
   return delta >= x.block && delta + y.block <= P;
 }
 
+// Whether two views of one element size, sizes and strides whose data starts
+// `delta` bytes apart (b minus a) share a byte: whether some index difference
+// k (|k_d| < size_d) brings an element of b within an element of one of a.
+// Searched over the dimensions by decreasing stride, each step keeping only
+// the k_d that the smaller dimensions can still make up for (one or two for
+// the strides of real layouts); a search that grows past its budget answers
+// "shared" (so a refusal, never a missed overlap).
+bool same_shape_views_share_bytes(const at::Tensor& a, int64_t delta) {
+  const int64_t isz = static_cast<int64_t>(a.element_size());
+  struct Dim {
+    int64_t size, stride;  // stride in bytes
+  };
+  std::vector<Dim> dims;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) > 1) dims.push_back({a.size(d), a.stride(d) * isz});
+  std::sort(dims.begin(), dims.end(), [](const Dim& x, const Dim& y) { return x.stride > y.stride; });
+  // reach[i]: the farthest dimensions i.. can move an index (in bytes)
+  std::vector<int64_t> reach(dims.size() + 1, 0);
+  for (size_t i = dims.size(); i-- > 0;)
+    reach[i] = reach[i + 1] + (dims[i].size - 1) * dims[i].stride;
+  int64_t budget = 1 << 12;
+  const auto floor_div = [](int64_t n, int64_t d) { return n / d - ((n % d != 0) && ((n < 0) != (d < 0))); };
+  std::function<bool(size_t, int64_t)> search = [&](size_t i, int64_t rest) -> bool {
+    if (--budget < 0) return true;
+    if (i == dims.size()) return rest > -isz && rest < isz;
+    const Dim& dim = dims[i];
+    const int64_t slack = reach[i + 1] + isz - 1;  // what the smaller dimensions (and an element) cover
+    if (dim.stride == 0) return search(i + 1, rest);
+    const int64_t lo = std::max(-(dim.size - 1), -floor_div(rest + slack, dim.stride));
+    const int64_t hi = std::min(dim.size - 1, floor_div(slack - rest, dim.stride));
+    for (int64_t k = lo; k <= hi; ++k)
+      if (search(i + 1, rest + k * dim.stride)) return true;
+    return false;
+  };
+  return search(0, delta);
+}
+
+bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
+  return a.element_size() == b.element_size() && a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
 // The same view: one tensor given twice (its segments are told apart by
 // their bases, see check_copy_aliasing).
 bool same_view(const at::Tensor& a, const at::Tensor& b) {
@@ -252,6 +294,10 @@ std::pair<int64_t, int64_t> WrittenRanges::first_shared_bytes(at::TensorList ten
       const at::Tensor& ta = tensors[a.index];
       const at::Tensor& tb = tensors[b.index];
       if (same_view(ta, tb) || interleave_disjointly(ta, tb)) continue;
+      if (same_geometry(ta, tb) &&
+          !same_shape_views_share_bytes(ta, static_cast<int64_t>(reinterpret_cast<uintptr_t>(tb.data_ptr()) -
+                                                                 reinterpret_cast<uintptr_t>(ta.data_ptr()))))
+        continue;
       return {std::min(a.index, b.index), std::max(a.index, b.index)};
     }
   }
