@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shrink-seconds", type=float, default=60.0, metavar="S",
                         help="time spent shrinking each failing group to a minimal case (default 60; 0 = off)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--fuzz-report", metavar="FILE",
+                        help="also write FILE (Markdown) and a .json twin: cases, crashes, out-of-bounds writes "
+                             "(guard bytes; with --sanitize the sanitizer's errors) and whether every refusal named "
+                             "its argument; e.g. --only hostile --examples 10000")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,8 +239,10 @@ def run_task(family: str, device: str, examples: int, seed: int, shrink_seconds:
     from hypothesis import seed as hseed
 
     from .families import FAMILIES
+    from .families.core import REFUSALS
 
     progress = progress or (lambda n, label: None)
+    refusals_before = REFUSALS.copy()
     fam = FAMILIES[family]
     groups: dict[str, dict] = {}
     failures: dict[str, list] = collections.defaultdict(list)
@@ -283,7 +289,20 @@ def run_task(family: str, device: str, examples: int, seed: int, shrink_seconds:
     for rec in groups.values():
         rec["variants"] = dict(sorted(rec["variants"].items()))
     return {"family": family, "device": device, "groups": groups, "failures": reports,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "refusals": dict(REFUSALS - refusals_before),
+            "failure_kinds": dict(collections.Counter(_failure_kind(m) for items in failures.values()
+                                                      for _, m in items))}
+
+
+def _failure_kind(message: str) -> str:
+    """What a failing case's message says went wrong (for ``--fuzz-report``)."""
+    if "a write outside the tensor" in message:
+        return "out_of_bounds"
+    if "does not match" in message:
+        return "unnamed_refusal"
+    if "nothing was raised" in message or message.startswith("AssertionError: expected "):
+        return "not_refused"
+    return "other"
 
 
 def _variant(case) -> str:
@@ -444,7 +463,9 @@ def sanitize(args, cuda_ran: bool) -> dict:
         return {"status": "sanitizer not available",
                 "detail": "compute-sanitizer is not on PATH (nor in $CUDA_HOME/bin or /usr/local/cuda/bin)"}
     tmp = tempfile.mkdtemp(prefix="kvlayout-sanitize-")
-    child = [sys.executable, "-m", "kvlayout", "conformance", "--device", "cuda", "--only", SANITIZE_FAMILIES,
+    selected = set(select_families(args.only))   # the index-heavy families among those asked for
+    only = ",".join(f for f in SANITIZE_FAMILIES.split(",") if f in selected) or SANITIZE_FAMILIES
+    child = [sys.executable, "-m", "kvlayout", "conformance", "--device", "cuda", "--only", only,
              "--examples", str(args.sanitize_examples), "--seed", str(args.seed), "--jobs", "1",
              "--shrink-seconds", "0", "--no-progress", "--out", tmp]
     cmd = [exe, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "100"] + child
@@ -622,6 +643,9 @@ def run(args) -> int:
     print(report.terminal(data))
     paths = report.write(args.out, data)
     print("reports: " + ", ".join(paths))
+    if getattr(args, "fuzz_report", None):
+        command = f"{command_line(args)} --fuzz-report {shlex.quote(args.fuzz_report)}"
+        print("fuzz report: " + write_fuzz_report(args.fuzz_report, command, results, sanitizer))
     if data["summary"]["failed"] or (sanitizer and sanitizer.get("errors")):
         return 1
     if not ran:
@@ -629,6 +653,50 @@ def run(args) -> int:
     if sanitizer and sanitizer["status"] != "0 errors":
         return 3
     return 0
+
+
+def write_fuzz_report(path: str, command: str, results: list[dict], sanitizer: dict | None) -> str:
+    """``--fuzz-report``: per family and device, cases, crashes (a worker process died), out-of-bounds writes,
+    refusals and whether each named its argument; the sanitizer's errors when it ran.  Returns the path."""
+    rows, totals = [], collections.Counter()
+    for r in results:
+        kinds = r.get("failure_kinds", {})
+        died = "(process died)" in r["groups"]
+        row = {"family": r["family"], "device": r["device"],
+               "cases": sum(g["cases"] for g in r["groups"].values()) - died,
+               "failed": sum(g["failed"] for g in r["groups"].values()) - died, "crashes": int(died),
+               "out_of_bounds": kinds.get("out_of_bounds", 0),
+               "refusals_named": r.get("refusals", {}).get("named", 0),
+               "refusals_unnamed": r.get("refusals", {}).get("unnamed", 0),
+               "not_refused": kinds.get("not_refused", 0), "other_failures": kinds.get("other", 0),
+               "groups": {g: v["cases"] for g, v in r["groups"].items()}}
+        rows.append(row)
+        totals.update({k: v for k, v in row.items() if isinstance(v, int)})
+    if sanitizer is not None:
+        totals["sanitizer_errors"] = sanitizer.get("errors") or 0
+    every_named = totals["refusals_unnamed"] == 0 and totals["not_refused"] == 0
+    data = {"command": command, "totals": dict(totals), "every_refusal_named_its_argument": every_named,
+            "runs": rows, "sanitizer": sanitizer}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(os.path.splitext(path)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    lines = ["# Hostile-input fuzz run", "", f"Command: `{command}`", "",
+             "| | cases | failed | crashes | out of bounds | refusals (named) | refusals not naming the "
+             "argument | not refused |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows + [dict(totals, family="total", device="")]:
+        lines.append(f"| {row['family']} {row['device']} | {row.get('cases', 0)} | {row.get('failed', 0)} | "
+                     f"{row.get('crashes', 0)} | {row.get('out_of_bounds', 0)} | {row.get('refusals_named', 0)} | "
+                     f"{row.get('refusals_unnamed', 0)} | {row.get('not_refused', 0)} |")
+    lines += ["", f"Every refusal named its argument: {'yes' if every_named else 'no'}."]
+    if sanitizer is not None:
+        lines.append(f"compute-sanitizer memcheck: {sanitizer.get('status')} over {sanitizer.get('cases', '?')} "
+                     f"cases (`{sanitizer.get('command', '')}`).")
+    for row in rows:
+        lines += ["", f"Cases per kind ({row['family']}, {row['device']}): "
+                  + ", ".join(f"{g} {n}" for g, n in sorted(row["groups"].items())) + "."]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -41,12 +42,15 @@ from kvlayout.ops import KVCache, bind
 from kvlayout.reference.resharding import Route, kv_heads, kv_routes
 
 from .handshake import (
+    ACK_MAGIC,
+    REQUEST_MAGIC,
     ROLES,
     Descriptor,
     HandshakeError,
     PeerError,
     TransferError,
     ack,
+    check_message,
     dtype_code,
     mismatches,
     request_header,
@@ -92,8 +96,12 @@ class _Endpoint:
         self.group = group
         self.peers = peers
         self.timeout = float(timeout)
-        if not self.timeout > 0:
-            raise ValueError(f"timeout = {timeout} must be > 0 seconds")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError(f"timeout = {timeout} must be a finite number of seconds > 0 (every wait is bounded)")
+        try:
+            datetime.timedelta(seconds=self.timeout)
+        except OverflowError:
+            raise ValueError(f"timeout = {timeout} seconds is longer than a wait can be") from None
         self.depth = int(depth)
         if self.depth < 1:
             raise ValueError(f"depth = {depth} must be >= 1 (layers in flight per route)")
@@ -233,7 +241,9 @@ class _Endpoint:
         self._exchange(out, inbox, f"header of request {request_id}")
         problems = []
         for rank in peers:
-            _, their_id, their_tokens = inbox[rank].tolist()
+            values = inbox[rank].tolist()
+            check_message(values, REQUEST_MAGIC, "request header", f"group rank {rank}")
+            _, their_id, their_tokens = values
             if (their_id, their_tokens) != (request_id, num_tokens):
                 problems.append(f"group rank {rank} moves request {their_id} of {their_tokens} tokens")
         if problems:   # every header was exchanged, so the group holds no stray message: stay usable
@@ -242,13 +252,31 @@ class _Endpoint:
                 + "; ".join(problems) + "; nothing was moved")
 
     def _slots(self, slots, what: str) -> torch.Tensor:
+        """``slots`` as an int64 tensor on the cache's device, checked in full before any message goes out (a
+        bad list found while a layer is written would leave both endpoints unusable): every slot below the
+        cache's slot count (negative: no row for that token), and, where they are written (the receiver), no
+        slot twice."""
         if slots is None:
             raise TypeError(f"{what}: the request's slots are needed (a 1-D int tensor or a list of ints)")
         t = torch.as_tensor(slots, device=self.device)
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{what} must be a 1-D int32/int64 tensor or a list of ints, "
                             f"got {t.dtype} {tuple(t.shape)}")
-        return t.to(torch.int64)
+        t = t.to(torch.int64)
+        values = t.cpu()
+        bound = self.cache.geometry.N
+        bad = torch.nonzero(values >= bound)
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise IndexError(f"{what}[{i}] = {int(values[i])} is out of range: this {self.role}'s cache holds "
+                             f"{bound} slots; nothing was exchanged")
+        if self.ROLE == 1:
+            valid = values[values >= 0]
+            uniq, counts = torch.unique(valid, return_counts=True)
+            if (counts > 1).any():
+                raise ValueError(f"{what} repeats slot {int(uniq[counts > 1][0])}: a slot of the receiver's "
+                                 "cache may be written once per request; nothing was exchanged")
+        return t
 
 
 @dataclasses.dataclass
@@ -366,7 +394,11 @@ class SendStream(_RequestStream):
         for r in peers:
             s._wait(s._irecv(inbox[r], r), f"waiting for group rank {r} to acknowledge request {self.request_id}")
         for r in peers:
-            magic, rid, status = inbox[r].tolist()
+            values = inbox[r].tolist()
+            if values[0] != ACK_MAGIC:
+                raise PeerError(f"group rank {r} sent a message that is not an acknowledgement (its first word is "
+                                f"{values[0]:#x}) for request {self.request_id}")
+            _, rid, status = values
             if rid != self.request_id or status != 0:
                 raise PeerError(f"group rank {r} acknowledged request {rid} with status {status}, "
                                 f"expected request {self.request_id} with status 0")

@@ -17,6 +17,7 @@ group's backend like the data, so NCCL groups need no second transport):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import torch
@@ -40,6 +41,7 @@ class PeerError(TransferError):
     """A peer failed, vanished or did not answer within the timeout; the transfer did not complete."""
 
 
+@functools.cache
 def _dtype_names() -> dict[int, str]:
     names = {}
     for name in dir(torch):
@@ -78,13 +80,38 @@ class Descriptor:
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Descriptor | str":
-        """The descriptor in ``t``, or a text saying why ``t`` holds none."""
+        """The descriptor in ``t``, or a text saying why ``t`` holds none (a field out of its range included:
+        every field is checked before anything reads it)."""
         values = t.tolist()
+        if len(values) != cls.FIELDS:
+            return f"its descriptor holds {len(values)} values, expected {cls.FIELDS}"
         if values[0] != DESCRIPTOR_MAGIC:
             return "its first message is not a kvlayout.dist descriptor (is it running kvlayout.dist?)"
         if values[1] != VERSION:
             return f"it speaks protocol version {values[1]}, this side {VERSION}"
-        return cls(*values[2:])
+        descriptor = cls(*values[2:])
+        problems = descriptor.invalid_fields()
+        if problems:
+            return "its descriptor is malformed: " + "; ".join(problems)
+        return descriptor
+
+    def invalid_fields(self) -> list[str]:
+        """Every field outside the values a real endpoint sends (empty: all plausible)."""
+        out = []
+        if self.role not in (0, 1):
+            out.append(f"role = {self.role} (0 = sender, 1 = receiver)")
+        for name in ("tp_size", "peer_tp_size", "num_kv_heads", "head_size", "num_layers", "itemsize"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} = {getattr(self, name)} (must be >= 1)")
+        if self.tp_size >= 1 and not 0 <= self.tp_rank < self.tp_size:
+            out.append(f"tp_rank = {self.tp_rank} (must lie in [0, tp_size = {self.tp_size}))")
+        if self.planes not in (1, 2):
+            out.append(f"planes = {self.planes} (1 = MLA latent, 2 = K and V)")
+        if self.itemsize >= 1 and self.itemsize not in (1, 2, 4, 8):
+            out.append(f"itemsize = {self.itemsize} (an element is 1, 2, 4 or 8 bytes)")
+        if self.dtype not in _dtype_names():
+            out.append(f"dtype = {self.dtype} (no element type of this torch has that code)")
+        return out
 
 
 def mismatches(mine: Descriptor, theirs: Descriptor | str, peer_tp_rank: int) -> list[str]:
@@ -112,6 +139,14 @@ def mismatches(mine: Descriptor, theirs: Descriptor | str, peer_tp_rank: int) ->
         out.append(f"element type differs: this side {names.get(mine.dtype, mine.dtype)} ({mine.itemsize} B), "
                    f"the {peer_role} {names.get(theirs.dtype, theirs.dtype)} ({theirs.itemsize} B)")
     return out
+
+
+def check_message(values: list[int], magic: int, what: str, sender: str) -> None:
+    """Raise :class:`HandshakeError` unless ``values`` (a received request header or acknowledgement) starts
+    with ``magic``."""
+    if values[0] != magic:
+        raise HandshakeError(f"{sender} sent a message that is not a kvlayout.dist {what} (its first word is "
+                             f"{values[0]:#x}, expected {magic:#x}); nothing more is read from it")
 
 
 def request_header(request_id: int, num_tokens: int, device) -> torch.Tensor:

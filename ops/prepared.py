@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from kvlayout import _C
+from kvlayout.reference import semantics as rules
 
 from . import _native, routes
 from .arguments import TransferArgs, check_slots, transfer_args
@@ -67,13 +68,31 @@ class PreparedTransfer:
         weakref.finalize(self, self._pin.release)
         if args.engine == "copy":
             routes.check_not_shared(src, dst, args)
-            self._steps = [resolve(self._handle, k, src, dst) for k in range(1 + self._num_layers)]
+            # (launches without segments, of an empty layer or plane choice, move nothing)
+            self._steps = [[launch for launch in resolve(self._handle, k, src, dst) if len(launch.src_segments)]
+                           for k in range(1 + self._num_layers)]
+            self._views = self._view_words(src, dst)   # what the resolved byte offsets depend on
             self._native = None
             return
         self._steps = None
         # bound now: storage bounds, overlaps and kernel parameters are checked and made once
         self._native = _C.PreparedCopy(self._handle, list(src.tensors), list(dst.tensors), self._status)
         self._set_call()
+
+    def __copy__(self) -> "PreparedTransfer":
+        """An independent transfer over the same caches, prepared anew with this one's current arguments: its
+        ``set_slots`` never changes this one's slots (a shallow copy would share the native binding)."""
+        return PreparedTransfer(self.src, self.dst, self._args, self._dependent, self._early_loads)
+
+    def __deepcopy__(self, memo) -> "PreparedTransfer":
+        raise TypeError("a PreparedTransfer cannot be deep-copied: it is bound to its caches' memory. "
+                        "copy.copy(t) prepares an independent transfer over the same caches; for copied caches, "
+                        "prepare a transfer over them")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PreparedTransfer cannot be pickled: prepared transfers are process-local (they hold "
+                        "a native binding to this process's memory); send the caches and the arguments and "
+                        "call kvlayout.ops.prepare in the other process")
 
     @property
     def num_layers(self) -> int:
@@ -92,16 +111,34 @@ class PreparedTransfer:
             self._run(0)
 
     def layer(self, i: int) -> None:
-        """Copy the ``i``-th chosen layer only (one launch)."""
+        """Copy the ``i``-th chosen layer only (one launch); ``IndexError`` outside ``[0, num_layers)``."""
         if type(i) is not int or not 0 <= i < self._num_layers:
-            i = as_int("layer", i, lo=0, hi=self._num_layers - 1)
+            i = self._layer_index(i)
         if self._native is not None and not torch.compiler.is_compiling():
             self._native.run(1 + i)    # the hot path of a layer-wise pipeline: straight to C++
         else:
             self._run(1 + i)
 
+    def _layer_index(self, i) -> int:
+        """``i`` checked as an index of the chosen layers (an integer, else ``TypeError``; in range, else
+        ``IndexError`` as for any chosen layer out of range)."""
+        i = as_int("layer", i)
+        if self._num_layers == 0:
+            rules.LAYER_PLANE_OUT_OF_RANGE.fail(f"layer = {i}: this transfer copies no layers (it was prepared "
+                                                "with an empty layer choice), so it has no layer to call")
+        if not 0 <= i < self._num_layers:
+            rules.LAYER_PLANE_OUT_OF_RANGE.fail(f"layer = {i} is out of range: the transfer copies "
+                                                f"{self._num_layers} layers, so 0 <= layer < {self._num_layers}")
+        return i
+
     def set_slots(self, src_slots=None, dst_slots=None, *, skip_prefix: int = 0, num_tokens: int | None = None):
-        """Use these slots (and token count) from the next call on; the plan and the checks are kept."""
+        """Use these slots (and token count) from the next call on; the plan and the checks are kept.
+
+        Eager only: inside compiled code it raises (call it before the compiled function, which then reads
+        the new slots), since the new arguments live in the native binding, outside any graph."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("PreparedTransfer.set_slots is eager-only: call it outside the compiled function "
+                               "(the compiled layer calls then use the new slots)")
         a = self._args
         s, d, T, skip = check_slots(self.src, self.dst, a.device, a.engine, src_slots, dst_slots, skip_prefix,
                                     num_tokens)
@@ -119,12 +156,20 @@ class PreparedTransfer:
             else:   # no planes chosen: nothing to move, a run with no tokens launches nothing
                 self._native.set_call(None, None, 0, 0, a.max_ctas, a.validate, self._dependent, self._early_loads)
 
+    @staticmethod
+    def _view_words(src: KVCache, dst: KVCache) -> list:
+        """Where each cache tensor's data is and how it is viewed (data pointer, sizes, strides)."""
+        return [(t.data_ptr(), t.shape, t.stride()) for t in (*src.tensors, *dst.tensors)]
+
     def _run(self, step: int) -> None:
         """The calls that do not go straight to C++: the copy engine's, and traced ones (through the op)."""
         a = self._args
         if not a.src_planes:
             return
         if self._native is None:
+            if self._view_words(self.src, self.dst) != self._views:
+                raise RuntimeError("kvlayout: prepared transfer: a cache tensor was resized, re-strided, re-set or "
+                                   "freed since the transfer was prepared; prepare the transfer again")
             if a.num_tokens:
                 routes.run_copy_engine(self._steps[step], a.src_slots, a.dst_slots, a.num_tokens, a.skip_prefix)
             return

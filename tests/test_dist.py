@@ -111,6 +111,11 @@ HANDSHAKES = [
     Scenario("bad_request", 4, Side("vllm_flash_attn_nhd", 4, 1), Side("sglang_mha", 1, 1), expect="request"),
 ]
 
+# a receiver whose first slot lists are bad (a slot past its cache, then a slot twice): refused in start(),
+# before any message, so the sender's request waits for the receiver's good list and goes through
+BAD_SLOTS = [Scenario("bad_receiver_slots", 4, Side("vllm_flash_attn_nhd", 4, 1), Side("sglang_mha", 1, 1),
+                      expect="bad_slots")]
+
 # the message each handshake failure must contain (on both sides)
 HANDSHAKE_TEXT = {"bad_head_size": "head size", "bad_dtype": "element type", "bad_layers": "layer count",
                   "bad_total_heads": "total KV heads"}
@@ -266,6 +271,16 @@ def _run_transfer(job: dict, rank: int, group) -> dict:
         layers = []        # the callback
         return ep.recv(request_id, slots, on_layer=layers.append), layers
 
+    if sc.expect == "bad_slots" and which == "dst":
+        out["refused"] = []
+        valid = slots[slots >= 0]
+        for bad in (torch.cat([slots[:-1], slots.new_tensor([1 << 20])]),        # past the cache
+                    torch.cat([valid[:1], valid[:1], slots[2:]])):               # one slot twice
+            try:
+                ep.start(rid, bad)
+            except Exception as e:  # noqa: BLE001 - the parent checks the type and message
+                out["refused"].append((type(e).__name__, str(e)))
+        out["unchanged_after_error"] = _to_bits(tensors)
     if sc.expect == "request":      # the sender's request has one token less: both sides refuse it, then go on
         try:
             one_request(rid, slots[:-1] if which == "src" else slots)
@@ -402,7 +417,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= WORLD and torch.di
 
 @pytest.fixture(scope="module", params=DEVICES)
 def transfers(tmp_path_factory, request):
-    jobs = [dict(make_job(sc, seed), device=request.param) for seed, sc in enumerate(TRANSFERS + HANDSHAKES)]
+    jobs = [dict(make_job(sc, seed), device=request.param)
+            for seed, sc in enumerate(TRANSFERS + HANDSHAKES + BAD_SLOTS)]
     started = time.monotonic()
     results = _launch(transfer_worker, jobs, tmp_path_factory.mktemp("dist"))
     crashes = {r: res["crash"] for r, res in results.items() if "crash" in res}
@@ -492,6 +508,22 @@ def test_request_mismatch_fails_on_both_sides_and_the_next_request_goes_through(
         _assert_same_bits(res["unchanged_after_error"], initial, f"{side} cache after the refused request")
         assert res["complete"], f"{side}: the next request did not complete"
     _assert_same_bits(receivers[0]["final"], _expected(job)[0], "receiver cache after the next request")
+
+
+def test_bad_receiver_slots_are_refused_before_any_message_and_the_request_then_goes_through(transfers):
+    sc = BAD_SLOTS[0]
+    jobs, results, _ = transfers
+    job = jobs[sc.name]
+    senders, receivers = _results_of(results, sc)
+    refused = receivers[0]["refused"]
+    assert [kind for kind, _ in refused] == ["IndexError", "ValueError"], refused
+    assert "out of range" in refused[0][1] and "repeats slot" in refused[1][1], refused
+    assert all("nothing was exchanged" in text for _, text in refused), refused
+    _assert_same_bits(receivers[0]["unchanged_after_error"], job["dst"][0], "receiver cache after the refusals")
+    for side, res in (("sender", senders[0]), ("receiver", receivers[0])):
+        assert "error" not in res, f"{side}: {res['error']}"
+        assert res["complete"], f"{side}: the request did not complete after the refused slot lists"
+    _assert_same_bits(receivers[0]["final"], _expected(job)[0], "receiver cache")
 
 
 def test_transfers_take_a_few_seconds(transfers):

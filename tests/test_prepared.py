@@ -63,7 +63,7 @@ def test_layer_call_writes_only_its_layer(device):
     want = _want_rows(src_np, g, [3, 2, 1, 0, 7, 8], layers=[0]).view(np.uint16)
     assert np.array_equal(got[:, 1], want[:, 0])
     assert not got[:, 0].any() and not got[:, 2].any()
-    with pytest.raises(ValueError, match=r"layer = 2 must be <= 1"):
+    with pytest.raises(IndexError, match=r"layer = 2 is out of range: the transfer copies 2 layers"):
         t.layer(2)
     with pytest.raises(TypeError, match="layer must be an integer"):
         t.layer(0.0)

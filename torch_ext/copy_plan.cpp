@@ -4,12 +4,14 @@
 #include "copy_plan.h"
 
 #include "slots.h"
+#include "kvlayout/copy_rows_kernel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -119,6 +121,7 @@ void check_copy_aliasing(at::TensorList src, at::TensorList dst,
   }
   check_slots_not_written(written, src_slots, "src_slots", "kvlayout::copy_rows");
   check_slots_not_written(written, dst_slots, "dst_slots", "kvlayout::copy_rows");
+  check_written_disjoint(written, dst, "kvlayout::copy_rows");
   // Two segments writing the same rows (a layer or plane chosen twice).
   std::vector<std::pair<uintptr_t, int64_t>> bases(p.num_segments);
   for (int64_t g = 0; g < p.num_segments; ++g)
@@ -193,6 +196,121 @@ int64_t WrittenRanges::find(const at::Tensor& t) const {
   return -1;
 }
 
+namespace {
+
+// A tensor's bytes as blocks of `block` bytes, `period` bytes apart, from
+// `begin` on (period 0: one block): its outermost dimension (the largest
+// stride among dimensions of more than one element) gives the period, the
+// others span the block.
+struct Blocks {
+  uintptr_t begin = 0;
+  int64_t period = 0;
+  int64_t block = 0;
+};
+
+Blocks blocks_of(const at::Tensor& t) {
+  const int64_t isz = static_cast<int64_t>(t.element_size());
+  int64_t outer = -1;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1 && (outer < 0 || t.stride(d) > t.stride(outer))) outer = d;
+  int64_t inner = 1;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (d != outer && t.size(d) > 1) inner += (t.size(d) - 1) * t.stride(d);
+  return {reinterpret_cast<uintptr_t>(t.data_ptr()), outer < 0 ? 0 : t.stride(outer) * isz,
+          inner * isz};
+}
+
+// Whether two tensors whose byte ranges meet still share no byte: the planes
+// of one page, e.g. K = cache[:, 0] and V = cache[:, 1] of a [pages, 2, ...]
+// cache, interleave blocks of one period. A sufficient test (false: not
+// proven disjoint).
+bool interleave_disjointly(const at::Tensor& a, const at::Tensor& b) {
+  const Blocks x = blocks_of(a), y = blocks_of(b);
+  if (x.period <= 0 || x.period != y.period || x.block > x.period || y.block > y.period)
+    return false;
+  const int64_t P = x.period;
+  int64_t delta = static_cast<int64_t>(y.begin - x.begin) % P;  // y's blocks start delta past x's
+  if (delta < 0) delta += P;
+  return delta >= x.block && delta + y.block <= P;
+}
+
+// Whether two views of one element size, sizes and strides whose data starts
+// `delta` bytes apart (b minus a) share a byte: whether some index difference
+// k (|k_d| < size_d) brings an element of b within an element of one of a.
+// Searched over the dimensions by decreasing stride, each step keeping only
+// the k_d that the smaller dimensions can still make up for (one or two for
+// the strides of real layouts); a search that grows past its budget answers
+// "shared" (so a refusal, never a missed overlap).
+bool same_shape_views_share_bytes(const at::Tensor& a, int64_t delta) {
+  const int64_t isz = static_cast<int64_t>(a.element_size());
+  struct Dim {
+    int64_t size, stride;  // stride in bytes
+  };
+  std::vector<Dim> dims;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) > 1) dims.push_back({a.size(d), a.stride(d) * isz});
+  std::sort(dims.begin(), dims.end(), [](const Dim& x, const Dim& y) { return x.stride > y.stride; });
+  // reach[i]: the farthest dimensions i.. can move an index (in bytes)
+  std::vector<int64_t> reach(dims.size() + 1, 0);
+  for (size_t i = dims.size(); i-- > 0;)
+    reach[i] = reach[i + 1] + (dims[i].size - 1) * dims[i].stride;
+  int64_t budget = 1 << 12;
+  const auto floor_div = [](int64_t n, int64_t d) { return n / d - ((n % d != 0) && ((n < 0) != (d < 0))); };
+  std::function<bool(size_t, int64_t)> search = [&](size_t i, int64_t rest) -> bool {
+    if (--budget < 0) return true;
+    if (i == dims.size()) return rest > -isz && rest < isz;
+    const Dim& dim = dims[i];
+    const int64_t slack = reach[i + 1] + isz - 1;  // what the smaller dimensions (and an element) cover
+    if (dim.stride == 0) return search(i + 1, rest);
+    const int64_t lo = std::max(-(dim.size - 1), -floor_div(rest + slack, dim.stride));
+    const int64_t hi = std::min(dim.size - 1, floor_div(slack - rest, dim.stride));
+    for (int64_t k = lo; k <= hi; ++k)
+      if (search(i + 1, rest + k * dim.stride)) return true;
+    return false;
+  };
+  return search(0, delta);
+}
+
+bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
+  return a.element_size() == b.element_size() && a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
+// The same view: one tensor given twice (its segments are told apart by
+// their bases, see check_copy_aliasing).
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.element_size() == b.element_size() &&
+         a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> WrittenRanges::first_shared_bytes(at::TensorList tensors) const {
+  for (size_t k = 1; k < items_.size(); ++k) {
+    // every earlier item whose end lies past this one's begin (prefix maximum)
+    for (size_t m = k; m > 0 && max_end_[m - 1] > items_[k].range.begin; --m) {
+      const Item& a = items_[m - 1];
+      const Item& b = items_[k];
+      if (a.index == b.index || !ranges_meet(a.range, b.range) || a.device != b.device) continue;
+      const at::Tensor& ta = tensors[a.index];
+      const at::Tensor& tb = tensors[b.index];
+      if (same_view(ta, tb) || interleave_disjointly(ta, tb)) continue;
+      if (same_geometry(ta, tb) &&
+          !same_shape_views_share_bytes(ta, static_cast<int64_t>(reinterpret_cast<uintptr_t>(tb.data_ptr()) -
+                                                                 reinterpret_cast<uintptr_t>(ta.data_ptr()))))
+        continue;
+      return {std::min(a.index, b.index), std::max(a.index, b.index)};
+    }
+  }
+  return {-1, -1};
+}
+
+void check_written_disjoint(const WrittenRanges& written, at::TensorList dst, const char* op) {
+  const auto [i, j] = written.first_shared_bytes(dst);
+  TORCH_CHECK_VALUE(i < 0, op, ": dst[", i, "] and dst[", j,
+                    "] overlap in memory (two destination tensors share bytes, so one address "
+                    "would be written through both); the destination tensors must be disjoint");
+}
+
 void check_slots_not_written(const WrittenRanges& written, const std::optional<at::Tensor>& slots,
                              const char* name, const char* op) {
   if (!slots.has_value() || !slots->defined()) return;
@@ -200,6 +318,13 @@ void check_slots_not_written(const WrittenRanges& written, const std::optional<a
   TORCH_CHECK_VALUE(j < 0, op, ": ", name, " overlaps dst[", j,
                     "] in memory (the copy would rewrite the slots it reads); pass a slot tensor "
                     "of its own");
+}
+
+void check_run_size(int64_t num_tokens, int64_t bytes_per_token) {
+  int64_t total = 0;
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(num_tokens, bytes_per_token, &total),
+                    "kvlayout: num_tokens = ", num_tokens, " tokens of ", bytes_per_token,
+                    " bytes each would move more than 2^63 bytes");
 }
 
 void check_geometry(const RowGeometry& r, const char* name) {
@@ -218,6 +343,13 @@ void check_copy_plan(CopyPlan& p, at::TensorList src, at::TensorList dst,
                      const std::optional<at::Tensor>& dst_slots) {
   TORCH_CHECK(p.num_pieces >= 1, "kvlayout: num_pieces must be >= 1, got ", p.num_pieces);
   TORCH_CHECK(p.piece_bytes >= 1, "kvlayout: piece_bytes must be >= 1, got ", p.piece_bytes);
+  // The device walk counts a row's vectors in 32 bits (copy_rows_kernel.h):
+  // checked here, once for every backend and route.
+  const int64_t row_bytes = checked_mul(p.num_pieces, p.piece_bytes, "num_pieces * piece_bytes");
+  TORCH_CHECK_VALUE(row_bytes <= kMaxWalkCount, "kvlayout: a row of num_pieces * piece_bytes = ",
+                    p.num_pieces, " * ", p.piece_bytes, " = ", row_bytes,
+                    " bytes is longer than the ", kMaxWalkCount,
+                    " bytes a row may hold (piece_bytes: the bytes of one piece of a row)");
   check_geometry(p.src_geom, "src_geometry");
   check_geometry(p.dst_geom, "dst_geometry");
   p.num_segments = static_cast<int64_t>(p.src_tensor.size());
@@ -281,6 +413,8 @@ CopyPlan plan_copy_rows(at::TensorList src, at::TensorList dst,
   p.src_slots = slot_array(src_slots, num_tokens, "src_slots", "num_tokens");
   p.dst_slots = slot_array(dst_slots, num_tokens, "dst_slots", "num_tokens");
   check_copy_plan(p, src, dst, src_slots, dst_slots);
+  if (!p.empty())
+    check_run_size(num_tokens, checked_mul(p.num_segments, p.row_bytes(), "a token's rows"));
   return p;
 }
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "kvlayout/address.h"
@@ -85,6 +86,11 @@ class WrittenRanges {
   void finish();
   // Index of a written tensor whose range meets `t`'s (on t's device), or -1.
   int64_t find(const at::Tensor& t) const;
+  // Two distinct written tensors (indices into `tensors`, the list the
+  // indices name; smaller first) that may share a byte, or {-1, -1}. The same
+  // view given twice is not counted; interleaved views of one buffer that
+  // provably share no byte (planes of one page) are not either.
+  std::pair<int64_t, int64_t> first_shared_bytes(at::TensorList tensors) const;
 
  private:
   struct Item {
@@ -95,6 +101,15 @@ class WrittenRanges {
   std::vector<Item> items_;
   std::vector<uintptr_t> max_end_;
 };
+
+// Raises ValueError naming dst[i] and dst[j] when two distinct written
+// tensors may share bytes (one address would be written through both, by two
+// (layer, slot) pairs: last writer wins on the CPU, a race on a device).
+void check_written_disjoint(const WrittenRanges& written, at::TensorList dst, const char* op);
+
+// ValueError when num_tokens tokens of bytes_per_token bytes each overflow
+// the walk's 64-bit item count.
+void check_run_size(int64_t num_tokens, int64_t bytes_per_token);
 
 // Raises ValueError when a slot tensor overlaps a written tensor.
 void check_slots_not_written(const WrittenRanges& written, const std::optional<at::Tensor>& slots,

@@ -99,6 +99,8 @@ class RowsLaunch final : public BoundLaunch {
                 "copy_rows parameters exceed the backend's kernel parameter limit");
   static_assert(Backend::kFewSegments < Backend::kMaxSegmentsPerLaunch,
                 "the small segment table must be smaller than the large one");
+  static_assert(Backend::kMaxSegmentsPerLaunch <= kMaxWalkCount,
+                "the walk keeps a launch's segment index in 32 bits");
 
  public:
   using Stream = typename Backend::Stream;
@@ -128,14 +130,14 @@ class RowsLaunch final : public BoundLaunch {
       a.num_segments =
           std::min<int64_t>(Backend::kMaxSegmentsPerLaunch, plan.num_segments - first);
       a.status = status.data_ptr<int64_t>();
-      a.record_errors = first == 0 ? 1 : 0;
+      a.record_errors = first == 0 ? kRecordNew : kRecordNone;  // the bounds: per run
       prepare_copy_rows_args(a, plan.num_pieces, plan.piece_bytes / vec_);
       chunks_.push_back({a, first});
     }
   }
 
   void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
-           const RunArgs& args) const override {
+           const RunArgs& args, const RecordedBefore& before) const override {
     const typename Backend::Guard guard(dev_);
     if (args.validate) {
       validate_slots_on_host(plan_for_run(plan, src_slots, dst_slots, args), args.src_slots,
@@ -164,6 +166,8 @@ class RowsLaunch final : public BoundLaunch {
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
+      a.src_recorded_from = before.src_from;
+      a.dst_recorded_from = before.dst_from;
       const EarlyStart start =
           may_load_early ? order->early_start(reads, writes_) : EarlyStart::kNone;
       // A launch without programmatic dependent launch is an ordinary kernel
@@ -283,7 +287,8 @@ void copy_rows_impl(at::TensorList src, at::TensorList dst,
   check_status_tensor(status, dev);
   if (plan.empty()) return;
   const RunArgs args{src_slots, dst_slots, plan.num_tokens, plan.skip_prefix, max_ctas, validate};
-  RowsLaunch<Backend>(plan, src, dst, dev, status).run(plan, plan.src_slots, plan.dst_slots, args);
+  RowsLaunch<Backend>(plan, src, dst, dev, status)
+      .run(plan, plan.src_slots, plan.dst_slots, args, RecordedBefore{});
 }
 
 }  // namespace kvlayout

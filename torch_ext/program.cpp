@@ -238,6 +238,24 @@ int64_t program_count() {
   return static_cast<int64_t>(registry().programs.size());
 }
 
+void check_program_call(int64_t num_steps, size_t program_src, size_t program_dst, int64_t step,
+                        size_t num_src, size_t num_dst, const char* who) {
+  if (step != kNoStep) {
+    TORCH_CHECK_INDEX(step >= 0 && step < num_steps, who, ": the copy program has ", num_steps,
+                      " steps (all layers, then one per layer), got step ", step);
+  }
+  TORCH_CHECK_VALUE(num_src == program_src, who, ": the copy program reads a source of ",
+                    program_src, " tensors, got ", num_src);
+  TORCH_CHECK_VALUE(num_dst == program_dst, who, ": the copy program writes a destination of ",
+                    program_dst, " tensors, got ", num_dst);
+}
+
+void check_program_call(const CopyProgram& program, int64_t step, size_t num_src, size_t num_dst,
+                        const char* who) {
+  check_program_call(static_cast<int64_t>(program.steps.size()), program.src_axes.size(),
+                     program.dst_axes.size(), step, num_src, num_dst, who);
+}
+
 CopyPlan resolve_launch(const LaunchSpec& launch, const CopyProgram& program, at::TensorList src,
                         at::TensorList dst) {
   CopyPlan p;
@@ -265,7 +283,17 @@ BoundProgram::Fingerprint BoundProgram::fingerprint(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();  // (no reference count)
   if (storage == nullptr) return {};
-  return {storage, storage->data(), static_cast<int64_t>(storage->nbytes()), impl->storage_offset()};
+  // The view's sizes and strides, hashed (FNV-1a over the words): a tensor
+  // re-strided in place (as_strided_, set_ with other strides) over the same
+  // storage would otherwise be written in its old geometry.
+  uint64_t view = 1469598103934665603ull ^ static_cast<uint64_t>(impl->dim());
+  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    view = (view ^ static_cast<uint64_t>(sizes[d])) * 1099511628211ull;
+    view = (view ^ static_cast<uint64_t>(strides[d])) * 1099511628211ull;
+  }
+  return {storage, storage->data(), static_cast<int64_t>(storage->nbytes()), impl->storage_offset(),
+          view};
 }
 
 BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList dst,
@@ -273,12 +301,9 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
     : handle_(handle), device_(device) {
   const std::shared_ptr<const CopyProgram> shared = registered_program(handle);
   const CopyProgram& program = *shared;
-  TORCH_CHECK_VALUE(src.size() == program.src_axes.size(),
-                    "kvlayout: the copy program reads a source of ", program.src_axes.size(),
-                    " tensors, got ", src.size());
-  TORCH_CHECK_VALUE(dst.size() == program.dst_axes.size(),
-                    "kvlayout: the copy program writes a destination of ",
-                    program.dst_axes.size(), " tensors, got ", dst.size());
+  check_program_call(program, kNoStep, src.size(), dst.size(), "kvlayout");
+  num_src_ = src.size();
+  num_dst_ = dst.size();
   const BoundLaunchFactory factory = factories()[static_cast<size_t>(device.type())];
   TORCH_CHECK_VALUE(factory != nullptr, "kvlayout: copy programs cannot run on ", device,
               " in this build (backends: see kvlayout.ops.built_backends())");
@@ -290,6 +315,11 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
     Step& step = steps_[k];
     for (const LaunchSpec& spec : program.steps[k]) {
       CopyPlan plan = resolve_launch(spec, program, src, dst);
+      if (plan.num_segments == 0) {  // (no layer or plane chosen) nothing to check, nothing to launch
+        step.launches.push_back(nullptr);
+        step.plans.push_back(std::move(plan));
+        continue;
+      }
       check_copy_plan(plan, src, dst, std::nullopt, std::nullopt);
       for (int64_t g = 0; g < plan.num_segments; ++g) {
         const int64_t i = plan.src_tensor[g], j = plan.dst_tensor[g];
@@ -307,24 +337,30 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
   for (size_t j = 0; j < dst.size(); ++j)
     if (used[j]) written_ranges_.add(dst[j], static_cast<int64_t>(j));
   written_ranges_.finish();
+  // (each launch checked its own destination tensors; launches of different
+  // geometry write tensors of other launches' cache parts too)
+  check_written_disjoint(written_ranges_, dst, "kvlayout");
+}
+
+void BoundProgram::check_step(int64_t step, size_t num_src, size_t num_dst, const char* who) const {
+  check_program_call(num_steps(), num_src_, num_dst_, step, num_src, num_dst, who);
 }
 
 void BoundProgram::check_still_bound(int64_t step, at::TensorList src, at::TensorList dst,
                                      const char* who) const {
-  TORCH_CHECK(src.size() == src_prints_.size() && dst.size() == dst_prints_.size(), who,
-              ": the bound caches changed their number of tensors");
-  TORCH_CHECK_INDEX(step >= 0 && step < num_steps(), who, ": the copy program has ", num_steps(),
-                    " steps (all layers, then one per layer), got step ", step);
+  check_step(step, src.size(), dst.size(), who);
   const Step& s = steps_[static_cast<size_t>(step)];
   for (int64_t i : s.read) {
     TORCH_CHECK(fingerprint(src[i]) == src_prints_[i], who, ": source tensor ", i,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
-                "moved or changed size); prepare the transfer again");
+                "moved or changed size, or its sizes or strides changed); prepare the transfer "
+                "again");
   }
   for (int64_t j : s.written) {
     TORCH_CHECK(fingerprint(dst[j]) == dst_prints_[j], who, ": destination tensor ", j,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
-                "moved or changed size); prepare the transfer again");
+                "moved or changed size, or its sizes or strides changed); prepare the transfer "
+                "again");
   }
 }
 
@@ -341,13 +377,12 @@ bool BoundProgram::still_bound(int64_t step, at::TensorList src, at::TensorList 
 bool BoundProgram::still_valid(at::TensorList src, at::TensorList dst) const {
   // Step 0 (every chosen layer) uses every tensor any other step uses.
   for (const auto& l : steps_.front().launches)
-    if (!l->still_valid(src, dst)) return false;
+    if (l != nullptr && !l->still_valid(src, dst)) return false;
   return true;
 }
 
 void BoundProgram::run(int64_t step, const RunArgs& args) const {
-  TORCH_CHECK_INDEX(step >= 0 && step < num_steps(), "kvlayout: the copy program has ",
-                    num_steps(), " steps (all layers, then one per layer), got step ", step);
+  check_step(step, num_src_, num_dst_, "kvlayout");
   TORCH_CHECK_VALUE(args.num_tokens >= 0, "kvlayout: num_tokens must be >= 0, got ",
                     args.num_tokens);
   TORCH_CHECK_VALUE(args.skip_prefix >= 0 && args.skip_prefix <= args.num_tokens,
@@ -363,9 +398,12 @@ void BoundProgram::run(int64_t step, const RunArgs& args) const {
   check_slots_not_written(written_ranges_, args.dst_slots, "dst_slots", "kvlayout");
   if (args.skip_prefix >= args.num_tokens) return;
   const Step& s = steps_[static_cast<size_t>(step)];
+  check_run_size(args.num_tokens, s.bytes_per_token);
+  RecordedBefore before;
   for (size_t i = 0; i < s.plans.size(); ++i) {
     if (s.plans[i].num_segments == 0) continue;
-    s.launches[i]->run(s.plans[i], src_slots, dst_slots, args);
+    s.launches[i]->run(s.plans[i], src_slots, dst_slots, args, before);
+    before.add(s.plans[i]);
   }
 }
 

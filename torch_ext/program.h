@@ -24,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -86,6 +87,16 @@ std::shared_ptr<const CopyProgram> registered_program(int64_t handle);
 // How many programs are registered.
 int64_t program_count();
 
+// The one check of a call's step index and tensor counts against a program
+// (resolve_program, binding, running a binding): IndexError for a step
+// outside [0, num_steps) (kNoStep: no step to check), ValueError for a source
+// or destination of another number of tensors than the program's.
+constexpr int64_t kNoStep = INT64_MIN;
+void check_program_call(int64_t num_steps, size_t program_src, size_t program_dst, int64_t step,
+                        size_t num_src, size_t num_dst, const char* who);
+void check_program_call(const CopyProgram& program, int64_t step, size_t num_src, size_t num_dst,
+                        const char* who);
+
 // Launch `launch` of `program` resolved against these tensors: its segment
 // bases, geometries and pieces in bytes, for one token with identity slots,
 // not yet checked (check_copy_plan does that).
@@ -130,15 +141,32 @@ inline CopyPlan plan_for_run(const CopyPlan& plan, const SlotArray& src_slots,
   return p;
 }
 
+// Which out-of-range slots the earlier launches of one run already recorded
+// (device backends record instead of raising; the launches of a program step
+// read the same slots, and each bad token is counted once): a token whose
+// source slot is >= src_from or whose destination slot is >= dst_from. The
+// smallest slot counts of the earlier launches; none for the first.
+struct RecordedBefore {
+  int64_t src_from = INT64_MAX;
+  int64_t dst_from = INT64_MAX;
+  // This launch's slot counts join the earlier ones.
+  void add(const CopyPlan& plan) {
+    src_from = std::min(src_from, plan.src_geom.num_slots);
+    dst_from = std::min(dst_from, plan.dst_geom.num_slots);
+  }
+};
+
 // One launch bound to tensors, in a backend's own form.
 class BoundLaunch {
  public:
   virtual ~BoundLaunch() = default;
   // `plan`: the launch's checked plan as bound (identity slots, one token);
   // this run's slots are `src_slots`/`dst_slots` (parsed from `args`, whose
-  // num_tokens/skip_prefix hold, with skip_prefix < num_tokens).
+  // num_tokens/skip_prefix hold, with skip_prefix < num_tokens). `before`:
+  // what the earlier launches of this run recorded (a backend that records
+  // errors records only the others).
   virtual void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
-                   const RunArgs& args) const = 0;
+                   const RunArgs& args, const RecordedBefore& before) const = 0;
   // Whether what the launch derived from the tensors at bind time still
   // holds for these tensors at the same addresses (e.g. pinned host memory
   // still registered with the same device alias).
@@ -208,16 +236,21 @@ class BoundProgram {
     const void* memory = nullptr;
     int64_t nbytes = 0;
     int64_t offset = 0;
+    uint64_t view = 0;  // hash of the tensor's dimension count, sizes and strides
     bool operator==(const Fingerprint& o) const {
-      return storage == o.storage && memory == o.memory && nbytes == o.nbytes && offset == o.offset;
+      return storage == o.storage && memory == o.memory && nbytes == o.nbytes &&
+             offset == o.offset && view == o.view;
     }
   };
   static Fingerprint fingerprint(const at::Tensor& t);
+  // check_program_call with this binding's tensor counts.
+  void check_step(int64_t step, size_t num_src, size_t num_dst, const char* who) const;
 
   int64_t handle_;
   c10::Device device_;
   std::vector<Step> steps_;
   std::vector<Fingerprint> src_prints_, dst_prints_;
+  size_t num_src_ = 0, num_dst_ = 0;  // the program's tensor counts
   WrittenRanges written_ranges_;  // dst tensors, for the per-call slot overlap check
 };
 

@@ -90,12 +90,7 @@ int64_t register_from_python(const std::vector<std::vector<Launch>>& steps,
 py::list resolve_program(int64_t handle, int64_t step, const std::vector<at::Tensor>& src,
                          const std::vector<at::Tensor>& dst) {
   const auto program = registered_program(handle);
-  TORCH_CHECK_INDEX(step >= 0 && step < static_cast<int64_t>(program->steps.size()),
-                    "kvlayout: the copy program has ", program->steps.size(), " steps, got ", step);
-  TORCH_CHECK_VALUE(src.size() == program->src_axes.size() && dst.size() == program->dst_axes.size(),
-                    "kvlayout: the copy program reads ", program->src_axes.size(),
-                    " and writes ", program->dst_axes.size(), " tensors, got ", src.size(),
-                    " and ", dst.size());
+  check_program_call(*program, step, src.size(), dst.size(), "kvlayout");
   py::list out;
   for (const LaunchSpec& launch : program->steps[static_cast<size_t>(step)]) {
     const CopyPlan p = resolve_launch(launch, *program, src, dst);

@@ -22,6 +22,7 @@ its error kinds; :class:`ErrorKind` is one class of invalid argument as data
 
 from __future__ import annotations
 
+import collections
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the reference runs on the host CPU
@@ -170,16 +171,26 @@ def assert_unchanged(tensors, before: list[np.ndarray], what: str = "destination
         assert changed == 0, f"{what} {i}: {changed} elements changed although the call was rejected"
 
 
+REFUSALS: collections.Counter = collections.Counter()
+"""Refusals :func:`expect_raises` saw in this process: ``named`` (the message named the argument: matched its
+pattern), ``unnamed`` (the expected type, but a message that does not name it), ``missing`` (nothing or
+something else was raised).  The runner reports them per run (``--fuzz-report``)."""
+
+
 def expect_raises(fn: Callable, exc, regex: str) -> BaseException:
     """Call ``fn``; it must raise ``exc`` (a type or a tuple) whose message matches ``regex``."""
     names = exc.__name__ if isinstance(exc, type) else "/".join(e.__name__ for e in exc)
     try:
         fn()
     except exc as e:  # noqa: PERF203
-        assert re.search(regex, str(e)), f"{type(e).__name__} does not match {regex!r}: {e}"
+        named = re.search(regex, str(e)) is not None
+        REFUSALS["named" if named else "unnamed"] += 1
+        assert named, f"{type(e).__name__} does not match {regex!r}: {e}"
         return e
     except Exception as e:
+        REFUSALS["missing"] += 1
         raise AssertionError(f"expected {names}, got {type(e).__name__}: {e}") from None
+    REFUSALS["missing"] += 1
     raise AssertionError(f"expected {names} matching {regex!r}; nothing was raised")
 
 

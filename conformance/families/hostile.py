@@ -19,7 +19,19 @@ argument checks (:data:`HOSTILE_KINDS`):
 * ``adapter shape lies`` - SGLang adapter arguments (page size, head count)
   that contradict the host tensor's shape;
 * ``positions alias the keys`` / ``expanded keys`` - RoPE positions stored in
-  the keys' own buffer, and keys whose tokens alias one row.
+  the keys' own buffer, and keys whose tokens alias one row;
+* ``overlapping destination layers`` - per-layer destination views of one
+  buffer, each some pages further than the one before (one address would be
+  written by two (layer, slot) pairs);
+* ``oversized rows`` - the raw row mover with a row longer than the device
+  walk's 32-bit vector count (pieces stacked at one offset, so the tensors
+  stay small);
+* ``freed slot storage`` - a slot tensor whose storage was resized to 0 bytes
+  after the transfer was prepared or before it was called;
+* ``forged dist descriptors`` - ``kvlayout.dist`` handshake descriptors with a
+  field out of its range (a role of 7 or -1, a TP rank past the TP size,
+  negative or zero counts, an unknown element type): refused with a
+  :class:`~kvlayout.dist.HandshakeError` text naming the field.
 
 Each kind is a function of the sample (no generated source).  Every case
 passes only when the call either raises a clear exception (naming
@@ -55,8 +67,10 @@ REJECTED = (ValueError, RuntimeError)
 
 HOSTILE_KINDS = ("slots alias the destination", "slots rewritten during the call", "two storages over one buffer",
                  "expanded destination", "a destination layer twice", "host allocator abuse",
-                 "adapter shape lies", "positions alias the keys", "expanded keys")
-CPU_ONLY_KINDS = ("two storages over one buffer", "host allocator abuse", "adapter shape lies")
+                 "adapter shape lies", "positions alias the keys", "expanded keys",
+                 "overlapping destination layers", "oversized rows", "freed slot storage", "forged dist descriptors")
+CPU_ONLY_KINDS = ("two storages over one buffer", "host allocator abuse", "adapter shape lies",
+                  "forged dist descriptors")
 
 
 # ---------------------------------------------------------------------------------------
@@ -301,11 +315,104 @@ def _expanded_keys(h: HostileSample, device: str) -> None:
     assert_unchanged([base], before, "keys")
 
 
+def _overlapping_layers(h: HostileSample, device: str) -> None:
+    """The case's source into per-layer views of one guarded buffer, layer l starting ``shift * l`` pages in."""
+    c = h.case
+    g = c.src_geom
+    src = bind(c.src_layout, c.caches()[0], g, device)
+    pages = max(2, g.NB)                                  # a layer of at least 2 pages: a shift of 1 overlaps
+    shift = 1 + c.seed % (pages - 1)
+    plain = torch.zeros(2, pages + shift * (g.L - 1), g.BS, g.H, g.E, dtype=getattr(torch, c.dtype), device=device)
+    buf, guard = guarded(plain)
+    layers = [buf[:, shift * i:shift * i + pages] for i in range(g.L)]
+    dst = ops.bind("vllm_flash_attn_nhd", layers)
+    n = min(c.T, g.N)
+    ids = slots(range(n), "int64", device)
+    before = snapshot([buf])
+    expect_raises(lambda: ops.transfer(src, dst, ids, ids.flip(0)), REJECTED, r"dst\[\d+\] and dst\[\d+\] overlap")
+    expect_raises(lambda: ops.prepare(src, dst, ids, ids.flip(0)), REJECTED, r"dst\[\d+\] and dst\[\d+\] overlap")
+    assert_unchanged([buf], before, "destination buffer")
+    assert_guards([guard])
+
+
+def _oversized_rows(h: HostileSample, device: str) -> None:
+    """``kvlayout::copy_rows`` with ``num_pieces * piece_bytes`` past the walk's limit, every piece at one offset
+    (stride_piece 0) so that 64 KiB tensors carry a row of 2 GiB or more."""
+    from kvlayout.ops import _native
+
+    c = h.case
+    piece_bytes = 1 << (10 + c.seed % 7)                  # 1 KiB .. 64 KiB
+    num_pieces = (1 << 31) // piece_bytes + c.seed % 5    # at or past 2^31 bytes
+    src = torch.full((piece_bytes,), 3, dtype=torch.uint8, device=device)
+    dst, guard = guarded(torch.zeros(piece_bytes, dtype=torch.uint8, device=device))
+    geom = [1 + c.seed % 2, 1, 0, 0, 0]
+    ids = slots([0], "int64", device)
+    expect_raises(lambda: _native.copy_rows([src], [dst], ids, ids, 1, 0, [0, 0], [0, 0], geom, list(geom),
+                                            num_pieces, piece_bytes), REJECTED, "num_pieces \\* piece_bytes")
+    assert int(dst.count_nonzero()) == 0, "a refused row was written"
+    assert_guards([guard])
+
+
+def _freed_slots(h: HostileSample, device: str) -> None:
+    """A slot tensor whose storage is resized to 0 bytes: before a transfer, and after a prepare."""
+    c = h.case
+    g = _Guarded(c, device)
+    before = snapshot(g.dst.tensors)
+
+    def pair():   # (storages of their own, which can be resized)
+        return slots(c.src_slots, "int64", device).clone(), slots(c.dst_slots, "int64", device).clone()
+
+    s, d = pair()
+    (s if h.side == "src_slots" else d).untyped_storage().resize_(0)
+    expect_raises(lambda: ops.transfer(g.src, g.dst, s, d, **g.layers), REJECTED, h.side)
+    s, d = pair()
+    t = ops.prepare(g.src, g.dst, s, d, **g.layers)
+    (s if h.side == "src_slots" else d).untyped_storage().resize_(0)
+    expect_raises(t, REJECTED, h.side)
+    expect_raises(lambda: t.layer(0), REJECTED, h.side)
+    assert_unchanged(g.dst.tensors, before, "destination")
+    assert_guards(g.guards)
+
+
+_DESCRIPTOR_FIELDS = ("role", "tp_rank", "tp_size", "peer_tp_size", "num_kv_heads", "head_size", "num_layers",
+                      "planes", "dtype", "itemsize")
+
+
+def _forged_descriptor(h: HostileSample, device: str) -> None:
+    """A peer's handshake descriptor with one field forged: the receiving side names the field in its
+    refusal (a HandshakeError text) and reads nothing else from it."""
+    from kvlayout.dist.handshake import Descriptor, HandshakeError, dtype_code, mismatches
+
+    c = h.case
+    rng = np.random.default_rng(c.seed)
+    mine = Descriptor(1, 0, 1, 1, 4, 8, 2, 2, dtype_code(torch.bfloat16), 2)
+    field = _DESCRIPTOR_FIELDS[int(rng.integers(len(_DESCRIPTOR_FIELDS)))]
+    forged = {"role": [7, -1, 2, -(1 << 62)], "tp_rank": [1, 5, -1], "tp_size": [0, -3],
+              "peer_tp_size": [0, -1], "num_kv_heads": [0, -8], "head_size": [0, -1], "num_layers": [0, -2],
+              "planes": [0, 3, -1], "dtype": [12345, -1], "itemsize": [0, 3, 16, -2]}[field]
+    value = forged[int(rng.integers(len(forged)))]
+    theirs = dataclasses.replace(Descriptor(0, 0, 1, 1, 4, 8, 2, 2, dtype_code(torch.bfloat16), 2),
+                                 **{field: value})
+    parsed = Descriptor.from_tensor(theirs.tensor("cpu"))
+    assert isinstance(parsed, str), f"a descriptor with {field} = {value} was accepted"
+    texts = mismatches(mine, parsed, 0)
+    assert texts and f"{field} = {value}" in texts[0], f"the refusal does not name {field}: {texts}"
+    expect_raises(lambda: _refuse(texts), HandshakeError, field)
+
+
+def _refuse(texts: list[str]) -> None:
+    from kvlayout.dist.handshake import HandshakeError
+
+    raise HandshakeError("kvlayout.dist handshake failed; nothing was moved:\n  " + "\n  ".join(texts))
+
+
 _KINDS = {"slots alias the destination": _alias, "slots rewritten during the call": _rewritten,
           "two storages over one buffer": _two_storages, "expanded destination": _expanded,
           "a destination layer twice": _layer_twice, "host allocator abuse": _allocator,
           "adapter shape lies": _adapter, "positions alias the keys": _positions_alias_keys,
-          "expanded keys": _expanded_keys}
+          "expanded keys": _expanded_keys, "overlapping destination layers": _overlapping_layers,
+          "oversized rows": _oversized_rows, "freed slot storage": _freed_slots,
+          "forged dist descriptors": _forged_descriptor}
 
 
 def hostile_kinds(device: str) -> tuple[str, ...]:
@@ -349,6 +456,7 @@ def hostile_samples(draw, device: str, group: str | None = None):
 
 HOSTILE = OpFamily("hostile", "hostile inputs: slot tensors aliasing destinations, slots rewritten by another "
                    "thread, two storages over one buffer, expanded destinations, repeated destination layers, host "
-                   "allocator abuse, adapter shape lies; nothing outside the tensors may change", hostile_samples,
+                   "allocator abuse, adapter shape lies, overlapping destination layers, oversized rows, freed slot "
+                   "storage, forged dist descriptors; nothing outside the tensors may change", hostile_samples,
                    "transfer", groups_of=hostile_kinds)
 SAMPLES = (HostileSample,)

@@ -63,6 +63,13 @@ struct HostRecorder {
 
 kvlayout::RowGeometry geometry(const int64_t* g) { return {g[0], g[1], g[2], g[3], g[4]}; }
 
+// What the next emulated launch records (kvl_set_recording): a RecordErrors
+// mode and, for kRecordNew, the earlier launches' smallest slot counts.
+struct Recording {
+  int32_t mode = kvlayout::kRecordAll;
+  int64_t src_from = INT64_MAX, dst_from = INT64_MAX;
+} g_recording;
+
 template <int VEC, int UNROLL>
 void walk_all(const kvlayout::CopyRowsArgs& a, const char* const* src, char* const* dst,
               int64_t num_threads) {
@@ -112,7 +119,9 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
   a.tokens = num_tokens - skip_prefix;
   a.num_segments = num_segments;
   a.status = status;
-  a.record_errors = 1;
+  a.record_errors = g_recording.mode;
+  a.src_recorded_from = g_recording.src_from;
+  a.dst_recorded_from = g_recording.dst_from;
   kvlayout::prepare_copy_rows_args(a, num_pieces, piece_bytes / vec);
   const char* src[1024];
   char* dst[1024];
@@ -125,6 +134,14 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
   if (unroll == kvlayout::kHostUnroll) return walk_vec<kvlayout::kHostUnroll>(vec, a, src, dst, num_threads);
   return -1;
 }
+
+// The recording of the launches emulated from now on (mode: a RecordErrors value).
+void kvl_set_recording(int32_t mode, int64_t src_from, int64_t dst_from) {
+  g_recording = Recording{mode, src_from, dst_from};
+}
+
+// kMaxWalkCount, the longest row (in vectors) and the most segments of a launch.
+int64_t kvl_max_walk_count() { return kvlayout::kMaxWalkCount; }
 
 // [waits, writes before a wait, loads before a wait] of the last emulated launch.
 void kvl_wait_counts(int64_t* out) {

@@ -48,8 +48,9 @@ class CpuLaunch final : public BoundLaunch {
   }
 
   void run(const CopyPlan& plan, const SlotArray& src_slots, const SlotArray& dst_slots,
-           const RunArgs& args) const override {
-    (void)plan;  // the CPU checks every slot and raises; no CTA budget
+           const RunArgs& args, const RecordedBefore& before) const override {
+    (void)plan;    // the CPU checks every slot and raises; no CTA budget
+    (void)before;  // (and records nothing)
     CopyPlan p = plan_for_run(walk_, src_slots, dst_slots, args);
     run_plan(p);
   }

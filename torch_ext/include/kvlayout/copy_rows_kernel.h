@@ -50,6 +50,29 @@ constexpr int kWalkLanes = 32;
 constexpr int kDeviceUnroll = 4;
 constexpr int kHostUnroll = 16;
 
+// The walk keeps a row's vector index, the vector count of a row and a
+// launch's segment index in 32 bits, and advances them by up to kWalkLanes + 1
+// past their bound before it wraps them. So a row holds at most kMaxWalkCount
+// vectors and a launch at most kMaxWalkCount segments. The host checks the
+// row at one place, for every backend (check_copy_plan in copy_plan.cpp: at
+// most kMaxWalkCount bytes, so at most that many vectors of any width); the
+// launchers split segments into tables far smaller than this (static_assert
+// in copy_rows_launch.h).
+constexpr int64_t kMaxWalkCount = (int64_t(1) << 31) - 2 * int64_t(kWalkLanes) - 2;
+
+// Which out-of-range slots a launch records in the status word.
+enum RecordErrors : int32_t {
+  kRecordNone = 0,  // none (the later launches of a split call)
+  kRecordAll = 1,   // every token with an out-of-range slot
+  // Only the tokens that no earlier launch of the same run recorded: the
+  // launches of one program step read the same slots, each with its own
+  // slot counts, and each bad token is counted once. An earlier launch
+  // recorded a token when its source slot was >= src_recorded_from or its
+  // destination slot >= dst_recorded_from (the smallest slot counts of the
+  // earlier launches).
+  kRecordNew = 2,
+};
+
 
 // n / d and n % d for a divisor fixed at launch: a multiply-high and a shift
 // when every dividend is below 2^31 (the round-up method: with l =
@@ -131,7 +154,9 @@ struct CopyRowsArgs {
   FastDivmod src_by_page;  // slot -> (page, slot in page), per side
   FastDivmod dst_by_page;
   int64_t* status;         // device-visible int64[kStatusNumel]
-  int32_t record_errors;   // only one launch of a split call records
+  int64_t src_recorded_from;  // kRecordNew: see RecordErrors
+  int64_t dst_recorded_from;
+  int32_t record_errors;   // RecordErrors: only one launch of a split call records
   int32_t next_start;      // NextStart: when the next kernel of the stream may start (CUDA)
 };
 
@@ -145,8 +170,8 @@ struct CopyRowsParams {
 };
 
 // Fills the divisions of `a` from its geometry (host side, once per launch).
-// The walk keeps segment and vector indices in 32 bits: callers split
-// launches so that num_segments and vecs_per_row stay below 2^31.
+// The walk keeps segment and vector indices in 32 bits: num_segments and
+// vecs_per_row must be at most kMaxWalkCount (checked by the host, see there).
 inline void prepare_copy_rows_args(CopyRowsArgs& a, int64_t num_pieces, int64_t vecs_per_piece) {
   a.vecs_per_row = num_pieces * vecs_per_piece;
   a.by_piece = FastDivmod::make(vecs_per_piece, a.vecs_per_row - 1);
@@ -159,7 +184,8 @@ inline void prepare_copy_rows_args(CopyRowsArgs& a, int64_t num_pieces, int64_t 
 
 // Rows of one token on both sides: the row offsets from a segment's base, or
 // why there is no row (a negative slot: skipped; an out-of-range slot:
-// skipped and recorded once, by the lane that owns the token's first item).
+// skipped and, as the launch's record_errors says, recorded once, by the lane
+// that owns the token's first item).
 // The slot pair of the lane's next token is loaded ahead (each slot is still
 // loaded once, checked, and that value used).
 struct TokenRows {
@@ -169,7 +195,7 @@ struct TokenRows {
   int64_t next_src, next_dst;
   int32_t bad_which;   // kStatusSrcSlots or kStatusDstSlots
   bool live;           // both slots valid: the rows are copied
-  bool invalid;        // a slot is out of range: recorded
+  bool invalid;        // a slot is out of range and this launch records it
 
   // Resolves token t (an index into the slot arrays, skip_prefix included)
   // and loads the slots of t + 1 ahead when it is handled too.
@@ -192,7 +218,9 @@ struct TokenRows {
     invalid = false;
     if (s < 0 || d < 0) return;
     if (s >= a.src_geom.num_slots || d >= a.dst_geom.num_slots) {
-      invalid = true;
+      invalid = a.record_errors == kRecordAll ||
+                (a.record_errors == kRecordNew && s < a.src_recorded_from &&
+                 d < a.dst_recorded_from);
       const bool src_bad = s >= a.src_geom.num_slots;
       bad_value = src_bad ? s : d;
       bad_which = src_bad ? int32_t(kStatusSrcSlots) : int32_t(kStatusDstSlots);
@@ -299,7 +327,7 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
           }
           buf[k] = Mem::load(reinterpret_cast<const V*>(src_base[seg] + rows.src_row + so));
           out[k] = dst_base[seg] + rows.dst_row + dof;
-        } else if (rows.invalid && a.record_errors && seg == 0 && v == 0) {
+        } else if (rows.invalid && seg == 0 && v == 0) {
           before_write();
           record(a.skip_prefix + t, rows.bad_value, rows.bad_bound(a), int64_t(rows.bad_which));
         }
