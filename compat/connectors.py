@@ -400,7 +400,8 @@ class _Connector:
     def _keep(self, *tensors) -> None:
         """The work just enqueued on the current stream uses ``tensors`` (slots, memory objects, staging
         buffers; ``None`` entries are ignored): none may be reused before it has run, even when its owner frees
-        it right after the call (see :class:`~kvlayout.compat._device.InFlight`)."""
+        it right after the call (see :class:`~kvlayout.compat._device.InFlight`).  Called *after* that work is
+        enqueued: a host tensor is held until an event recorded here has passed."""
         stream = self._current()
         if stream is not None:
             self._in_flight.keep(stream, *tensors)
@@ -489,11 +490,12 @@ class _ChunkConnector(_Connector):
         staging buffer where there is one."""
         for i, ((kv, fmt, src), slots) in enumerate(zip(self._pairs(memory_obj), slots_per_pair)):
             staged = self._staging_view(src, slot=i)
-            self._keep(src, staged, slots if isinstance(slots, torch.Tensor) else None)
+            used = (src, staged, slots if isinstance(slots, torch.Tensor) else None)
             if staged is not None:
                 staged.copy_(src, non_blocking=True)
                 src = staged
             self._transfer(src, kv, fmt, slots, H2D, skip, self._validate(kwargs))
+            self._keep(*used)
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
         """Paged cache -> memory object (chunk ``[start, end)``), on the store stream.
@@ -516,11 +518,11 @@ class _ChunkConnector(_Connector):
         with on_stream(stream):
             for i, ((kv, fmt, dst), slots) in enumerate(zip(self._pairs(memory_obj), slots_per_pair)):
                 staged = self._staging_view(dst, slot=("store", i))
-                self._keep(dst, staged, slots if isinstance(slots, torch.Tensor) else None)
                 self._transfer(staged if staged is not None else dst, kv, fmt, slots, D2H,
                                validate=self._validate(kwargs))
                 if staged is not None:
                     dst.copy_(staged, non_blocking=True)
+                self._keep(dst, staged, slots if isinstance(slots, torch.Tensor) else None)
                 dsts.append(dst)
         if any(t.device.type == "cpu" for t in dsts):      # the host reads it next: wait
             if stream is not None:
@@ -913,27 +915,27 @@ class _LayerwiseConnector(_Connector):
             dim = self._token_dim
             total = sum(t.shape[dim] for t in tensors)
             staged = self._device_buffer(self.get_shape(total), tensors[0].dtype, slot=layer % 2)
-            self._keep(staged, chunk_slots.joined(), *tensors)
             off = 0
             for t in tensors:
                 staged.narrow(dim, off, t.shape[dim]).copy_(t, non_blocking=True)
                 off += t.shape[dim]
             self._move_layer(layer, staged, chunk_slots.joined(), H2D, validate, owned=True)
+            self._keep(staged, chunk_slots.joined(), *tensors)
         else:
-            self._keep(*tensors, *chunk_slots)
             for t, slots in zip(tensors, chunk_slots):
                 self._move_layer(layer, t, slots, H2D, validate)
+            self._keep(*tensors, *chunk_slots)
 
     def _store_layer(self, layer: int, objs, chunk_slots, validate=None) -> None:
         for obj, slots in zip(objs, chunk_slots):
             dst = _tensor(obj)
             staged = self._staging_view(dst, slot=("store", layer % 2))
-            self._keep(dst, staged, slots)
             if staged is None:
                 self._move_layer(layer, dst, slots, D2H, validate)
             else:
                 self._move_layer(layer, staged, slots, D2H, validate, owned=True)
                 dst.copy_(staged, non_blocking=True)
+            self._keep(dst, staged, slots)
             _tag_stored(obj, self._expected_format(), self.use_mla)
 
     def batched_to_gpu(self, starts, ends, **kwargs) -> Generator:
@@ -1142,16 +1144,16 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
             if step < self.num_layers:                       # stage 1: receive and load layer step
                 objs = self._layer_objs((yield), given, step)
                 with on_stream(self.load_stream):
-                    self._keep(load, old_positions)
                     for s, e, obj in zip(starts, ends, objs):
                         _check_fmt(obj, MemoryFormat.KV_2TD)
-                        self._keep(_tensor(obj))
                         load[:, s - base:e - base].copy_(_tensor(obj), non_blocking=True)
+                        cached = None
                         if self.cache_positions and step == 0:
                             cached = getattr(_meta(obj), "cached_positions", None)
-                            self._keep(cached)
                             old_positions[s - base:e - base] = cached if cached is not None else \
                                 torch.arange(s, e, dtype=torch.int64, device=dev)
+                        self._keep(_tensor(obj), cached)
+                    self._keep(load, old_positions)
             elif step == self.num_layers:
                 yield
         yield
@@ -1172,12 +1174,12 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
                          else None for s, e in zip(starts, ends)]
             with on_stream(self.store_stream):
                 wait_stream(self.store_stream, cur)
-                self._keep(tmp, slots_all)
                 self._move_layer(layer, tmp, slots_all, D2H, validate, owned=True)
+                self._keep(tmp, slots_all)
                 off = 0
                 for obj, pos, length in zip(memory_objs[layer], positions, lengths):
-                    self._keep(_tensor(obj))
                     _tensor(obj).copy_(tmp[:, off:off + length], non_blocking=True)
+                    self._keep(_tensor(obj))
                     off += length
                     if pos is not None:
                         _meta(obj).cached_positions = pos
