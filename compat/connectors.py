@@ -920,7 +920,8 @@ class _LayerwiseConnector(_Connector):
                 staged.narrow(dim, off, t.shape[dim]).copy_(t, non_blocking=True)
                 off += t.shape[dim]
             self._move_layer(layer, staged, chunk_slots.joined(), H2D, validate, owned=True)
-            self._keep(staged, chunk_slots.joined(), *tensors)
+            # (the chunks' slots too: joining them read the caller's slot tensor on this stream)
+            self._keep(staged, chunk_slots.joined(), *chunk_slots, *tensors)
         else:
             for t, slots in zip(tensors, chunk_slots):
                 self._move_layer(layer, t, slots, H2D, validate)
