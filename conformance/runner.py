@@ -48,7 +48,7 @@ DEFAULT_OUT = os.path.join("results", "conformance")
 SANITIZE_FAMILIES = "bad_input,fuzz_index,hostile,transfer"
 SANITIZE_SCOPE = ("runs the families " + ", ".join(SANITIZE_FAMILIES.split(",")[:-1]) + " and "
                   + SANITIZE_FAMILIES.split(",")[-1] + " once more on CUDA, under compute-sanitizer memcheck, "
-                  "with --sanitize-examples cases each")
+                  "with --sanitize-examples cases each (with --only, those of them it selects)")
 """What ``--sanitize`` does, in the words the help, the report and the docs use."""
 MAX_SHRUNK_GROUPS = 6
 """Failing groups shrunk per family and device; later ones report their first failing case as drawn."""
