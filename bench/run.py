@@ -159,7 +159,8 @@ def time_baseline(case: C.Case, data: dict, baseline_timer: Timer, nbytes: int, 
     return out
 
 
-def _read_jsonl(path: str) -> tuple[dict | None, list[dict], dict | None]:
+def read_jsonl(path: str) -> tuple[dict | None, list[dict], dict | None]:
+    """(run head, case rows, end limits) of a JSON-lines record; a line cut off by an interrupted run is skipped."""
     head, rows, end = None, [], None
     with open(path) as f:
         for line in f:
@@ -182,7 +183,7 @@ def _read_jsonl(path: str) -> tuple[dict | None, list[dict], dict | None]:
 
 def document(path: str) -> dict:
     """The result document of a (finished or interrupted) JSON-lines file."""
-    head, rows, end = _read_jsonl(path)
+    head, rows, end = read_jsonl(path)
     if head is None:
         raise ValueError(f"{path}: no run header line")
     doc = dict(head, results=rows)
@@ -226,7 +227,7 @@ def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, 
     baseline_timer = Timer(device, warmup=0, reps=7, min_reps=2, budget_s=0.5)
     done: set[str] = set()
     if resume and jsonl and os.path.exists(jsonl):
-        head, rows, _ = _read_jsonl(jsonl)
+        head, rows, _ = read_jsonl(jsonl)
         done = {r["key"] for r in rows}
         limits = head["limits"] if head else None
         print(f"kvlayout bench: resuming {jsonl}: {len(done)} cases already measured", file=sys.stderr)

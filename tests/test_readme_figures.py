@@ -13,6 +13,8 @@ import json
 import pathlib
 import re
 
+from kvlayout.bench.run import read_jsonl
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "results"
 REPORTS = ROOT / "conformance" / "reports"
@@ -36,19 +38,8 @@ def fold(text: str) -> str:
 
 
 def _jsonl(path: pathlib.Path) -> tuple[dict, list[dict], dict | None]:
-    head, rows, end = None, [], None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        kind = obj.pop("kind", None)
-        if kind == "run":
-            head = obj
-        elif kind == "case":
-            rows.append(obj)
-        elif kind == "limits_end":
-            end = obj["limits"]
-    return head, rows, end
+    """(run head, case rows, end limits) of a committed record, read as the bench reads it."""
+    return read_jsonl(str(path))
 
 
 def _row(rows: list[dict], call: str, key_text: str) -> dict | None:
