@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from kvlayout import ops
+from kvlayout.ops.views import as_int
 from kvlayout.reference import layouts as catalog
 
 from ._device import indices_on, launch_device
@@ -411,13 +412,8 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _as_layer_id(layer_id, name: str = "layer_id") -> int:
     """A layer id as a Python int: ints and numpy / torch integer scalars are taken, ``bool`` is refused (``True``
-    would silently mean layer 1), as is anything else (``TypeError`` naming ``name``)."""
-    if isinstance(layer_id, (bool, np.bool_)) or (isinstance(layer_id, torch.Tensor) and layer_id.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer layer id, got the bool {layer_id!r}")
-    try:
-        return operator.index(layer_id)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer layer id, got {type(layer_id).__name__}") from None
+    would silently mean layer 1), as is anything else (``TypeError`` naming ``name``): the ops' integer rule."""
+    return as_int(f"{name} (an integer layer id)", layer_id)
 
 
 def _layer_id(layer) -> int:
