@@ -155,10 +155,12 @@ class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=shutil.which(
             return
         if shutil.which("ninja") is None:
             print("kvlayout: ninja not found, building without it (slower)")
+        # the sources as they are when the compilers read them: a file edited during the build is not stamped
+        fingerprint = native_fingerprint()
         super().run()
         if in_place and os.path.exists(built_library()):
             with open(STAMP, "w", encoding="utf-8") as f:
-                f.write(native_fingerprint() + "\n")
+                f.write(fingerprint + "\n")
 
 
 if __name__ == "__main__":   # setuptools runs this file as __main__; `kvlayout_setup` imports it for the stamp

@@ -74,15 +74,16 @@ def profile_cases() -> list[C.Case]:
     """The bench rows whose targets are missed or regressed, and the rows they are compared with."""
     h8, h1, mla, mla61 = "L32_H8_D128", "L32_H1_D128", "L32_MLA_D576", "L61_MLA_D576"
     out = []
-    for shape in (h8, h1, mla):   # on-device gather/scatter at T=4096 (2 KiB, 256 B and 1152 B rows)
+    for shape in (h8, h1, mla):   # on-device gather/scatter at T=256 and 4096 (2 KiB, 256 B and 1152 B rows)
         dev, buf = C._default_layouts(C.SHAPES[shape])
-        for direction in ("gather_device", "scatter_device"):
-            out.append(C.Case("headline", shape, dev, buf, 4096, 16, direction))
+        for T in (256, 4096):
+            for direction in ("gather_device", "scatter_device"):
+                out.append(C.Case("headline", shape, dev, buf, T, 16, direction))
     dev, buf = C._default_layouts(C.SHAPES[mla61])   # on-device T=256 (the walk's short-transfer regression)
     out.append(C.Case("headline", mla61, dev, buf, 256, 16, "gather_device"))
-    for shape in (h8, h1):        # host transfers: default CTAs and a budget of 4
+    for shape in (h8, h1):        # host transfers: default CTAs and SM budgets of 1, 2 and 4
         dev, buf = C._default_layouts(C.SHAPES[shape])
-        for direction, ctas in ((d, c) for d in ("to_host", "from_host") for c in (0, 4)):
+        for direction, ctas in ((d, c) for d in ("to_host", "from_host") for c in (0, 1, 2, 4)):
             out.append(C.Case("headline" if ctas == 0 else "ctas", shape, dev, buf, 4096, 16, direction,
                               max_ctas=ctas))
     return out

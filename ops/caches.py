@@ -15,13 +15,12 @@ cache                  holds                                       bound (settin
                        tensors)
 ``choices``            checked arguments per (source cache,        256 per source cache, released
                        destination cache, choice)                  with the caches
-``staging``            device copies of host chunks kept for       ``ops.staged.KEPT_STAGING`` (2)
-                       ``engine="staged"``
-``staged_groups``      staged layer groups per shape               256
+``staging``            staging rings of ``engine="staged"``, one   ``ops.staged.KEPT_RINGS`` (2) of
+                       per stream, each with the transfers         ``KVLAYOUT_STAGING_BYTES`` (64 MiB)
+                       planned on it                               each; 64 transfers per ring
 =====================  ==========================================  ==============================
 
-Least recently used entries go first (``choices`` and ``staged_groups`` are
-cleared when full).
+Least recently used entries go first (``choices`` are cleared when full).
 """
 
 from __future__ import annotations
@@ -37,9 +36,10 @@ def cache_info() -> dict:
     info = programs.cache_sizes()
     info["programs_capacity"] = programs.program_cache_capacity()
     info["bindings_capacity"] = _C.binding_cache_capacity()
-    info["staging"] = len(staged._KEPT)
-    info["staging_capacity"] = staged.KEPT_STAGING
-    info["staged_groups"] = len(staged._GROUPS)
+    info["staging"] = len(staged._RINGS)
+    info["staging_capacity"] = staged.KEPT_RINGS
+    info["staging_bytes"] = staged.STAGING_BYTES
+    info["staged_transfers"] = sum(len(r.transfers) for r in staged._RINGS.values())
     return info
 
 

@@ -4,67 +4,79 @@ A kernel that reads or writes pinned host memory itself (zero-copy) stops
 near 93-95 % of the pinned-copy ceiling on an H200; the copy engine reaches
 the ceiling.  For a transfer between a CUDA cache and a pinned host cache
 whose chosen rows lie back to back in token order (a chunk: host slots
-``None``, rows contiguous), ``engine="staged"`` keeps a device copy of the
-host cache (*staging*: same layout, sizes and strides, so the same copy
-program) and splits the chosen layers into groups of at least
-``GROUP_BYTES``:
+``None``, each (layer, plane) a run of rows in slot order),
+``engine="staged"`` moves the rows through a bounded **staging ring** in
+device memory: ``RING_SLOTS`` slots of ``STAGING_BYTES / RING_SLOTS`` bytes
+each (``KVLAYOUT_STAGING_BYTES``, default 64 MiB), reused by every staged call
+on one stream.
 
-* host -> device: per group, the copy engine moves the group's host bytes
-  into staging on a side stream; the kernel then moves the rows from staging
-  into the destination on the caller's stream, waiting for that group only,
-  so group g's kernel runs while group g+1 crosses PCIe.
-* device -> host: per group, the kernel gathers the rows into staging on the
-  caller's stream and the copy engine moves the group's bytes to the host on
-  the side stream.  Rows the transfer must leave unchanged (tokens whose
-  device slot is negative or out of range) are first copied from the host
-  into staging by the kernel, reading only those rows, so the bytes copied
-  back are the host's own.
+Each ring slot holds a *mini cache*: the host cache's layout with
+``chunk_layers`` layers and ``chunk_tokens`` slots (as many as fit the slot).
+The transfer is cut into chunks (a group of ``chunk_layers`` chosen layers,
+``chunk_tokens`` tokens), chunk c through ring slot c % RING_SLOTS:
 
-Everything is stream-ordered (events, no host synchronization), so a staged
-transfer can be captured in a CUDA graph.  Every row still moves through the
-one copy kernel, so the semantics (slots, skip_prefix, recorded out-of-range
-slots) are the kernel's.
+* device -> host: the copy kernel moves the chunk's rows from the device
+  cache into the slot (token t to ring row (t - skip_prefix) % chunk_tokens)
+  on the caller's stream; the copy engine moves the slot's rows to the host
+  chunk on a side stream.  Host rows the transfer must leave unchanged
+  (tokens whose device slot is negative or out of range) are first copied
+  from the host into the slot by the kernel, reading only those rows, so the
+  bytes copied back are the host's own.
+* host -> device: the copy engine fills the slot from the host chunk on the
+  side stream; the kernel moves the rows into the device cache.
 
-Cost: device memory for staging, the host cache's size.  Outside graph
-capture the staging cache is kept for the next staged call on the same
-stream with host caches of the same layout, sizes, strides and dtype (an
-engine moving chunks of one shape reuses one buffer, and the per-layer-group
-kernel calls on it run from kept bindings); the ``KEPT_STAGING`` most
-recently used are kept, :func:`release_staging` frees them.  Calls on one
-stream are ordered, so a kept buffer is never used by two calls at once.
+So one chunk's kernel runs while the copy engine moves another.  Every row
+moves through the one copy kernel, so slots, skip_prefix and recorded
+out-of-range slots behave as with ``engine="kernel"``.  Everything is
+stream-ordered (events, no host synchronization): a staged transfer can be
+captured in a CUDA graph.
+
+The per-call loop is one C++ call (``_C.StagedTransfer``, ``torch_ext/staged.h``);
+Python plans a transfer once (chunk shape, the copy programs bound to each
+ring slot, the host byte spans) and keeps the plan with the ring.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import weakref
 
 import torch
 
-from .programs import plan
-from .routes import run
+from kvlayout import _C
+from kvlayout.reference.layouts import make_geometry
+
+from . import _native
+from .programs import plan, program_handle, program_key, unpin
+from .settings import environment_capacity
 from .views import KVCache
 
-GROUP_BYTES = 32 << 20      # layers per group: at least this much payload (large copies reach the ceiling)
-AUTO_MIN_BYTES = 64 << 20   # engine="auto" stages payloads from this size on (below, its host work shows)
-
-
-@dataclasses.dataclass
-class Group:
-    """Layers moved together, and the host bytes they cover: ``(tensor index, begin, end)`` per span."""
-
-    src_layers: list
-    dst_layers: list
-    spans: list
+STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
+RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the copy engine
+AUTO_MIN_BYTES = 64 << 20   # engine="auto" stages payloads from this size on (below, the direct kernel wins)
+KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
+PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
+_ALIGN = 256                # bytes: every mini-cache tensor starts at a multiple
 
 
 @dataclasses.dataclass
 class StagedPlan:
-    """Why (or why not) a transfer can be staged, and how."""
+    """Why (or why not) a transfer can be staged, and its shape."""
 
-    reason: str                   # why staged, or why not
-    groups: list | None = None    # None: not stageable
+    reason: str                        # why staged, or why not
+    chunk_layers: int = 0              # 0: not stageable
+    chunk_tokens: int = 0
+    layer_groups: int = 0
     host_is_dst: bool = False
     payload_bytes: int = 0
+
+    @property
+    def stageable(self) -> bool:
+        return self.chunk_layers > 0
+
+    def chunks(self, num_tokens: int, skip_prefix: int) -> int:
+        return self.layer_groups * -(-(num_tokens - skip_prefix) // self.chunk_tokens)
 
 
 def _host_side(src: KVCache, dst: KVCache) -> str | None:
@@ -74,138 +86,203 @@ def _host_side(src: KVCache, dst: KVCache) -> str | None:
     return "dst" if dst.device.type == "cpu" else "src"
 
 
-def _dense_span(geometry, num_pieces: int, piece_bytes: int, first: int, end: int) -> tuple[int, int] | None:
-    """Byte range of slots ``first..end-1`` of one segment when their rows lie back to back, else None."""
+def _rows_back_to_back(geometry, num_pieces: int, piece_bytes: int) -> bool:
+    """Whether a segment's slots 0, 1, ... are rows of ``num_pieces * piece_bytes`` bytes back to back."""
     n, page, stride_page, stride_in_page, stride_piece = geometry
     row = num_pieces * piece_bytes
     if num_pieces > 1 and stride_piece != piece_bytes:
-        return None
-    slots_adjacent = (page == 1 and (stride_page == row or n <= 1)) or \
+        return False
+    return (page == 1 and (stride_page == row or n <= 1)) or \
         (stride_in_page == row and (stride_page == page * row or n <= page))
-    if not slots_adjacent:
+
+
+def _cache_bytes(layout, geometry, itemsize: int, align: int = _ALIGN) -> int:
+    """Device bytes of a mini cache of ``geometry`` (every tensor starting at a multiple of ``align``)."""
+    total = 0
+    for part in layout.parts:
+        shape = geometry.part_shape(part)
+        numel = 1
+        for s in shape:
+            numel *= s
+        per_tensor = -(-numel * itemsize // align) * align
+        total += per_tensor * (geometry.L if part.per_layer else 1)
+    return total
+
+
+def _mini_geometry(host: KVCache, layers: int, tokens: int):
+    g = host.geometry
+    return make_geometry(host.layout, L=layers, N=tokens, H=g.H, E=g.E, page_size=g.BS, columns=g.columns, P=g.P)
+
+
+def chunk_shape(host: KVCache, chosen_layers: int, slot_bytes: int) -> tuple[int, int] | None:
+    """(layers, tokens) of the mini cache one ring slot holds: as many tokens as the host has (in whole
+    pages) and fit with one layer, then as many of the chosen layers as fit; None when one page of one
+    layer does not fit."""
+    g = host.geometry
+    per_page = _cache_bytes(host.layout, _mini_geometry(host, 1, g.BS), host.itemsize, align=1)
+    pages = min(g.NB, slot_bytes // per_page)   # (an upper bound: alignment only adds)
+    while pages > 0 and _cache_bytes(host.layout, _mini_geometry(host, 1, pages * g.BS), host.itemsize) > slot_bytes:
+        pages -= 1
+    if pages == 0:
         return None
-    return first * row, end * row
+    tokens = pages * g.BS
+    per_layer = _cache_bytes(host.layout, _mini_geometry(host, 1, tokens), host.itemsize, align=1)
+    layers = max(1, min(chosen_layers, slot_bytes // per_layer))
+    while layers > 1 and _cache_bytes(host.layout, _mini_geometry(host, layers, tokens), host.itemsize) > slot_bytes:
+        layers -= 1
+    return layers, tokens
 
 
-def _merged(spans: list) -> list:
-    out: list = []
-    for tensor, begin, end in sorted(spans):
-        if out and out[-1][0] == tensor and out[-1][2] >= begin:
-            out[-1] = (tensor, out[-1][1], max(out[-1][2], end))
+def mini_cache(host: KVCache, layers: int, tokens: int, slot: torch.Tensor) -> KVCache:
+    """A cache of the host's layout with ``layers`` layers and ``tokens`` slots carved out of ``slot`` (uint8
+    device memory), each tensor's dimensions in the order of the host tensor's strides (so a row's bytes are
+    in the host's order)."""
+    geometry = _mini_geometry(host, layers, tokens)
+    offset = 0
+
+    def carve(shape, like: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        order = sorted(range(len(shape)), key=lambda d: (-like.stride(d), d))   # outermost first
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * host.itemsize
+        flat = slot[offset:offset + nbytes].view(host.dtype)
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+        dense = flat.view([shape[d] for d in order])
+        return dense.permute([order.index(d) for d in range(len(shape))])
+
+    parts = []
+    for pv in host.parts:
+        shape = geometry.part_shape(pv.part)
+        if pv.part.per_layer:
+            parts.append([carve(shape, pv.tensors[0]) for _ in range(layers)])
         else:
-            out.append((tensor, begin, end))
+            parts.append(carve(shape, pv.tensors[0]))
+    if offset > slot.numel():
+        raise AssertionError(f"mini cache of {offset} bytes in a ring slot of {slot.numel()}")
+    return KVCache(host.layout, parts[0] if host.layout.single_part else tuple(parts), page_size=host.geometry.BS)
+
+
+@dataclasses.dataclass
+class _Sides:
+    """The chosen layers and planes of the device side and the host side of a transfer."""
+
+    host_is_dst: bool
+    device: KVCache
+    host: KVCache
+    device_layers: list
+    host_layers: list
+    device_planes: list
+    host_planes: list
+
+    @classmethod
+    def of(cls, src: KVCache, dst: KVCache, choice, host_is_dst: bool) -> "_Sides":
+        if host_is_dst:
+            return cls(True, src, dst, choice.src_layers, choice.dst_layers, choice.src_planes, choice.dst_planes)
+        return cls(False, dst, src, choice.dst_layers, choice.src_layers, choice.dst_planes, choice.src_planes)
+
+
+def host_segments(host: KVCache, mini: KVCache, slot: torch.Tensor, host_layers: list, host_planes: list) \
+        -> list[tuple[int, int, int, int]] | str:
+    """Per (layer, plane, row part) of ``host_layers`` (mini layers 0, 1, ...): ``(host tensor, host byte offset,
+    ring byte offset, row bytes)`` of slot 0's row, from the copy program host -> mini; a reason string where
+    rows do not lie back to back on both sides."""
+    out = []
+    base = slot.storage_offset()           # (byte offsets within the ring's storage: meta tensors have no address)
+    for launch in plan(host, mini, host_layers, list(range(len(host_layers))), host_planes, host_planes):
+        if not (_rows_back_to_back(launch.src_geometry, launch.num_pieces, launch.piece_bytes)
+                and _rows_back_to_back(launch.dst_geometry, launch.num_pieces, launch.piece_bytes)):
+            return f"the host layout {host.layout.name}'s rows are not back to back in slot order"
+        row = launch.num_pieces * launch.piece_bytes
+        for k in range(0, len(launch.src_segments), 2):
+            h_tensor, h_offset = launch.src_segments[k], launch.src_segments[k + 1]
+            m_tensor, m_offset = launch.dst_segments[k], launch.dst_segments[k + 1]
+            ring_offset = mini.tensors[m_tensor].storage_offset() * mini.itemsize - base + m_offset
+            out.append((h_tensor, h_offset, ring_offset, row))
     return out
+
+
+def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
+    """What about a transfer's stageability does not change from call to call (pinned memory, layout,
+    chunk shape): a :class:`StagedPlan` with ``payload_bytes`` per token."""
+    side = _host_side(src, dst)
+    if side is None:
+        return StagedPlan("one side must be a CUDA cache and the other a pinned host cache")
+    sides = _Sides.of(src, dst, choice, side == "dst")
+    if not all(t.is_pinned() for t in sides.host.tensors):
+        return StagedPlan("the host cache is not pinned (page-locked) memory")
+    slot_bytes = STAGING_BYTES // RING_SLOTS // _ALIGN * _ALIGN
+    shape = chunk_shape(sides.host, len(sides.host_layers), slot_bytes)
+    if shape is None:
+        return StagedPlan(f"one page of one layer of the host cache does not fit a ring slot of {slot_bytes} bytes "
+                          "(KVLAYOUT_STAGING_BYTES)")
+    layers, tokens = shape
+    probe = torch.empty(slot_bytes, dtype=torch.uint8, device="meta")
+    mini = mini_cache(sides.host, layers, tokens, probe)
+    per_token = 0
+    for g0 in range(0, len(sides.host_layers), layers):
+        segs = host_segments(sides.host, mini, probe, sides.host_layers[g0:g0 + layers], sides.host_planes)
+        if isinstance(segs, str):
+            return StagedPlan(segs)
+        per_token += sum(row for *_, row in segs)
+    groups = -(-len(sides.host_layers) // layers)
+    return StagedPlan(f"{groups} group(s) of up to {layers} layer(s), chunks of up to {tokens} tokens through a "
+                      f"{STAGING_BYTES}-byte staging ring; copy engine for the host side",
+                      layers, tokens, groups, side == "dst", per_token)
 
 
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,
                 skip_prefix: int) -> StagedPlan:
-    """The groups of a staged transfer, or the reason it cannot be staged (``groups`` None)."""
-    side = _host_side(src, dst)
-    if side is None:
-        return StagedPlan("one side must be a CUDA cache and the other a pinned host cache")
-    host = dst if side == "dst" else src
-    if (dst_slots if side == "dst" else src_slots) is not None:
+    """The staged plan of one call (``stageable`` False with the reason where it cannot be staged)."""
+    static = choice.staged_plan
+    if static is None:
+        static = choice.staged_plan = static_plan(src, dst, choice)
+    if not static.stageable:
+        return static
+    side = "dst" if static.host_is_dst else "src"
+    host = dst if static.host_is_dst else src
+    if (dst_slots if static.host_is_dst else src_slots) is not None:
         return StagedPlan(f"the host side's slots ({side}_slots) must be None: staging copies the host rows "
                           "of tokens 0..T-1 back to back (a chunk)")
     if num_tokens > host.geometry.N:
         return StagedPlan(f"{num_tokens} tokens do not fit the host cache's {host.geometry.N} slots")
-    if not all(t.is_pinned() for t in host.tensors):
-        return StagedPlan("the host cache is not pinned (page-locked) memory")
-    groups = host_groups(src, dst, choice, side == "dst", num_tokens, skip_prefix)
-    if isinstance(groups, str):
-        return StagedPlan(groups)
-    payload = sum(end - begin for g in groups for _, begin, end in g.spans)
-    return StagedPlan(f"{len(groups)} group(s) of layers, copy engine for the host side", groups,
-                      side == "dst", payload)
+    return dataclasses.replace(static, payload_bytes=static.payload_bytes * (num_tokens - skip_prefix))
 
 
-_GROUPS: dict = {}
+class _Ring:
+    """One stream's staging ring and the transfers planned on it."""
+
+    def __init__(self, device: torch.device, capturing: bool):
+        slot_bytes = STAGING_BYTES // RING_SLOTS // _ALIGN * _ALIGN
+        self.buffer = torch.empty(slot_bytes * RING_SLOTS, dtype=torch.uint8, device=device)
+        self.slots = [self.buffer[r * slot_bytes:(r + 1) * slot_bytes] for r in range(RING_SLOTS)]
+        self.transfers: collections.OrderedDict = collections.OrderedDict()   # id(choice) -> _Transfer
+        self.capturing = capturing
 
 
-def host_groups(src: KVCache, dst: KVCache, choice, host_is_dst: bool, num_tokens: int,
-                skip_prefix: int) -> list[Group] | str:
-    """The chosen layers in groups of at least GROUP_BYTES, each with the host bytes its rows of tokens
-    ``skip_prefix..num_tokens-1`` occupy (host slot t for token t); a reason string where those rows do
-    not lie back to back.
-
-    Remembered per (layouts, geometry and strides of both caches, choice, token range): the groups name
-    tensors by index and hold byte offsets only, so they keep no cache alive, and an engine repeating a
-    transfer does not plan it again."""
-    key = (src.signature, dst.signature, tuple(choice.src_layers), tuple(choice.dst_layers),
-           tuple(choice.src_planes), tuple(choice.dst_planes), host_is_dst, num_tokens, skip_prefix, GROUP_BYTES)
-    groups = _GROUPS.get(key)
-    if groups is None:
-        if len(_GROUPS) >= 256:
-            _GROUPS.clear()
-        groups = _GROUPS[key] = _plan_groups(src, dst, choice, host_is_dst, num_tokens, skip_prefix)
-    return groups
+_RINGS: collections.OrderedDict = collections.OrderedDict()   # (device, stream) -> _Ring, least recent first
 
 
-def _plan_groups(src: KVCache, dst: KVCache, choice, host_is_dst: bool, num_tokens: int,
-                 skip_prefix: int) -> list[Group] | str:
-    host = dst if host_is_dst else src
-    groups: list[Group] = []
-    group_bytes = 0
-    for ls, ld in zip(choice.src_layers, choice.dst_layers):
-        spans = []
-        for launch in plan(src, dst, [ls], [ld], choice.src_planes, choice.dst_planes):
-            segments = launch.dst_segments if host_is_dst else launch.src_segments
-            geometry = launch.dst_geometry if host_is_dst else launch.src_geometry
-            span = _dense_span(geometry, launch.num_pieces, launch.piece_bytes, skip_prefix, num_tokens)
-            if span is None:
-                return f"the host layout {host.layout.name}'s rows are not back to back in slot order"
-            for k in range(0, len(segments), 2):
-                tensor, offset = segments[k], segments[k + 1]
-                spans.append((tensor, offset + span[0], offset + span[1]))
-        if not groups or group_bytes >= GROUP_BYTES:
-            groups.append(Group([], [], []))
-            group_bytes = 0
-        groups[-1].src_layers.append(ls)
-        groups[-1].dst_layers.append(ld)
-        groups[-1].spans += spans
-        group_bytes += sum(end - begin for _, begin, end in spans)
-    for g in groups:
-        g.spans = _merged(g.spans)
-    return groups
-
-
-def _staging_like(host: KVCache, device: torch.device) -> KVCache:
-    """A device cache with the host cache's layout, sizes and strides (uninitialized)."""
-    made = {id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in host.tensors}
-    parts = tuple([made[id(t)] for t in pv.tensors] if pv.part.per_layer else made[id(pv.tensors[0])]
-                  for pv in host.parts)
-    return KVCache(host.layout, parts[0] if host.layout.single_part else parts,
-                   page_size=host.geometry.BS)
-
-
-KEPT_STAGING = 2         # staging caches kept for reuse (the least recently used goes first)
-_KEPT: dict = {}          # (device, stream, host signature, dtype) -> staging KVCache, oldest first
-
-
-def _staging_for(host: KVCache, device: torch.device, stream: torch.cuda.Stream) -> KVCache:
-    """The staging cache of a call on ``stream``: a kept one of the same shape, or a new one (kept)."""
+def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
+    """The ring of a call on ``stream``: the kept one, or a new one (kept, except under graph capture, whose
+    memory comes from the graph's own pool)."""
     if torch.cuda.is_current_stream_capturing():
-        return _staging_like(host, device)   # a graph's memory comes from its own pool: not kept
-    key = (device, stream.cuda_stream, host.signature, host.dtype)
-    staging = _KEPT.pop(key, None)
-    if staging is None:
-        while len(_KEPT) >= KEPT_STAGING:
-            _KEPT.pop(next(iter(_KEPT)))
-        staging = _staging_like(host, device)
-    _KEPT[key] = staging                     # (re)inserted last: the most recently used
-    return staging
+        return _Ring(device, capturing=True)
+    key = (device, stream.cuda_stream, STAGING_BYTES)
+    ring = _RINGS.pop(key, None)
+    if ring is None:
+        while len(_RINGS) >= KEPT_RINGS:
+            _RINGS.pop(next(iter(_RINGS)))
+        ring = _Ring(device, capturing=False)
+    _RINGS[key] = ring                   # (re)inserted last: the most recently used
+    return ring
 
 
 def release_staging() -> None:
-    """Frees the staging caches kept for reuse (their memory returns to torch's caching allocator)."""
-    _KEPT.clear()
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t``'s storage from its first element on, as a flat uint8 tensor."""
-    start = t.storage_offset() * t.element_size()
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (storage.nbytes() - start,))
+    """Frees the staging rings (their memory returns to torch's caching allocator) and the transfers planned
+    on them."""
+    _RINGS.clear()
 
 
 _SIDE_STREAMS: dict = {}
@@ -218,46 +295,72 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+class _Transfer:
+    """A staged transfer planned on one ring: the copy programs bound to each ring slot (pinned while it lives)
+    and the native run loop."""
+
+    def __init__(self, src: KVCache, dst: KVCache, choice, staged: StagedPlan, ring: _Ring):
+        self.choice = weakref.ref(choice)
+        sides = _Sides.of(src, dst, choice, staged.host_is_dst)
+        status = _native.status_tensor(choice.device)
+        minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
+        handles, kernels, keeps, groups = [], [], [], []
+
+        def bind(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes):
+            handle = program_handle(program_key(a, b, a_layers, b_layers, a_planes, b_planes), pin=True)
+            handles.append(handle)
+            bound = _C.bind_program(handle, list(a.tensors), list(b.tensors), status)
+            if bound is None:
+                raise RuntimeError("kvlayout: a staged transfer's tensors need the dispatcher")
+            return bound
+
+        try:
+            for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
+                host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
+                device_layers = sides.device_layers[g0:g0 + staged.chunk_layers]
+                ring_layers = list(range(len(host_layers)))
+                segs = host_segments(sides.host, minis[0], ring.slots[0], host_layers, sides.host_planes)
+                assert not isinstance(segs, str), segs    # (static_plan checked the same layout)
+                groups.append(segs)
+                for mini in minis:
+                    if sides.host_is_dst:
+                        kernels.append(bind(sides.device, mini, device_layers, ring_layers, sides.device_planes,
+                                            sides.host_planes))
+                        keeps.append(bind(sides.host, mini, host_layers, ring_layers, sides.host_planes,
+                                          sides.host_planes))
+                    else:
+                        kernels.append(bind(mini, sides.device, ring_layers, device_layers, sides.host_planes,
+                                            sides.device_planes))
+            written = list(sides.host.tensors if sides.host_is_dst else sides.device.tensors)
+            self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots),
+                                            list(sides.host.tensors), groups, staged.chunk_tokens,
+                                            sides.device.geometry.N, _side_stream(choice.device).cuda_stream,
+                                            written)
+        except BaseException:
+            for handle in handles:
+                unpin(handle)
+            raise
+        weakref.finalize(self, lambda hs=tuple(handles): [unpin(h) for h in hs])
+
+
 def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots, dst_slots, num_tokens: int,
                skip_prefix: int, validate: bool) -> None:
-    """Runs a staged transfer (``staged.groups`` set) in stream order on the current stream."""
+    """Runs a staged transfer (``staged.stageable``) in stream order on the current stream."""
     device = choice.device
-    host = dst if staged.host_is_dst else src
-    main = torch.cuda.current_stream(device)
-    staging = _staging_for(host, device, main)
-    side = _side_stream(device)
-    side.wait_stream(main)   # what the caller queued before (the host data, the caches) comes first
-    host_bytes = [_bytes(t) for t in host.tensors]
-    stage_bytes = [_bytes(t) for t in staging.tensors]
-    common = dict(skip_prefix=skip_prefix, num_tokens=num_tokens, max_ctas=choice.max_ctas, validate=validate)
-    planes = dict(src_planes=choice.src_planes, dst_planes=choice.dst_planes)
-    if staged.host_is_dst:
-        # Host rows this transfer leaves alone (tokens whose device slot has no row) are copied into
-        # staging first, so that the copy back writes the host's own bytes there.
-        tokens = torch.arange(num_tokens, device=device)
-        slots = tokens if src_slots is None else src_slots.to(device, torch.int64)
-        keep = torch.where((slots < 0) | (slots >= src.geometry.N), tokens, torch.full_like(tokens, -1))
-        run(host, staging, keep, keep, src_layers=choice.dst_layers, dst_layers=choice.dst_layers,
-                 src_planes=choice.dst_planes, dst_planes=choice.dst_planes, **common)
-        for g in staged.groups:
-            run(src, staging, src_slots, None, src_layers=g.src_layers, dst_layers=g.dst_layers, **planes,
-                     **common)
-            ready = torch.cuda.Event()
-            ready.record(main)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                for tensor, begin, end in g.spans:
-                    host_bytes[tensor][begin:end].copy_(stage_bytes[tensor][begin:end], non_blocking=True)
-    else:
-        for g in staged.groups:
-            with torch.cuda.stream(side):
-                for tensor, begin, end in g.spans:
-                    stage_bytes[tensor][begin:end].copy_(host_bytes[tensor][begin:end], non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(side)
-            main.wait_event(ready)
-            run(staging, dst, None, dst_slots, src_layers=g.src_layers, dst_layers=g.dst_layers, **planes,
-                     **common)
-    for t in staging.tensors:
-        t.record_stream(side)   # the allocator must not reuse staging before the side stream is done
-    main.wait_stream(side)
+    ring = _ring_for(device, torch.cuda.current_stream(device))
+    device_slots = src_slots if staged.host_is_dst else dst_slots
+    if device_slots is not None and device_slots.device != device:
+        device_slots = device_slots.to(device, non_blocking=True)
+    for attempt in range(2):
+        transfer = ring.transfers.get(id(choice))
+        if transfer is None or transfer.choice() is not choice or attempt:
+            transfer = _Transfer(src, dst, choice, staged, ring)
+            if not ring.capturing:
+                ring.transfers[id(choice)] = transfer
+                while len(ring.transfers) > PLANS_PER_RING:
+                    ring.transfers.popitem(last=False)
+        else:
+            ring.transfers.move_to_end(id(choice))
+        if transfer.native.run(device_slots, num_tokens, skip_prefix, choice.max_ctas, validate):
+            return
+    raise RuntimeError("kvlayout: a staged transfer's tensors changed while it was planned")

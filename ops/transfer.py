@@ -77,7 +77,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
         return
     if engine in ("staged", "auto"):
         staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine)
-        if staged.groups is not None:
+        if staged.stageable:
             run_staged(src, dst, staged, c, s_slots, d_slots, T, skip_prefix, validate)
             return
     if engine == "copy":
@@ -96,9 +96,9 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
         staged = StagedPlan("compiled code keeps the copy kernel")
     else:
         staged = staged_plan(src, dst, c, s_slots, d_slots, T, skip_prefix)
-    if engine == "staged" and staged.groups is None:
+    if engine == "staged" and not staged.stageable:
         raise ValueError(f"engine='staged' cannot stage this transfer: {staged.reason}")
-    if engine == "auto" and staged.groups is not None and staged.payload_bytes < _staged.AUTO_MIN_BYTES:
+    if engine == "auto" and staged.stageable and staged.payload_bytes < _staged.AUTO_MIN_BYTES:
         return StagedPlan(f"{staged.payload_bytes} bytes: below {_staged.AUTO_MIN_BYTES} the kernel's direct "
                           "path wins")
     return staged
@@ -117,9 +117,10 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     if engine in ("kernel", "copy"):
         return {"engine": engine, "reason": "asked for"}
     staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine)
-    if staged.groups is not None:
-        return {"engine": "staged", "reason": staged.reason, "groups": len(staged.groups),
-                "payload_bytes": staged.payload_bytes}
+    if staged.stageable:
+        return {"engine": "staged", "reason": staged.reason, "groups": staged.layer_groups,
+                "chunks": staged.chunks(T, skip_prefix), "payload_bytes": staged.payload_bytes,
+                "staging_bytes": _staged.STAGING_BYTES}
     return {"engine": "kernel", "reason": staged.reason}
 
 

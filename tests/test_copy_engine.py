@@ -58,6 +58,8 @@ def test_copy_engine_rejects_bad_slots_before_copying(device):
     before = TC.snapshot(dst.tensors)
     with pytest.raises(IndexError, match=r"dst_slots\[1\] = 16 is out of range"):
         ops.transfer(src, dst, torch.tensor([0, 1]), torch.tensor([3, 16]), engine="copy")
+    with pytest.raises(ValueError, match=r"dst_slots repeats slot 3 \(dst_slots\[0\] and dst_slots\[2\]\)"):
+        ops.transfer(src, dst, torch.tensor([0, 1, 2]), torch.tensor([3, -1, 3], dtype=torch.int32), engine="copy")
     TC.assert_unchanged(dst.tensors, before)
     with pytest.raises(ValueError, match="engine must be one of 'kernel', 'copy', 'staged', 'auto', got 'dma'"):
         ops.transfer(src, dst, torch.tensor([0]), torch.tensor([3]), engine="dma")

@@ -41,47 +41,131 @@ def _bytes(cache):
     return torch.cat([t.reshape(-1).view(torch.uint8).cpu() for t in cache.tensors])
 
 
-@pytest.mark.parametrize("mla", [False, True])
-@pytest.mark.parametrize("skip,layers", [(0, None), (5, None), (0, [2, 0]), (3, [1, 2, 3])])
-def test_host_spans_are_exactly_the_bytes_the_kernel_writes(mla, skip, layers, monkeypatch):
-    monkeypatch.setattr(staged_mod, "GROUP_BYTES", 1)   # one layer per group
-    T = 40
-    src, dst = _device_cache("cpu", mla), _chunk(T, mla)
-    slots = torch.randperm(NB * BS)[:T]
-    before = _bytes(dst)
-    ops.transfer(src, dst, slots, src_layers=layers, dst_layers=layers, skip_prefix=skip)
-    changed = (_bytes(dst) != before).nonzero().flatten()
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s storage from its first element on, as a flat uint8 tensor (a view)."""
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (storage.nbytes() - start,))
+
+
+def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst):
+    """The staged run loop (torch_ext/cuda/staged.cu) step by step on the CPU, from the Python plan: ring slots,
+    mini caches, ring rows, keep rows, chunk order and host byte spans - everything but the streams.
+    Returns the number of chunks."""
     choice = checked_choice(src, dst, layers, layers, None, None, 0, "kernel")
-    groups = staged_mod.host_groups(src, dst, choice, True, T, skip)
-    assert [g.dst_layers for g in groups] == [[layer] for layer in choice.dst_layers]
-    covered = torch.zeros_like(before, dtype=torch.bool)
-    for g in groups:
-        for tensor, begin, end in g.spans:
-            assert tensor == 0 and 0 <= begin < end
-            covered[begin:end] = True
-    # every written byte lies in a span, and a span byte the kernel left equal could only be one
-    # whose new value happened to equal the fill pattern
-    assert covered[changed].all()
-    unchanged_in_spans = covered.sum() - covered[changed].sum()
-    assert unchanged_in_spans <= covered.sum() // 50
+    sides = staged_mod._Sides.of(src, dst, choice, host_is_dst)
+    n_layers, n_tokens = staged_mod.chunk_shape(sides.host, len(sides.host_layers), slot_bytes)
+    ring = [torch.randint(0, 256, (slot_bytes,), dtype=torch.uint8) for _ in range(staged_mod.RING_SLOTS)]
+    minis = [staged_mod.mini_cache(sides.host, n_layers, n_tokens, slot) for slot in ring]
+    T = slots.shape[0]
+    t = torch.arange(T)
+    ring_rows = torch.where(t >= skip, (t - skip) % n_tokens, -1)
+    invalid = (slots < 0) | (slots >= sides.device.geometry.N)
+    keep_host = torch.where((t >= skip) & invalid, t, -1)
+    keep_ring = torch.where((t >= skip) & invalid, ring_rows, -1)
+    host_bytes = [_storage_bytes(x) for x in sides.host.tensors]
+    c = 0
+    for g0 in range(0, len(sides.host_layers), n_layers):
+        host_layers = sides.host_layers[g0:g0 + n_layers]
+        device_layers = sides.device_layers[g0:g0 + n_layers]
+        ring_layers = list(range(len(host_layers)))
+        segments = staged_mod.host_segments(sides.host, minis[0], ring[0], host_layers, sides.host_planes)
+        for t0 in range(skip, T, n_tokens):
+            end = min(t0 + n_tokens, T)
+            r = c % staged_mod.RING_SLOTS
+            spans = [(tensor, h + t0 * row, o, (end - t0) * row) for tensor, h, o, row in segments]
+            if host_is_dst:
+                ops.transfer(sides.host, minis[r], keep_host[:end], keep_ring[:end], src_layers=host_layers,
+                             dst_layers=ring_layers, skip_prefix=t0)
+                ops.transfer(sides.device, minis[r], slots[:end], ring_rows[:end], src_layers=device_layers,
+                             dst_layers=ring_layers, skip_prefix=t0)
+                for tensor, h, o, n in spans:
+                    host_bytes[tensor][h:h + n] = ring[r][o:o + n]
+            else:
+                for tensor, h, o, n in spans:
+                    ring[r][o:o + n] = host_bytes[tensor][h:h + n]
+                ops.transfer(minis[r], sides.device, ring_rows[:end], slots[:end], src_layers=ring_layers,
+                             dst_layers=device_layers, skip_prefix=t0)
+            c += 1
+    return c
 
 
-def test_layers_grouped_by_size_in_order(monkeypatch):
-    src, dst = _device_cache("cpu"), _chunk(32)
-    choice = checked_choice(src, dst, None, None, None, None, 0, "kernel")
-    per_layer = 2 * 32 * H * D * 2   # K and V rows of one layer
-    monkeypatch.setattr(staged_mod, "GROUP_BYTES", 2 * per_layer)
-    groups = staged_mod.host_groups(src, dst, choice, True, 32, 0)
-    assert [g.src_layers for g in groups] == [[0, 1], [2, 3]]
-    # K spans of layers 0 and 1 are adjacent in the chunk [2, L, T, H*D]: merged into one
-    assert groups[0].spans == [(0, 0, 2 * 32 * H * D * 2), (0, L * 32 * H * D * 2, (L + 2) * 32 * H * D * 2)]
+def _pool(mla=False, fill=0x5A5A):
+    """A HiCache layer-first host pool of 64 slots in pages of 16 (more slots than a transfer's tokens)."""
+    shape = (L, 64, 1, 3 * D) if mla else (2, L, 64, H, D)
+    t = torch.full(shape, fill, dtype=torch.int16).view(torch.bfloat16)
+    return ops.bind("hicache_mla_layer_first" if mla else "hicache_layer_first", t, page_size=16)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("host", ["chunk", "pool"])
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("skip,layers", [(0, None), (5, None), (0, [2, 0]), (3, [1, 2, 3])])
+@pytest.mark.parametrize("pages", [1, 5, 400])   # ring slot of one page of one layer / a few pages / everything
+def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, layers, pages):
+    """The plan's chunks, run through ring slots full of garbage, leave exactly the bytes of one direct
+    transfer: every row moved once, the host rows of tokens without a device row kept, nothing else touched."""
+    T = 40
+    slots = _slots_with_holes(T, "cpu")          # tokens without a device row: their host rows stay
+    results = []
+    for staged in (False, True):
+        cache = _device_cache("cpu", mla)
+        chunk = _chunk(T, mla) if host == "chunk" else _pool(mla)
+        if direction == "from_host":
+            ops.transfer(_device_cache("cpu", mla, seed=9), chunk, torch.arange(T), num_tokens=T)
+        src, dst = (cache, chunk) if direction == "to_host" else (chunk, cache)
+        if staged:
+            g = chunk.geometry
+            slot_bytes = -(-pages * g.P * g.BS * chunk.row_width * chunk.itemsize // 256) * 256   # (aligned)
+            chunks = _chunk_loop(src, dst, slots, layers, skip, slot_bytes, direction == "to_host")
+            assert chunks >= (1 if pages == 400 else 2)
+        else:
+            kw = dict(src_layers=layers, dst_layers=layers, skip_prefix=skip)
+            if direction == "to_host":
+                ops.transfer(src, dst, slots, **kw)
+            else:
+                ops.transfer(src, dst, None, slots, **kw)
+        results.append((_bytes(cache), _bytes(chunk)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("layout,shape,page", [
+    ("lmcache_kv_2ltd", (2, L, 40, H * D), None),
+    ("lmcache_kv_mla", (1, L, 40, 3 * D), None),
+    ("hicache_layer_first", (2, L, 64, H, D), 16),
+])
+@pytest.mark.parametrize("slot_kib", [2, 7, 48, 1024])
+def test_chunk_shape_fits_a_ring_slot(layout, shape, page, slot_kib):
+    host = ops.bind(layout, torch.zeros(shape, dtype=torch.bfloat16), page_size=page)
+    slot = torch.empty(slot_kib << 10, dtype=torch.uint8)
+    found = staged_mod.chunk_shape(host, L, slot.numel())
+    per_page = host.geometry.P * host.geometry.BS * host.row_width * 2
+    if per_page > slot.numel():
+        assert found is None
+        return
+    n_layers, n_tokens = found
+    assert 1 <= n_layers <= L and 0 < n_tokens <= host.geometry.N and n_tokens % host.geometry.BS == 0
+    mini = staged_mod.mini_cache(host, n_layers, n_tokens, slot)   # carved inside the slot
+    for t in mini.tensors:
+        assert t.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
+        assert (t.storage_offset() + t.numel()) * t.element_size() <= slot.numel()
+    # nothing bigger fits: one more token page (while the host has more), else one more layer
+    bigger = None
+    if n_tokens < host.geometry.N:
+        bigger = staged_mod._mini_geometry(host, 1, n_tokens + host.geometry.BS)
+    elif n_layers < L:
+        bigger = staged_mod._mini_geometry(host, n_layers + 1, n_tokens)
+    if bigger is not None:
+        assert staged_mod._cache_bytes(host.layout, bigger, 2) > slot.numel()
 
 
 def test_rows_apart_in_the_host_layout_are_not_stageable():
-    src = _device_cache("cpu")
     host = ops.bind("vllm_flash_attn_hnd", [torch.zeros(2, NB, H, BS, D, dtype=torch.bfloat16) for _ in range(L)])
-    choice = checked_choice(src, host, None, None, None, None, 0, "kernel")
-    reason = staged_mod.host_groups(src, host, choice, True, 8, 0)
+    slot = torch.empty(1 << 20, dtype=torch.uint8)
+    n_layers, n_tokens = staged_mod.chunk_shape(host, L, slot.numel())
+    mini = staged_mod.mini_cache(host, n_layers, n_tokens, slot)
+    reason = staged_mod.host_segments(host, mini, slot, [0], [0, 1])
     assert isinstance(reason, str) and "not back to back" in reason
 
 
@@ -114,11 +198,27 @@ def _slots_with_holes(T, device, seed=1):
     return s.to(device)
 
 
+@pytest.fixture
+def ring_bytes(monkeypatch):
+    """Sets the staging ring's size for one test (the rings kept from other sizes are let go)."""
+    def set_size(nbytes):
+        monkeypatch.setattr(staged_mod, "STAGING_BYTES", nbytes)
+        staged_mod.release_staging()
+    yield set_size
+    staged_mod.release_staging()
+
+
+# ring sizes: 2 x 8 KiB (one layer, 16 tokens per chunk), 2 x 64 KiB (two layers, every token), the default
+RINGS = [16 << 10, 128 << 10, None]
+
+
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("skip,layers", [(0, None), (4, [3, 1])])
-def test_staged_equals_kernel(cuda_device, mla, direction, skip, layers, monkeypatch):
-    monkeypatch.setattr(staged_mod, "GROUP_BYTES", 1)   # several groups
+@pytest.mark.parametrize("ring", RINGS)
+def test_staged_equals_kernel(cuda_device, mla, direction, skip, layers, ring, ring_bytes):
+    if ring is not None:
+        ring_bytes(ring)
     T = 48
     slots = _slots_with_holes(T, cuda_device)
     results = []
@@ -139,17 +239,46 @@ def test_staged_equals_kernel(cuda_device, mla, direction, skip, layers, monkeyp
     assert torch.equal(results[0][1], results[1][1])
 
 
-def test_staged_to_host_records_out_of_range_slots_and_keeps_their_rows(cuda_device):
-    T = 24
+@pytest.mark.parametrize("ring", RINGS)
+def test_staged_to_host_records_out_of_range_slots_and_keeps_their_rows(cuda_device, ring, ring_bytes):
+    if ring is not None:
+        ring_bytes(ring)
+    T = 40
     slots = _slots_with_holes(T, cuda_device)
     slots[7] = NB * BS + 5
+    slots[33] = NB * BS + 9           # (in a later token chunk of the smallest ring)
     cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
     before = chunk.tensors[0].clone()
     ops.transfer(cache, chunk, slots, engine="staged")
     with pytest.raises(IndexError, match=r"src_slots\[7\] = 101 is out of range"):
         ops.check_errors(cuda_device)
-    for t in (3, 7, T - 2):   # no source row: the chunk's row stays as it was
+    for t in (3, 7, 33, T - 2):   # no source row: the chunk's row stays as it was
         assert torch.equal(chunk.tensors[0][:, :, t].view(torch.int16), before[:, :, t].view(torch.int16))
+
+
+def test_staging_memory_is_the_ring_however_large_the_payload(cuda_device, ring_bytes):
+    """A transfer 12 times the ring's size allocates the ring and a per-call token table, nothing the size of
+    the payload, and moves every row."""
+    ring_bytes(64 << 10)
+    T = 48
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    payload = chunk.tensors[0].numel() * 2
+    assert payload >= 12 * staged_mod.STAGING_BYTES // 2
+    slots = _slots_with_holes(T, cuda_device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(cuda_device)
+    before = torch.cuda.memory_allocated(cuda_device)
+    for direction in ("to_host", "from_host", "to_host"):
+        if direction == "to_host":
+            ops.transfer(cache, chunk, slots, engine="staged")
+        else:
+            ops.transfer(chunk, cache, None, slots, engine="staged")
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated(cuda_device) - before
+    assert grown <= staged_mod.STAGING_BYTES + (64 << 10), grown    # ring + token tables (3 x T int64)
+    expected = _chunk(T)
+    ops.transfer(_device_cache("cpu"), expected, slots.cpu())
+    assert torch.equal(_bytes(chunk), _bytes(expected))
 
 
 def test_auto_stages_large_payloads(cuda_device, monkeypatch):
@@ -160,6 +289,7 @@ def test_auto_stages_large_payloads(cuda_device, monkeypatch):
     monkeypatch.setattr(staged_mod, "AUTO_MIN_BYTES", 0)
     explained = ops.explain(cache, chunk, slots)
     assert explained["engine"] == "staged" and explained["payload_bytes"] == 2 * L * T * H * D * 2
+    assert explained["chunks"] == 1 and explained["staging_bytes"] == staged_mod.STAGING_BYTES
     ops.transfer(cache, chunk, slots, engine="auto")
     torch.cuda.synchronize()
     expected = _chunk(T)
@@ -167,7 +297,10 @@ def test_auto_stages_large_payloads(cuda_device, monkeypatch):
     assert torch.equal(_bytes(chunk), _bytes(expected))
 
 
-def test_staged_transfer_in_a_cuda_graph(cuda_device):
+@pytest.mark.parametrize("ring", RINGS)
+def test_staged_transfer_in_a_cuda_graph(cuda_device, ring, ring_bytes):
+    if ring is not None:
+        ring_bytes(ring)
     T = 32
     cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
     slots = torch.arange(T, device=cuda_device)
@@ -186,39 +319,56 @@ def test_staged_transfer_in_a_cuda_graph(cuda_device):
 
 
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
-def test_kept_staging_is_reused_per_stream_and_stays_exact(cuda_device, direction, monkeypatch):
-    """Repeated staged calls of one shape on one stream reuse one kept staging cache; each call still moves
-    exactly the kernel's bytes (nothing left over from the previous call); another stream gets its own
-    buffer; release_staging frees them; a graph capture keeps none."""
-    monkeypatch.setattr(staged_mod, "GROUP_BYTES", 1)   # several groups
-    staged_mod.release_staging()
+def test_ring_is_reused_per_stream_and_stays_exact(cuda_device, direction, ring_bytes):
+    """Repeated staged calls on one stream reuse one ring (one planned transfer per choice); each call still
+    moves exactly the kernel's bytes (nothing left over from the previous call); another stream gets its own
+    ring; re-set host tensors are planned again; release_staging frees the rings; a graph capture keeps
+    none."""
+    ring_bytes(16 << 10)        # several chunks per call
     T = 40
+
+    def call(cache, chunk, slots, engine):
+        if direction == "to_host":
+            ops.transfer(cache, chunk, slots, engine=engine)
+        else:
+            ops.transfer(chunk, cache, None, slots, engine=engine)
 
     def run(seed, engine, stream):
         cache = _device_cache(cuda_device, seed=seed)
         chunk = _chunk(T, pin=True, fill=seed)
-        slots = _slots_with_holes(T, cuda_device, seed=seed)
-        with torch.cuda.stream(stream):
-            if direction == "to_host":
-                ops.transfer(cache, chunk, slots, engine=engine)
-            else:   # a host chunk of other bytes each call: a stale staging buffer would show
-                ops.transfer(_chunk(T, pin=True, fill=seed + 1), cache, None, slots, engine=engine)
+        with torch.cuda.stream(stream):   # (from host: a chunk of other bytes each call, so a stale ring shows)
+            call(cache, chunk, _slots_with_holes(T, cuda_device, seed=seed), engine)
         torch.cuda.synchronize()
         return _bytes(cache), _bytes(chunk)
 
     main = torch.cuda.current_stream(cuda_device)
     for seed in (1, 2, 3):
         assert all(torch.equal(a, b) for a, b in zip(run(seed, "kernel", main), run(seed, "staged", main)))
-    assert len(staged_mod._KEPT) == 1                    # one buffer for three calls of one shape
-    kept = next(iter(staged_mod._KEPT.values()))
+    assert len(staged_mod._RINGS) == 1                    # one ring for three calls
+    kept = next(iter(staged_mod._RINGS.values()))
+    # the same caches again: the planned transfer is reused; a host tensor re-set to other memory is planned
+    # again (the plan's bindings hold the old addresses) and the call lands in the new memory
+    cache, chunk = _device_cache(cuda_device, seed=5), _chunk(T, pin=True, fill=5)
+    slots = _slots_with_holes(T, cuda_device, seed=5)
+    call(cache, chunk, slots, "staged")
+    call(cache, chunk, slots, "staged")
+    planned = len(kept.transfers)
+    chunk.tensors[0].set_(_chunk(T, pin=True, fill=6).tensors[0])
+    call(cache, chunk, slots, "staged")
+    torch.cuda.synchronize()
+    assert len(kept.transfers) == planned
+    expected_cache, expected_chunk = _device_cache(cuda_device, seed=5), _chunk(T, pin=True, fill=6)
+    call(expected_cache, expected_chunk, slots, "kernel")
+    torch.cuda.synchronize()
+    assert torch.equal(_bytes(cache), _bytes(expected_cache)) and torch.equal(_bytes(chunk), _bytes(expected_chunk))
     other = torch.cuda.Stream(cuda_device)
     assert all(torch.equal(a, b) for a, b in zip(run(4, "kernel", other), run(4, "staged", other)))
-    assert len(staged_mod._KEPT) == 2 and kept in staged_mod._KEPT.values()
+    assert len(staged_mod._RINGS) == 2 and kept in staged_mod._RINGS.values()
     staged_mod.release_staging()
-    assert not staged_mod._KEPT
+    assert not staged_mod._RINGS
     cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
     slots = torch.arange(T, device=cuda_device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.graph(graph):
         ops.transfer(cache, chunk, slots, engine="staged")
-    assert not staged_mod._KEPT
+    assert not staged_mod._RINGS

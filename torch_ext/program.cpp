@@ -1,4 +1,5 @@
 #include "program.h"
+#include "staged.h"
 
 #include "slots.h"
 
@@ -38,13 +39,16 @@ Registry& registry() {
   return r;
 }
 
-std::array<BoundLaunchFactory, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
-factories() {
-  static std::array<BoundLaunchFactory,
-                    static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+// One entry per device type, filled by the backends as they load.
+template <class Factory>
+std::array<Factory, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
+per_device_type() {
+  static std::array<Factory, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
       all{};
   return all;
 }
+
+auto& factories() { return per_device_type<BoundLaunchFactory>(); }
 
 int64_t mul(int64_t a, int64_t b, const char* what) {
   int64_t r = 0;
@@ -276,6 +280,14 @@ CopyPlan resolve_launch(const LaunchSpec& launch, const CopyProgram& program, at
 
 void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory factory) {
   factories()[static_cast<size_t>(type)] = factory;
+}
+
+void register_staged_factory(c10::DeviceType type, StagedFactory factory) {
+  per_device_type<StagedFactory>()[static_cast<size_t>(type)] = factory;
+}
+
+StagedFactory staged_factory(c10::DeviceType type) {
+  return per_device_type<StagedFactory>()[static_cast<size_t>(type)];
 }
 
 BoundProgram::Fingerprint BoundProgram::fingerprint(const at::Tensor& t) {

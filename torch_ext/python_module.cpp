@@ -24,6 +24,7 @@
 #include "kvlayout/status.h"
 #include "program.h"
 #include "slots.h"
+#include "staged.h"
 
 namespace py = pybind11;
 
@@ -225,6 +226,9 @@ class PreparedCopy {
 
   int64_t num_steps() const { return bound_->num_steps(); }
   std::string device() const { return device_.str(); }
+  const std::shared_ptr<const BoundProgram>& bound() const { return bound_; }
+  const std::vector<at::Tensor>& src() const { return src_; }
+  const std::vector<at::Tensor>& dst() const { return dst_; }
 
  private:
   // None, or a 1-D int32/int64 tensor on the launch device or the host (into `out`).
@@ -273,6 +277,69 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
             RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate});
   return true;
 }
+
+// A staged host transfer (staged.h) built from bound programs: Python plans
+// it once per transfer shape; each call is this one C++ call.
+class StagedTransfer {
+ public:
+  StagedTransfer(bool host_is_dst, const std::vector<PreparedCopy*>& kernels,
+                 const std::vector<PreparedCopy*>& keeps, std::vector<at::Tensor> ring_slots,
+                 std::vector<at::Tensor> host_tensors,
+                 const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>& groups,
+                 int64_t tokens_per_chunk, int64_t device_num_slots, int64_t side_stream,
+                 std::vector<at::Tensor> written) {
+    TORCH_CHECK_VALUE(!ring_slots.empty() && !kernels.empty() && tokens_per_chunk > 0 &&
+                          kernels.size() == groups.size() * ring_slots.size() &&
+                          (keeps.empty() || keeps.size() == kernels.size()),
+                      "kvlayout: inconsistent staged transfer plan");
+    StagedSetup setup;
+    setup.host_is_dst = host_is_dst;
+    for (const PreparedCopy* k : kernels) setup.kernels.push_back(k->bound());
+    for (const PreparedCopy* k : keeps) setup.keeps.push_back(k->bound());
+    for (const auto& group : groups) {
+      setup.groups.emplace_back();
+      for (const auto& [tensor, host_offset, ring_offset, row_bytes] : group)
+        setup.groups.back().push_back(StagedSegment{tensor, host_offset, ring_offset, row_bytes});
+    }
+    setup.ring_slots = std::move(ring_slots);
+    setup.host_tensors = std::move(host_tensors);
+    setup.tokens_per_chunk = tokens_per_chunk;
+    setup.device_num_slots = device_num_slots;
+    setup.device = setup.ring_slots.front().device();
+    setup.side_stream = side_stream;
+    const StagedFactory factory = staged_factory(setup.device.type());
+    TORCH_CHECK_VALUE(factory != nullptr, "kvlayout: no staged engine for ", setup.device,
+                      " in this build");
+    for (const auto* list : {&kernels, &keeps})
+      for (const PreparedCopy* p : *list) bindings_.push_back(Binding{p->bound(), p->src(), p->dst()});
+    written_ = std::move(written);
+    engine_ = factory(std::move(setup));
+  }
+
+  // False (nothing done) when a bound tensor was resized, re-set or freed
+  // since the plan was made: the caller plans again.
+  bool run(std::optional<at::Tensor> device_slots, int64_t num_tokens, int64_t skip_prefix,
+           int64_t max_ctas, bool validate) const {
+    for (const Binding& b : bindings_)
+      if (!b.bound->still_bound(0, b.src, b.dst)) return false;
+    for (size_t j = 0; j < written_.size(); ++j) check_writable(written_[j], "kvlayout", "dst", j);
+    if (device_slots.has_value() && device_slots->defined() && !device_slots->is_contiguous())
+      device_slots = device_slots->contiguous();
+    engine_->run(StagedArgs{std::move(device_slots), num_tokens, skip_prefix, max_ctas, validate});
+    for (const at::Tensor& t : written_)
+      if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+    return true;
+  }
+
+ private:
+  struct Binding {  // a program run by the engine and the tensors it was bound to
+    std::shared_ptr<const BoundProgram> bound;
+    std::vector<at::Tensor> src, dst;
+  };
+  std::vector<Binding> bindings_;
+  std::vector<at::Tensor> written_;
+  std::unique_ptr<StagedEngine> engine_;
+};
 
 }  // namespace
 }  // namespace kvlayout
@@ -332,6 +399,24 @@ PYBIND11_MODULE(_C, m) {
         py::arg("status"), py::arg("src_positions") = -1, py::arg("dst_positions") = -1,
         "A PreparedCopy of a program bound to these tensors (checked now), or None when they "
         "need the dispatcher (meta/fake tensors, subclasses, dispatch modes).");
+  py::class_<StagedTransfer>(
+      m, "StagedTransfer",
+      "A staged host transfer (engine='staged'): the copy kernel between the device cache and a "
+      "bounded staging ring, the copy engine between the ring and a pinned host chunk.")
+      .def(py::init<bool, const std::vector<PreparedCopy*>&, const std::vector<PreparedCopy*>&,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>&,
+                    int64_t, int64_t, int64_t, std::vector<at::Tensor>>(),
+           py::arg("host_is_dst"), py::arg("kernels"), py::arg("keeps"), py::arg("ring_slots"),
+           py::arg("host_tensors"), py::arg("groups"), py::arg("tokens_per_chunk"),
+           py::arg("device_num_slots"), py::arg("side_stream"), py::arg("written"),
+           "kernels/keeps: PreparedCopy per (group, ring slot); groups: "
+           "per layer group, (host tensor, host byte offset, ring byte offset, row bytes) per "
+           "segment.")
+      .def("run", &StagedTransfer::run, py::arg("device_slots"), py::arg("num_tokens"),
+           py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("validate"),
+           "Issues the transfer on the current stream; False (nothing done) when a bound tensor "
+           "changed since the plan was made.");
   m.def("early_load_launches", &early_load_launches,
         "How many copy launches this process made whose loads could start before the previous "
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "

@@ -95,21 +95,6 @@ SlotArray index_array(const at::Tensor& x, int64_t length, const char* name,
   __builtin_unreachable();
 }
 
-void check_slots_in_range_on_host(const CopyPlan& p) {
-  if (p.empty()) return;
-  const bool src_identity = p.src_slots.identity != 0;
-  const bool dst_identity = p.dst_slots.identity != 0;
-  for (int64_t t = p.skip_prefix; t < p.num_tokens; ++t) {
-    const int64_t s = p.src_slots.load(t);
-    const int64_t d = p.dst_slots.load(t);
-    if (s < 0 || d < 0) continue;
-    if (s >= p.src_geom.num_slots)
-      raise_slot_out_of_range("src_slots", src_identity, t, s, p.src_geom.num_slots);
-    if (d >= p.dst_geom.num_slots)
-      raise_slot_out_of_range("dst_slots", dst_identity, t, d, p.dst_geom.num_slots);
-  }
-}
-
 namespace {
 
 // How a slot array is read: no tensor, or int32 / int64 elements. The read

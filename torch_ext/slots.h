@@ -28,12 +28,6 @@ SlotArray slot_array(const std::optional<at::Tensor>& t, int64_t length, const c
 SlotArray index_array(const at::Tensor& t, int64_t length, const char* name,
                       const char* length_name);
 
-// Reads the slot tensors on the host (they must be host-readable) and raises
-// IndexError naming the argument, token, value and bound for the first token
-// whose slot is >= the side's slot count. Negative slots are fine. A walk
-// that reads the slots again (for_each_block) checks what it reads itself.
-void check_slots_in_range_on_host(const CopyPlan& plan);
-
 // Slot values read once on the host into memory of the op's own: the values
 // that are checked are the values that are used, whatever happens to the
 // slot tensors meanwhile (another thread, or a slot tensor that aliases a

@@ -1,7 +1,8 @@
 // CUDA implementation of kvlayout::copy_runs: copy_rows done by the copy
 // engine instead of SMs.
 //
-// The host reads the slots (CPU tensors), checks them, coalesces consecutive
+// The host reads the slots (CPU tensors) once, checks them (range, repeated
+// destination slots), coalesces consecutive
 // tokens whose rows are adjacent on both sides (slots.h for_each_block),
 // merges copies that continue each other on both sides, and issues the copies
 // in stream order on the current stream:
@@ -154,7 +155,11 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
   const c10::Device dev = *cuda_dev;
   const c10::cuda::CUDAGuard guard(dev);
   if (plan.empty()) return;
-  check_slots_in_range_on_host(plan);
+  // each slot read once: range and repeated destinations checked on those
+  // copies, and the copies are what the runs are built from
+  CopyPlan checked = plan;
+  HostSlots copies_of_slots;
+  read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(
@@ -172,7 +177,7 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
                   plan.dst_offset[g];
   }
   CopyList copies;
-  for_each_block(plan, plan.skip_prefix, plan.num_tokens,
+  for_each_block(checked, checked.skip_prefix, checked.num_tokens,
                  [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
                    copies.add(dst_base[g] + dof, src_base[g] + so, static_cast<size_t>(bytes));
                  });

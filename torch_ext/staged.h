@@ -1,0 +1,82 @@
+// The staged host transfer's run loop (engine="staged"; planned by
+// kvlayout/ops/staged.py): a transfer between a device cache and a pinned
+// host chunk that moves the rows with the copy kernel inside device memory,
+// through a bounded staging ring, and crosses PCIe with the copy engine.
+//
+// The ring has R slots; each holds a "mini" cache of the host's layout with
+// at most `tokens_per_chunk` slots and one layer group's layers. A transfer
+// of T tokens is cut into chunks (layer group g, tokens [t0, t0 + n)),
+// n <= tokens_per_chunk, chunk c using ring slot c % R, so the kernel of one
+// chunk runs while the copy engine moves another:
+//
+//   device -> host: [keep kernel: host rows of tokens without a device row
+//                    -> ring] -> copy kernel: device -> ring (main stream)
+//                    -> copy engine: ring -> host (side stream)
+//   host -> device: copy engine: host -> ring (side stream)
+//                    -> copy kernel: ring -> device (main stream)
+//
+// Token t's ring row is (t - skip_prefix) % tokens_per_chunk; the host row of
+// token t is t. Every row still moves through the copy kernel, so slots,
+// skip_prefix and recorded out-of-range slots behave as the kernel engine's.
+// Streams are ordered with events; no host synchronisation, so a staged
+// transfer can be captured in a CUDA graph.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "program.h"
+
+namespace kvlayout {
+
+// One (layer, plane, row part) segment of a layer group: slot 0's row in the
+// host tensor and in a ring slot (the same offset in every ring slot), rows
+// of `row_bytes` back to back on both sides.
+struct StagedSegment {
+  int64_t host_tensor = 0;
+  int64_t host_offset = 0;  // bytes from the host tensor's data pointer
+  int64_t ring_offset = 0;  // bytes from the ring slot's start
+  int64_t row_bytes = 0;
+};
+
+struct StagedSetup {
+  bool host_is_dst = false;
+  // Per (group, ring slot), index group * ring_slots.size() + slot: the copy
+  // kernel between the device cache and the slot's mini cache (step 0), and
+  // (device -> host only) the keep kernel from the host chunk into it.
+  std::vector<std::shared_ptr<const BoundProgram>> kernels, keeps;
+  std::vector<at::Tensor> ring_slots;            // device memory, one per ring slot
+  std::vector<at::Tensor> host_tensors;          // the host chunk's tensors (pinned)
+  std::vector<std::vector<StagedSegment>> groups;  // per layer group
+  int64_t tokens_per_chunk = 1;
+  int64_t device_num_slots = 0;  // the device cache's slot count (slots >= it are out of range)
+  c10::Device device{c10::kCPU};
+  int64_t side_stream = 0;       // the backend's stream handle for the copy engine's work
+};
+
+struct StagedArgs {
+  std::optional<at::Tensor> device_slots;  // None: token t's device slot is t
+  int64_t num_tokens = 0;
+  int64_t skip_prefix = 0;
+  int64_t max_ctas = 0;
+  bool validate = false;
+};
+
+class StagedEngine {
+ public:
+  virtual ~StagedEngine() = default;
+  // Issues the transfer in stream order on the current stream.
+  virtual void run(const StagedArgs& args) = 0;
+};
+
+using StagedFactory = std::unique_ptr<StagedEngine> (*)(StagedSetup setup);
+// Backends with a copy engine register their factory at load time.
+void register_staged_factory(c10::DeviceType type, StagedFactory factory);
+// nullptr where the build has no staged engine for `type`.
+StagedFactory staged_factory(c10::DeviceType type);
+
+}  // namespace kvlayout
