@@ -321,7 +321,7 @@ class _Transfer:
                 ring_layers = list(range(len(host_layers)))
                 segs = host_segments(sides.host, minis[0], ring.slots[0], host_layers, sides.host_planes)
                 assert not isinstance(segs, str), segs    # (static_plan checked the same layout)
-                groups.append(segs)
+                groups.append(sorted(segs))    # in host memory order: adjacent spans merge into one copy
                 for mini in minis:
                     if sides.host_is_dst:
                         kernels.append(bind(sides.device, mini, device_layers, ring_layers, sides.device_planes,

@@ -10,6 +10,8 @@ capture.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -249,8 +251,11 @@ def test_staged_to_host_records_out_of_range_slots_and_keeps_their_rows(cuda_dev
     slots[33] = NB * BS + 9           # (in a later token chunk of the smallest ring)
     cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
     before = chunk.tensors[0].clone()
+    with contextlib.suppress(IndexError):   # (nothing left over from earlier tests)
+        ops.check_errors(cuda_device)
     ops.transfer(cache, chunk, slots, engine="staged")
-    with pytest.raises(IndexError, match=r"src_slots\[7\] = 101 is out of range"):
+    # each bad token counted once, whatever the number of layer groups and token chunks
+    with pytest.raises(IndexError, match=r"src_slots\[(7\] = 101|33\] = 105) is out of range.*\(1 more out-of-range"):
         ops.check_errors(cuda_device)
     for t in (3, 7, 33, T - 2):   # no source row: the chunk's row stays as it was
         assert torch.equal(chunk.tensors[0][:, :, t].view(torch.int16), before[:, :, t].view(torch.int16))
@@ -259,7 +264,7 @@ def test_staged_to_host_records_out_of_range_slots_and_keeps_their_rows(cuda_dev
 def test_staging_memory_is_the_ring_however_large_the_payload(cuda_device, ring_bytes):
     """A transfer 12 times the ring's size allocates the ring and a per-call token table, nothing the size of
     the payload, and moves every row."""
-    ring_bytes(64 << 10)
+    ring_bytes(16 << 10)
     T = 48
     cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
     payload = chunk.tensors[0].numel() * 2

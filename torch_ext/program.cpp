@@ -411,7 +411,7 @@ void BoundProgram::run(int64_t step, const RunArgs& args) const {
   if (args.skip_prefix >= args.num_tokens) return;
   const Step& s = steps_[static_cast<size_t>(step)];
   check_run_size(args.num_tokens, s.bytes_per_token);
-  RecordedBefore before;
+  RecordedBefore before = args.record_errors ? RecordedBefore{} : RecordedBefore::everything();
   for (size_t i = 0; i < s.plans.size(); ++i) {
     if (s.plans[i].num_segments == 0) continue;
     s.launches[i]->run(s.plans[i], src_slots, dst_slots, args, before);

@@ -118,6 +118,10 @@ struct RunArgs {
   // load before the kvlayout launches before it end (see LaunchOrder in
   // cuda/cuda_common.h).
   bool early_loads = false;
+  // Device backends: record out-of-range slots in the status word. A caller
+  // that runs the same tokens' slots again (the staged engine's later layer
+  // groups) turns it off, so that each bad token is counted once.
+  bool record_errors = true;
 };
 
 // How a dependent launch may start before the previous kernel of its stream
@@ -149,6 +153,8 @@ inline CopyPlan plan_for_run(const CopyPlan& plan, const SlotArray& src_slots,
 struct RecordedBefore {
   int64_t src_from = INT64_MAX;
   int64_t dst_from = INT64_MAX;
+  // As if every out-of-range slot had been recorded already (a run that records nothing).
+  static RecordedBefore everything() { return RecordedBefore{0, 0}; }
   // This launch's slot counts join the earlier ones.
   void add(const CopyPlan& plan) {
     src_from = std::min(src_from, plan.src_geom.num_slots);

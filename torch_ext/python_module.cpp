@@ -302,6 +302,8 @@ class StagedTransfer {
         setup.groups.back().push_back(StagedSegment{tensor, host_offset, ring_offset, row_bytes});
     }
     setup.ring_slots = std::move(ring_slots);
+    for (const at::Tensor& t : host_tensors) host_views_.push_back(view_of(t));
+    host_ = host_tensors;
     setup.host_tensors = std::move(host_tensors);
     setup.tokens_per_chunk = tokens_per_chunk;
     setup.device_num_slots = device_num_slots;
@@ -322,6 +324,8 @@ class StagedTransfer {
            int64_t max_ctas, bool validate) const {
     for (const Binding& b : bindings_)
       if (!b.bound->still_bound(0, b.src, b.dst)) return false;
+    for (size_t i = 0; i < host_.size(); ++i)  // (the copy engine's side: no program binds it from host)
+      if (view_of(host_[i]) != host_views_[i]) return false;
     for (size_t j = 0; j < written_.size(); ++j) check_writable(written_[j], "kvlayout", "dst", j);
     if (device_slots.has_value() && device_slots->defined() && !device_slots->is_contiguous())
       device_slots = device_slots->contiguous();
@@ -332,6 +336,13 @@ class StagedTransfer {
   }
 
  private:
+  // Where a host tensor's bytes are: address, storage size, sizes and strides.
+  using View = std::tuple<const void*, size_t, std::vector<int64_t>, std::vector<int64_t>>;
+  static View view_of(const at::Tensor& t) {
+    return {t.data_ptr(), t.storage().nbytes(), t.sizes().vec(), t.strides().vec()};
+  }
+  std::vector<at::Tensor> host_;
+  std::vector<View> host_views_;
   struct Binding {  // a program run by the engine and the tensors it was bound to
     std::shared_ptr<const BoundProgram> bound;
     std::vector<at::Tensor> src, dst;

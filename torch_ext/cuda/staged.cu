@@ -102,12 +102,18 @@ class CudaStaged final : public StagedEngine {
         const cudaEvent_t filled = events_[2 + r], drained = events_[2 + R + r];
         const BoundProgram& kernel = *s_.kernels[g * R + r];
         const at::Tensor ring_rows = rows[0].narrow(0, 0, end);
+        // every layer group reads the same slots: only the first records bad ones (each once)
+        const auto run = [&](const BoundProgram& p, std::optional<at::Tensor> src_slots,
+                             std::optional<at::Tensor> dst_slots, bool validate) {
+          RunArgs args{std::move(src_slots), std::move(dst_slots), end, t0, a.max_ctas, validate};
+          args.record_errors = g == 0;
+          p.run(0, args);
+        };
         if (s_.host_is_dst) {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(main, drained, 0));  // its copy out is done
           if (keep)
-            s_.keeps[g * R + r]->run(0, RunArgs{rows[1].narrow(0, 0, end), rows[2].narrow(0, 0, end),
-                                                end, t0, a.max_ctas, false});
-          kernel.run(0, RunArgs{prefix(a.device_slots, end), ring_rows, end, t0, a.max_ctas, a.validate});
+            run(*s_.keeps[g * R + r], rows[1].narrow(0, 0, end), rows[2].narrow(0, 0, end), false);
+          run(kernel, prefix(a.device_slots, end), ring_rows, a.validate);
           join(filled, main, side);
           copy(g, r, t0, end - t0, /*to_host=*/true, side);
           C10_CUDA_CHECK(cudaEventRecord(drained, side));
@@ -115,7 +121,7 @@ class CudaStaged final : public StagedEngine {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(side, drained, 0));  // its kernel is done
           copy(g, r, t0, end - t0, /*to_host=*/false, side);
           join(filled, side, main);
-          kernel.run(0, RunArgs{ring_rows, prefix(a.device_slots, end), end, t0, a.max_ctas, a.validate});
+          run(kernel, ring_rows, prefix(a.device_slots, end), a.validate);
           C10_CUDA_CHECK(cudaEventRecord(drained, main));
         }
       }
