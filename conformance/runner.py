@@ -45,7 +45,7 @@ DEFAULT_EXAMPLES = EXAMPLE_PRESETS["default"]
 DEFAULT_OUT = os.path.join("results", "conformance")
 """Where the reports go unless ``--out`` names another folder (git-ignored; relative to the working folder)."""
 
-SANITIZE_FAMILIES = "bad_input,fuzz_index,hostile,transfer"
+SANITIZE_FAMILIES = "bad_input,fuzz_index,hostile,transfer,staged"
 SANITIZE_SCOPE = ("runs the families " + ", ".join(SANITIZE_FAMILIES.split(",")[:-1]) + " and "
                   + SANITIZE_FAMILIES.split(",")[-1] + " once more on CUDA, under compute-sanitizer memcheck, "
                   "with --sanitize-examples cases each (with --only, those of them it selects)")

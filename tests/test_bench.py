@@ -149,7 +149,7 @@ def test_a_cpu_run_is_compared_with_no_peer():
     assert not any(k.startswith(("peer", "vs_peer", "x_peer")) for k in doc["results"][0])
 
 
-@pytest.mark.parametrize("stem", ["h200", "h200_headline", "h200_layerwise", "h200_host"])
+@pytest.mark.parametrize("stem", ["h200", "h200_headline", "h200_layerwise"])
 def test_committed_records_render_with_the_current_peers(tmp_path, stem, capsys):
     doc = document(str(RESULTS / f"{stem}.jsonl"))
     write_reports(doc, str(tmp_path), stem)
@@ -157,8 +157,7 @@ def test_committed_records_render_with_the_current_peers(tmp_path, stem, capsys)
     assert "end to end vs best peer idle" in md
     rows = json.loads((tmp_path / f"{stem}.json").read_text())["results"]
     assert not any("vs_peer" in r for r in rows)         # the stale single comparison is gone
-    if stem != "h200_host":                             # (layer-wise peers were timed one way only)
-        assert any("vs_peer_kernel" in r for r in rows)
+    assert any("vs_peer_kernel" in r for r in rows)
     if stem in ("h200", "h200_headline"):
         assert any("vs_peer_end_to_end" in r for r in rows)
 

@@ -49,8 +49,8 @@ def _row(rows: list[dict], call: str, key_text: str) -> dict | None:
 
 def host_cost_table() -> str:
     """Host time of a call with nothing to move, against one torch op and one bare launch measured beside it in
-    the same run (`bench/results/h200_host.jsonl`, `bench/results/cpu.jsonl`)."""
-    _, gpu, _ = _jsonl(BENCH / "h200_host.jsonl")
+    the same run (the `host_cost` rows of `bench/results/h200.jsonl`, `bench/results/cpu.jsonl`)."""
+    _, gpu, _ = _jsonl(BENCH / "h200.jsonl")
     _, cpu, _ = _jsonl(BENCH / "cpu.jsonl")
     lines = ["| call, nothing to move | H200: host µs | × one torch op | × one bare launch "
              "| CPU (2 cores): host µs | × one torch op |", "|---|--:|--:|--:|--:|--:|"]
@@ -148,7 +148,7 @@ def test_readme_main_job_figures_are_the_cpu_record():
 
 
 def test_readme_limits_notes_name_every_flagged_limit():
-    for stem in ("h200", "h200_host", "cpu"):
+    for stem in ("h200", "cpu"):
         assert fold(limits_note(stem)) in fold(_readme()), stem
 
 
@@ -156,7 +156,7 @@ def test_readme_has_no_figure_without_a_source():
     """With the rendered parts and the code blocks taken out, no number with a unit is left in the README."""
     text = fold(re.sub(r"```.*?```", " ", _readme(), flags=re.S))
     parts = [headline_table(), host_cost_table(), main_job_sentence()] + [limits_note(s) for s in
-                                                                          ("h200", "h200_host", "cpu")]
+                                                                          ("h200", "cpu")]
     for part in parts + method_figures():
         text = text.replace(fold(part), " ")
     assert not FIGURE.findall(text), FIGURE.findall(text)
