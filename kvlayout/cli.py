@@ -18,6 +18,7 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, one-line help shown by `kvlayout --help`)
@@ -48,6 +49,14 @@ class UsageError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, never breaking a line inside a hyphenated word (tool names such as
+    compute-sanitizer, options such as --sanitize-examples stay whole when copied from the help)."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -91,7 +100,7 @@ def _parser(selected: str | None) -> ArgumentParser:
                             "the spec, the ops, their conformance.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == selected:
             importlib.import_module(module).add_arguments(p)
     return parser
