@@ -334,8 +334,8 @@ class _Transfer:
             written = list(sides.host.tensors if sides.host_is_dst else sides.device.tensors)
             self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots),
                                             list(sides.host.tensors), groups, staged.chunk_tokens,
-                                            sides.device.geometry.N, _side_stream(choice.device).cuda_stream,
-                                            written)
+                                            sides.device.geometry.N, sides.host.geometry.N,
+                                            _side_stream(choice.device).cuda_stream, written)
         except BaseException:
             for handle in handles:
                 unpin(handle)

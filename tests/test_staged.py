@@ -377,3 +377,36 @@ def test_ring_is_reused_per_stream_and_stays_exact(cuda_device, direction, ring_
     with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.graph(graph):
         ops.transfer(cache, chunk, slots, engine="staged")
     assert not staged_mod._RINGS
+
+
+def test_native_staged_transfer_refuses_copies_outside_its_tensors():
+    """The native run loop checks, once, that every copy it can issue lies inside its tensors: a segment's host
+    rows of every host slot inside its host tensor, its ring rows of a whole chunk inside every ring slot."""
+    from kvlayout import _C
+    from kvlayout.ops import _native
+    from kvlayout.ops.programs import program_handle, program_key, unpin
+
+    src, chunk = _device_cache("cpu"), _chunk(8)
+    handle = program_handle(program_key(src, chunk, [0], [0], [0, 1], [0, 1]), pin=True)
+    try:
+        kernel = _C.bind_program(handle, list(src.tensors), list(chunk.tensors), _native.status_tensor("cpu"))
+        slot = torch.zeros(1024, dtype=torch.uint8)
+        row = H * D * 2
+        host_bytes = chunk.tensors[0].numel() * 2
+
+        def make(segments, tokens_per_chunk=4):
+            return _C.StagedTransfer(True, [kernel], [], [slot], list(chunk.tensors), [segments], tokens_per_chunk,
+                                     NB * BS, 8, 0, [])
+
+        with pytest.raises(ValueError, match="host rows lie outside host tensor 0"):
+            make([(0, host_bytes - row, 0, row)])          # slots 1..7 of that segment would pass the end
+        with pytest.raises(ValueError, match="rows lie outside a ring slot"):
+            make([(0, 0, 512, row)])                         # 4 rows from byte 512 of a 1 KiB slot
+        with pytest.raises(ValueError, match="rows lie outside a ring slot"):
+            make([(0, 0, 0, row)], tokens_per_chunk=5)
+        with pytest.raises(IndexError, match="names host tensor 3 of 1"):
+            make([(3, 0, 0, row)])
+        with pytest.raises(ValueError, match="no staged engine for cpu"):   # (a valid plan: CUDA builds only)
+            make([(0, 0, 0, row), (0, host_bytes - 8 * row, 0, row)])
+    finally:
+        unpin(handle)

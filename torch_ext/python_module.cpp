@@ -286,12 +286,37 @@ class StagedTransfer {
                  const std::vector<PreparedCopy*>& keeps, std::vector<at::Tensor> ring_slots,
                  std::vector<at::Tensor> host_tensors,
                  const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>& groups,
-                 int64_t tokens_per_chunk, int64_t device_num_slots, int64_t side_stream,
-                 std::vector<at::Tensor> written) {
+                 int64_t tokens_per_chunk, int64_t device_num_slots, int64_t host_num_slots,
+                 int64_t side_stream, std::vector<at::Tensor> written)
+      : host_num_slots_(host_num_slots), device_(ring_slots.empty() ? c10::Device(c10::kCPU)
+                                                                    : ring_slots.front().device()) {
     TORCH_CHECK_VALUE(!ring_slots.empty() && !kernels.empty() && tokens_per_chunk > 0 &&
-                          kernels.size() == groups.size() * ring_slots.size() &&
+                          host_num_slots > 0 && kernels.size() == groups.size() * ring_slots.size() &&
                           (keeps.empty() || keeps.size() == kernels.size()),
                       "kvlayout: inconsistent staged transfer plan");
+    // Every copy the engine can issue stays inside its tensors: a segment's
+    // rows of host slots [0, host_num_slots) inside its host tensor, and its
+    // rows of ring rows [0, tokens_per_chunk) inside every ring slot.
+    for (const at::Tensor& slot : ring_slots)
+      TORCH_CHECK_VALUE(slot.device() == device_ && slot.scalar_type() == at::kByte && slot.dim() == 1 &&
+                            slot.is_contiguous(),
+                        "kvlayout: ring_slots must be contiguous uint8 tensors on one device");
+    for (const auto& group : groups) {
+      for (const auto& [tensor, host_offset, ring_offset, row_bytes] : group) {
+        TORCH_CHECK_INDEX(tensor >= 0 && tensor < static_cast<int64_t>(host_tensors.size()),
+                          "kvlayout: staged segment names host tensor ", tensor, " of ",
+                          host_tensors.size());
+        const at::Tensor& host = host_tensors[static_cast<size_t>(tensor)];
+        const int64_t host_bytes = static_cast<int64_t>(host.storage().nbytes()) -
+                                   host.storage_offset() * static_cast<int64_t>(host.element_size());
+        TORCH_CHECK_VALUE(row_bytes > 0 && host_offset >= 0 && ring_offset >= 0 &&
+                              host_offset + host_num_slots * row_bytes <= host_bytes,
+                          "kvlayout: a staged segment's host rows lie outside host tensor ", tensor);
+        for (const at::Tensor& slot : ring_slots)
+          TORCH_CHECK_VALUE(ring_offset + tokens_per_chunk * row_bytes <= slot.numel(),
+                            "kvlayout: a staged segment's rows lie outside a ring slot");
+      }
+    }
     StagedSetup setup;
     setup.host_is_dst = host_is_dst;
     for (const PreparedCopy* k : kernels) setup.kernels.push_back(k->bound());
@@ -327,8 +352,20 @@ class StagedTransfer {
     for (size_t i = 0; i < host_.size(); ++i)  // (the copy engine's side: no program binds it from host)
       if (view_of(host_[i]) != host_views_[i]) return false;
     for (size_t j = 0; j < written_.size(); ++j) check_writable(written_[j], "kvlayout", "dst", j);
-    if (device_slots.has_value() && device_slots->defined() && !device_slots->is_contiguous())
-      device_slots = device_slots->contiguous();
+    TORCH_CHECK_VALUE(num_tokens >= 0 && num_tokens <= host_num_slots_, "kvlayout: num_tokens = ",
+                      num_tokens, " must lie in [0, ", host_num_slots_, "] (the host cache's slots)");
+    TORCH_CHECK_VALUE(skip_prefix >= 0 && skip_prefix <= num_tokens, "kvlayout: skip_prefix = ",
+                      skip_prefix, " must lie in [0, num_tokens = ", num_tokens, "]");
+    if (device_slots.has_value() && device_slots->defined()) {
+      const at::Tensor& d = *device_slots;
+      TORCH_CHECK_VALUE(d.dim() == 1 && d.size(0) == num_tokens &&
+                            (d.scalar_type() == at::kInt || d.scalar_type() == at::kLong) &&
+                            d.device() == device_,
+                        "kvlayout: the device side's slots must be a 1-D int32/int64 tensor of ",
+                        num_tokens, " entries on ", device_, ", got ", d.sizes(), " ",
+                        d.scalar_type(), " on ", d.device());
+      if (!d.is_contiguous()) device_slots = d.contiguous();
+    }
     engine_->run(StagedArgs{std::move(device_slots), num_tokens, skip_prefix, max_ctas, validate});
     for (const at::Tensor& t : written_)
       if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
@@ -341,6 +378,8 @@ class StagedTransfer {
   static View view_of(const at::Tensor& t) {
     return {t.data_ptr(), t.storage().nbytes(), t.sizes().vec(), t.strides().vec()};
   }
+  int64_t host_num_slots_;
+  c10::Device device_;
   std::vector<at::Tensor> host_;
   std::vector<View> host_views_;
   struct Binding {  // a program run by the engine and the tensors it was bound to
@@ -417,10 +456,11 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<bool, const std::vector<PreparedCopy*>&, const std::vector<PreparedCopy*>&,
                     std::vector<at::Tensor>, std::vector<at::Tensor>,
                     const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>&,
-                    int64_t, int64_t, int64_t, std::vector<at::Tensor>>(),
+                    int64_t, int64_t, int64_t, int64_t, std::vector<at::Tensor>>(),
            py::arg("host_is_dst"), py::arg("kernels"), py::arg("keeps"), py::arg("ring_slots"),
            py::arg("host_tensors"), py::arg("groups"), py::arg("tokens_per_chunk"),
-           py::arg("device_num_slots"), py::arg("side_stream"), py::arg("written"),
+           py::arg("device_num_slots"), py::arg("host_num_slots"), py::arg("side_stream"),
+           py::arg("written"),
            "kernels/keeps: PreparedCopy per (group, ring slot); groups: "
            "per layer group, (host tensor, host byte offset, ring byte offset, row bytes) per "
            "segment.")
