@@ -248,7 +248,7 @@ class CheckedChoice:
     status: torch.Tensor | None = None
     bound: object = None
     kernel_calls: int = 0
-    staged_plan: object = None      # what engine="staged" found about this choice (ops.staged.static_plan)
+    staged_plan: tuple | None = None   # (ring size, what engine="staged" found: ops.staged.static_plan)
 
 
 def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,

@@ -235,9 +235,10 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,
                 skip_prefix: int) -> StagedPlan:
     """The staged plan of one call (``stageable`` False with the reason where it cannot be staged)."""
-    static = choice.staged_plan
-    if static is None:
-        static = choice.staged_plan = static_plan(src, dst, choice)
+    kept = choice.staged_plan
+    if kept is None or kept[0] != STAGING_BYTES:
+        kept = choice.staged_plan = (STAGING_BYTES, static_plan(src, dst, choice))
+    static = kept[1]
     if not static.stageable:
         return static
     side = "dst" if static.host_is_dst else "src"
@@ -300,7 +301,17 @@ class _Transfer:
     and the native run loop."""
 
     def __init__(self, src: KVCache, dst: KVCache, choice, staged: StagedPlan, ring: _Ring):
-        self.choice = weakref.ref(choice)
+        # the plan holds the caches' tensors (its bindings): it leaves the ring as soon as the choice or either
+        # cache object is gone, so a ring never keeps freed caches' memory alive
+        key, ring_ref, me = id(choice), weakref.ref(ring), weakref.ref(self)
+
+        def forget(_):
+            r, t = ring_ref(), me()
+            if r is not None and t is not None and r.transfers.get(key) is t:
+                del r.transfers[key]
+
+        self._watches = [weakref.ref(o, forget) for o in (choice, src, dst)]
+        self.choice = self._watches[0]
         sides = _Sides.of(src, dst, choice, staged.host_is_dst)
         status = _native.status_tensor(choice.device)
         minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]

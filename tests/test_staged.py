@@ -410,3 +410,26 @@ def test_native_staged_transfer_refuses_copies_outside_its_tensors():
             make([(0, 0, 0, row), (0, host_bytes - 8 * row, 0, row)])
     finally:
         unpin(handle)
+
+
+def test_planned_transfers_let_go_of_freed_caches(cuda_device, ring_bytes):
+    """A ring keeps the transfers planned on it (their bindings hold the caches' tensors) only while both cache
+    objects live: once either is gone its plan leaves the ring and the tensors' memory is freed."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ring_bytes(16 << 10)
+    T = 40
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    slots = _slots_with_holes(T, cuda_device)
+    ops.transfer(cache, chunk, slots, engine="staged")
+    ops.transfer(chunk, cache, None, slots, engine="staged")
+    torch.cuda.synchronize()
+    (ring,) = staged_mod._RINGS.values()
+    assert len(ring.transfers) == 2
+    refs = [StorageWeakRef(t.untyped_storage()) for t in (*cache.tensors, *chunk.tensors)]
+    del cache, chunk
+    gc.collect()
+    assert not ring.transfers
+    assert all(r.expired() for r in refs)
