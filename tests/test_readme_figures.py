@@ -13,7 +13,8 @@ import json
 import pathlib
 import re
 
-from kvlayout.bench.run import read_jsonl
+from kvlayout.bench.report import compared_with_peers, peer_standing
+from kvlayout.bench.run import document, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "results"
@@ -143,6 +144,15 @@ def test_readme_host_cost_table_is_the_host_cost_records():
     assert fold(host_cost_table()) in fold(_readme())
 
 
+def peer_sentence() -> str:
+    """The README's standing against the peers, per timing, from the H200 record compared afresh."""
+    return peer_standing(compared_with_peers(document(str(BENCH / "h200.jsonl"))))
+
+
+def test_readme_peer_standing_is_the_h200_record():
+    assert fold(peer_sentence()) in fold(_readme())
+
+
 def test_readme_main_job_figures_are_the_cpu_record():
     assert fold(main_job_sentence()) in fold(_readme())
 
@@ -155,7 +165,7 @@ def test_readme_limits_notes_name_every_flagged_limit():
 def test_readme_has_no_figure_without_a_source():
     """With the rendered parts and the code blocks taken out, no number with a unit is left in the README."""
     text = fold(re.sub(r"```.*?```", " ", _readme(), flags=re.S))
-    parts = [headline_table(), host_cost_table(), main_job_sentence()] + [limits_note(s) for s in
+    parts = [headline_table(), host_cost_table(), main_job_sentence(), peer_sentence()] + [limits_note(s) for s in
                                                                           ("h200", "cpu")]
     for part in parts + method_figures():
         text = text.replace(fold(part), " ")
