@@ -373,10 +373,14 @@ class StagedTransfer {
   }
 
  private:
-  // Where a host tensor's bytes are: address, storage size, sizes and strides.
-  using View = std::tuple<const void*, size_t, std::vector<int64_t>, std::vector<int64_t>>;
+  // Where a host tensor's bytes are: its storage's memory and size, its
+  // offset, sizes and strides (read without data_ptr()'s checks, so a tensor
+  // whose storage was freed compares unequal instead of raising).
+  using View = std::tuple<const void*, size_t, int64_t, std::vector<int64_t>, std::vector<int64_t>>;
   static View view_of(const at::Tensor& t) {
-    return {t.data_ptr(), t.storage().nbytes(), t.sizes().vec(), t.strides().vec()};
+    const c10::StorageImpl* storage = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+    return {storage != nullptr ? storage->data() : nullptr, storage != nullptr ? storage->nbytes() : 0,
+            t.storage_offset(), t.sizes().vec(), t.strides().vec()};
   }
   int64_t host_num_slots_;
   c10::Device device_;
