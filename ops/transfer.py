@@ -47,8 +47,9 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     threads (one SM each).  ``engine``:
     ``"kernel"`` (the copy kernel), ``"copy"`` (the copy engine, slots on the
     host), ``"staged"`` (between a CUDA cache and a pinned host chunk: the
-    kernel works in a device copy of the chunk and the copy engine crosses
-    PCIe, see :mod:`kvlayout.ops.staged`; ValueError where it cannot) or
+    kernel works in a bounded staging ring in device memory and the copy
+    engine crosses PCIe, see :mod:`kvlayout.ops.staged`; ValueError where it
+    cannot) or
     ``"auto"`` (staged where it can and the payload is large, else the
     kernel; :func:`explain` says which and why).  The plan is made once per
     choice and kept in C++ as a copy program; calling

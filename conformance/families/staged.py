@@ -23,10 +23,15 @@ import torch
 from hypothesis import strategies as st
 
 from kvlayout import ops
+from kvlayout.ops import staged as staged_mod
 
 from .. import strategies as S
 from .core import OpFamily, assert_same, expect_raises, flat, slots, sync
 from .transfer import OnTransferCase, expected_transfer, layout_pairs, op_kwargs, transfer_cases
+
+RING_BYTES = (0, 0, 4096, 16384)
+"""Staging ring sizes the samples draw: the default, and rings small enough that a sample's rows are cut into
+several chunks (layer groups and token ranges) or, for wide rows, that one row does not fit (a refusal)."""
 
 CHUNKS = ("lmcache_kv_2ltd", "lmcache_kv_mla")
 """Host chunk layouts whose rows lie back to back in token order (what staging copies as spans)."""
@@ -39,12 +44,26 @@ class StagedSample(OnTransferCase):
     case: S.TransferCase
     host_side: str = "dst"          # "src": a load into the device cache; "dst": a store into the chunk
     engine: str = "staged"          # or "auto" (staged from 64 MiB on: these samples take the kernel)
+    ring_bytes: int = 0             # the staging ring's size (0: the default); small rings cut chunks
     family = "staged"
 
     def describe(self) -> str:
-        return f"{self.engine} {self.case.describe()} (host {self.host_side})"
+        ring = f", ring {self.ring_bytes} B" if self.ring_bytes else ""
+        return f"{self.engine} {self.case.describe()} (host {self.host_side}{ring})"
 
     def run(self, device: str) -> None:
+        if not self.ring_bytes:
+            self._run(device)
+            return
+        default = staged_mod.STAGING_BYTES
+        staged_mod.STAGING_BYTES = self.ring_bytes
+        try:
+            self._run(device)
+        finally:
+            staged_mod.STAGING_BYTES = default
+            staged_mod.release_staging()
+
+    def _run(self, device: str) -> None:
         c = self.case
         src_np, dst_np = c.caches()
         src, dst = self.bound(device, src_np, dst_np, pinned=self.host_side)
@@ -88,7 +107,8 @@ def _host_positions(case: S.TransferCase, host_side: str) -> bool:
 def staged_samples(draw, device: str, group: str | None = None):
     pair, host_side = draw(st.sampled_from(_pairs(group)))
     case = draw(transfer_cases(pair).filter(lambda c: _host_positions(c, host_side)))
-    return StagedSample(case, host_side, draw(st.sampled_from(("staged", "staged", "auto"))))
+    return StagedSample(case, host_side, draw(st.sampled_from(("staged", "staged", "auto"))),
+                        draw(st.sampled_from(RING_BYTES)))
 
 
 STAGED = OpFamily("staged", "ops.transfer with engine='staged'/'auto' between a device cache and a host chunk",
