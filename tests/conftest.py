@@ -15,7 +15,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -49,6 +53,29 @@ def cuda_device() -> str:
     if "cuda" not in devices:
         pytest.skip("no CUDA device")
     return "cuda"
+
+
+@pytest.fixture(scope="session")
+def walk_lib(tmp_path_factory):
+    """The device kernel's walk (torch_ext/include/kvlayout/copy_rows_kernel.h) compiled for the host
+    (tests/native/walk_emulator.cpp), once per session; skipped without a host C++ compiler."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("walk") / "walk_emulator.so"
+    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{root / 'torch_ext' / 'include'}",
+                    str(root / "tests" / "native" / "walk_emulator.cpp"), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.kvl_emulate_walk.argtypes = [p, p, p, i64, p, i64, i32, i64, i64, i64, p, p, p, p,
+                                     i64, i64, i32, i32, i64, p]
+    lib.kvl_emulate_walk.restype = ctypes.c_int
+    lib.kvl_fast_divmod.argtypes = [i64, i64, i64, p, p]
+    lib.kvl_wait_counts.argtypes = [p]
+    lib.kvl_set_recording.argtypes = [i32, i64, i64]
+    lib.kvl_max_walk_count.restype = ctypes.c_int64
+    return lib
 
 
 def pytest_report_header(config):

@@ -8,8 +8,6 @@ Each test fails without the check it covers (the copy would be done, wrongly or 
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -158,24 +156,6 @@ def test_the_row_limit_is_the_walks_count_limit(walk_lib):
 # ---------------------------------------------------------------------------------------
 # bad slots counted once per program step (device backends record, the CPU raises)
 # ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def walk_lib(tmp_path_factory):
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler")
-    out = tmp_path_factory.mktemp("walk2") / "walk_emulator.so"
-    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'torch_ext' / 'include'}",
-                    str(ROOT / "tests" / "native" / "walk_emulator.cpp"), "-o", str(out)], check=True)
-    lib = ctypes.CDLL(str(out))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.kvl_emulate_walk.argtypes = [p, p, p, i64, p, i64, i32, i64, i64, i64, p, p, p, p,
-                                     i64, i64, i32, i32, i64, p]
-    lib.kvl_emulate_walk.restype = ctypes.c_int
-    lib.kvl_set_recording.argtypes = [i32, i64, i64]
-    lib.kvl_max_walk_count.restype = ctypes.c_int64
-    return lib
-
 
 RECORD_NONE, RECORD_ALL, RECORD_NEW = 0, 1, 2
 INT64_MAX = 2 ** 63 - 1

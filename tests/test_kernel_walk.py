@@ -1,9 +1,9 @@
 """The device kernel's work walk (torch_ext/include/kvlayout/copy_rows_kernel.h),
 run on the host.
 
-Every GPU backend (CUDA, SYCL) moves rows with `copy_rows_walk`; this file
-compiles that header with the host compiler into a small library
-(tests/native/walk_emulator.cpp) that runs every thread of a launch one after
+Every GPU backend (CUDA, SYCL) moves rows with `copy_rows_walk`; the
+`walk_lib` fixture (conftest.py) compiles that header with the host compiler
+into a small library (tests/native/walk_emulator.cpp) that runs every thread of a launch one after
 the other, and checks the bytes it writes against the address formula of
 address.h computed here in numpy, for random geometries: pages, pieces laid
 out inside or outside the slots, negative and out-of-range slots, int32 and
@@ -13,35 +13,11 @@ variants, grids of many sizes. It also checks the precomputed division.
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-HEADER_DIR = ROOT / "torch_ext" / "include"
-SOURCE = ROOT / "tests" / "native" / "walk_emulator.cpp"
 DEVICE_UNROLL, HOST_UNROLL = 4, 16  # kDeviceUnroll, kHostUnroll
-
-
-@pytest.fixture(scope="module")
-def walk_lib(tmp_path_factory):
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler")
-    out = tmp_path_factory.mktemp("walk") / "walk_emulator.so"
-    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{HEADER_DIR}",
-                    str(SOURCE), "-o", str(out)], check=True)
-    lib = ctypes.CDLL(str(out))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.kvl_emulate_walk.argtypes = [p, p, p, i64, p, i64, i32, i64, i64, i64, p, p, p, p,
-                                     i64, i64, i32, i32, i64, p]
-    lib.kvl_emulate_walk.restype = ctypes.c_int
-    lib.kvl_fast_divmod.argtypes = [i64, i64, i64, p, p]
-    lib.kvl_wait_counts.argtypes = [p]
-    return lib
 
 
 def _ptr(a: np.ndarray | None):
