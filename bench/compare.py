@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     old = measured_rows(args.old)
     news = [measured_rows(p) for p in args.new]
     lines, compared = compare(old, news, args.tolerance)
-    print(*lines, sep="\n") if lines else None
+    for line in lines:
+        print(line)
     print(f"{compared} rows in both; {len(lines)} figure(s) slower than {args.old} by more than "
           f"{args.tolerance:.0%} in every new run")
     return 1 if lines else 0

@@ -92,7 +92,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
                     engine: str) -> StagedPlan:
     """The staged plan of ``engine="staged"`` (ValueError naming why it cannot be staged) or ``"auto"``
-    (``groups`` None where the kernel is the better choice)."""
+    (not ``stageable`` where the kernel is the better choice)."""
     if torch.compiler.is_compiling():
         staged = StagedPlan("compiled code keeps the copy kernel")
     else:

@@ -290,7 +290,7 @@ StagedFactory staged_factory(c10::DeviceType type) {
   return per_device_type<StagedFactory>()[static_cast<size_t>(type)];
 }
 
-BoundProgram::Fingerprint BoundProgram::fingerprint(const at::Tensor& t) {
+TensorFingerprint TensorFingerprint::of(const at::Tensor& t) {
   if (!t.defined()) return {};
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();  // (no reference count)
@@ -319,8 +319,8 @@ BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList ds
   const BoundLaunchFactory factory = factories()[static_cast<size_t>(device.type())];
   TORCH_CHECK_VALUE(factory != nullptr, "kvlayout: copy programs cannot run on ", device,
               " in this build (backends: see kvlayout.ops.built_backends())");
-  for (const at::Tensor& t : src) src_prints_.push_back(fingerprint(t));
-  for (const at::Tensor& t : dst) dst_prints_.push_back(fingerprint(t));
+  for (const at::Tensor& t : src) src_prints_.push_back(TensorFingerprint::of(t));
+  for (const at::Tensor& t : dst) dst_prints_.push_back(TensorFingerprint::of(t));
   std::vector<char> used(dst.size(), 0);
   steps_.resize(program.steps.size());
   for (size_t k = 0; k < program.steps.size(); ++k) {
@@ -363,13 +363,13 @@ void BoundProgram::check_still_bound(int64_t step, at::TensorList src, at::Tenso
   check_step(step, src.size(), dst.size(), who);
   const Step& s = steps_[static_cast<size_t>(step)];
   for (int64_t i : s.read) {
-    TORCH_CHECK(fingerprint(src[i]) == src_prints_[i], who, ": source tensor ", i,
+    TORCH_CHECK(TensorFingerprint::of(src[i]) == src_prints_[i], who, ": source tensor ", i,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
                 "moved or changed size, or its sizes or strides changed); prepare the transfer "
                 "again");
   }
   for (int64_t j : s.written) {
-    TORCH_CHECK(fingerprint(dst[j]) == dst_prints_[j], who, ": destination tensor ", j,
+    TORCH_CHECK(TensorFingerprint::of(dst[j]) == dst_prints_[j], who, ": destination tensor ", j,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
                 "moved or changed size, or its sizes or strides changed); prepare the transfer "
                 "again");
@@ -380,9 +380,9 @@ bool BoundProgram::still_bound(int64_t step, at::TensorList src, at::TensorList 
   if (src.size() != src_prints_.size() || dst.size() != dst_prints_.size()) return false;
   const Step& s = steps_[static_cast<size_t>(step)];
   for (int64_t i : s.read)
-    if (!(fingerprint(src[i]) == src_prints_[i])) return false;
+    if (TensorFingerprint::of(src[i]) != src_prints_[i]) return false;
   for (int64_t j : s.written)
-    if (!(fingerprint(dst[j]) == dst_prints_[j])) return false;
+    if (TensorFingerprint::of(dst[j]) != dst_prints_[j]) return false;
   return true;
 }
 

@@ -192,6 +192,24 @@ using BoundLaunchFactory = std::unique_ptr<BoundLaunch> (*)(const CopyPlan& plan
 // Backends register their factory at load time (one per device type).
 void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory factory);
 
+// Where a tensor's data is: its storage, the storage's memory and size, the
+// tensor's offset into it and its view (read without the checks of
+// data_ptr(): this runs for every bound tensor on every call, and a tensor
+// whose storage was freed compares unequal instead of raising).
+struct TensorFingerprint {
+  const void* storage = nullptr;
+  const void* memory = nullptr;
+  int64_t nbytes = 0;
+  int64_t offset = 0;
+  uint64_t view = 0;  // hash of the tensor's dimension count, sizes and strides
+  bool operator==(const TensorFingerprint& o) const {
+    return storage == o.storage && memory == o.memory && nbytes == o.nbytes &&
+           offset == o.offset && view == o.view;
+  }
+  bool operator!=(const TensorFingerprint& o) const { return !(*this == o); }
+  static TensorFingerprint of(const at::Tensor& t);
+};
+
 // A program bound to tensors: resolved and checked once, then run per call.
 class BoundProgram {
  public:
@@ -234,28 +252,13 @@ class BoundProgram {
     std::vector<int64_t> read;     // src tensor indices this step reads
     int64_t bytes_per_token = 0;
   };
-  // Where a tensor's data is: its storage, the storage's memory and size, and
-  // the tensor's offset into it (read without the checks of data_ptr(): this
-  // runs for every bound tensor on every call).
-  struct Fingerprint {
-    const void* storage = nullptr;
-    const void* memory = nullptr;
-    int64_t nbytes = 0;
-    int64_t offset = 0;
-    uint64_t view = 0;  // hash of the tensor's dimension count, sizes and strides
-    bool operator==(const Fingerprint& o) const {
-      return storage == o.storage && memory == o.memory && nbytes == o.nbytes &&
-             offset == o.offset && view == o.view;
-    }
-  };
-  static Fingerprint fingerprint(const at::Tensor& t);
   // check_program_call with this binding's tensor counts.
   void check_step(int64_t step, size_t num_src, size_t num_dst, const char* who) const;
 
   int64_t handle_;
   c10::Device device_;
   std::vector<Step> steps_;
-  std::vector<Fingerprint> src_prints_, dst_prints_;
+  std::vector<TensorFingerprint> src_prints_, dst_prints_;
   size_t num_src_ = 0, num_dst_ = 0;  // the program's tensor counts
   WrittenRanges written_ranges_;  // dst tensors, for the per-call slot overlap check
 };

@@ -327,7 +327,7 @@ class StagedTransfer {
         setup.groups.back().push_back(StagedSegment{tensor, host_offset, ring_offset, row_bytes});
     }
     setup.ring_slots = std::move(ring_slots);
-    for (const at::Tensor& t : host_tensors) host_views_.push_back(view_of(t));
+    for (const at::Tensor& t : host_tensors) host_prints_.push_back(TensorFingerprint::of(t));
     host_ = host_tensors;
     setup.host_tensors = std::move(host_tensors);
     setup.tokens_per_chunk = tokens_per_chunk;
@@ -350,7 +350,7 @@ class StagedTransfer {
     for (const Binding& b : bindings_)
       if (!b.bound->still_bound(0, b.src, b.dst)) return false;
     for (size_t i = 0; i < host_.size(); ++i)  // (the copy engine's side: no program binds it from host)
-      if (view_of(host_[i]) != host_views_[i]) return false;
+      if (TensorFingerprint::of(host_[i]) != host_prints_[i]) return false;
     for (size_t j = 0; j < written_.size(); ++j) check_writable(written_[j], "kvlayout", "dst", j);
     TORCH_CHECK_VALUE(num_tokens >= 0 && num_tokens <= host_num_slots_, "kvlayout: num_tokens = ",
                       num_tokens, " must lie in [0, ", host_num_slots_, "] (the host cache's slots)");
@@ -373,19 +373,10 @@ class StagedTransfer {
   }
 
  private:
-  // Where a host tensor's bytes are: its storage's memory and size, its
-  // offset, sizes and strides (read without data_ptr()'s checks, so a tensor
-  // whose storage was freed compares unequal instead of raising).
-  using View = std::tuple<const void*, size_t, int64_t, std::vector<int64_t>, std::vector<int64_t>>;
-  static View view_of(const at::Tensor& t) {
-    const c10::StorageImpl* storage = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-    return {storage != nullptr ? storage->data() : nullptr, storage != nullptr ? storage->nbytes() : 0,
-            t.storage_offset(), t.sizes().vec(), t.strides().vec()};
-  }
   int64_t host_num_slots_;
   c10::Device device_;
   std::vector<at::Tensor> host_;
-  std::vector<View> host_views_;
+  std::vector<TensorFingerprint> host_prints_;
   struct Binding {  // a program run by the engine and the tensors it was bound to
     std::shared_ptr<const BoundProgram> bound;
     std::vector<at::Tensor> src, dst;
