@@ -5,7 +5,9 @@
 Rows are matched by case key.  Each run is judged against its own limits
 (``pct_of_limit``: end to end; ``kernel_gbps / limit_gbps``: kernel only),
 so two runs on machines, or at times, whose copy bandwidth differs compare
-fairly.  With several NEW runs a row counts as slower only when every one of
+fairly.  Runs made on one machine in one sitting (``scripts/ab_record.sh``)
+compare their rates directly (``--same-machine``): the small copies that
+set the limits of small rows are noisier than the rows themselves.  With several NEW runs a row counts as slower only when every one of
 them is below OLD by more than the tolerance (the best of the new runs is
 compared; one slow run of a ~10 µs kernel is run-to-run spread).  Prints one
 line per slower row and a summary; exits 1 when a row is slower.
@@ -19,9 +21,15 @@ import sys
 from .run import document
 
 
-def _fractions(row: dict) -> dict:
-    """The row's figures as fractions of its run's limit: {"end to end": f, "kernel only": f}."""
+def _fractions(row: dict, same_machine: bool = False) -> dict:
+    """The row's figures as fractions of its run's limit, or (``same_machine``) its rates in GB/s:
+    {"end to end": f, "kernel only": f}."""
     out = {}
+    if same_machine:
+        for timing, field in (("end to end", "gbps"), ("kernel only", "kernel_gbps")):
+            if row.get(field):
+                out[timing] = row[field]
+        return out
     if row.get("pct_of_limit") is not None:
         out["end to end"] = row["pct_of_limit"] / 100
     if row.get("kernel_gbps") and row.get("limit_gbps"):
@@ -34,21 +42,24 @@ def measured_rows(path: str) -> dict:
     return {r["key"]: r for r in document(path)["results"] if _fractions(r)}
 
 
-def compare(old: dict, news: list[dict], tolerance: float) -> tuple[list[str], int]:
+def compare(old: dict, news: list[dict], tolerance: float,
+            same_machine: bool = False) -> tuple[list[str], int]:
     """Lines for the rows slower in every new run than in ``old`` by more than ``tolerance``; rows compared."""
     lines, compared = [], 0
+    unit = " GB/s" if same_machine else "% of limit"
+    scale = 1 if same_machine else 100
     for key, old_row in old.items():
         if not all(key in new for new in news):
             continue
         compared += 1
-        for timing, before in _fractions(old_row).items():
-            afters = [_fractions(new[key]).get(timing) for new in news]
+        for timing, before in _fractions(old_row, same_machine).items():
+            afters = [_fractions(new[key], same_machine).get(timing) for new in news]
             if None in afters or before <= 0:
                 continue
             best = max(afters)
             if best < before * (1 - tolerance):
-                runs = " ".join(f"{a * 100:.1f}" for a in afters)
-                lines.append(f"{key} [{timing}]: {before * 100:.1f}% of limit before, now {runs} "
+                runs = " ".join(f"{a * scale:.1f}" for a in afters)
+                lines.append(f"{key} [{timing}]: {before * scale:.1f}{unit} before, now {runs} "
                              f"({best / before:.2f}x)")
     return lines, compared
 
@@ -60,10 +71,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="a row is slower when below the old run's fraction of its limit by more than this "
                              "share (default 0.03)")
+    parser.add_argument("--same-machine", action="store_true",
+                        help="the runs were made on one machine in one sitting: compare rates, not shares of "
+                             "each run's limits")
     args = parser.parse_args(argv)
     old = measured_rows(args.old)
     news = [measured_rows(p) for p in args.new]
-    lines, compared = compare(old, news, args.tolerance)
+    lines, compared = compare(old, news, args.tolerance, args.same_machine)
     for line in lines:
         print(line)
     print(f"{compared} rows in both; {len(lines)} figure(s) slower than {args.old} by more than "

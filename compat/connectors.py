@@ -1130,6 +1130,9 @@ class VLLMBufferLayerwiseGPUConnector(_LayerwiseConnector):
         new_positions = torch.arange(base, end_all, dtype=torch.int64, device=dev)
         old_positions = torch.zeros(n, dtype=torch.int64, device=dev)
         compute, load = self._buffers(self.dtype or self.kvcaches[0].dtype, n)
+        # The load stream writes the buffers and old_positions, made (zeroed) on the caller's stream just now
+        # or last call; from layer 1 on, each stage 2 synchronizes the device before the buffers swap.
+        wait_stream(self.load_stream, self._current())
         self.buffer_mapping.clear()
         for step in range(self.num_layers + 2):
             if step > 1:                                     # stage 3: flush layer step - 2

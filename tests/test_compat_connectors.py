@@ -216,6 +216,8 @@ def test_buffer_layerwise_cacheblend(device, is_neox):
     fresh = zeros_like(kv)
     for t in fresh:
         t.fill_(7.0)                                                                # gap slots must be overwritten
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)   # the caller's stream busy: what it enqueues next (the zeroed buffers) runs late
     load = conn.batched_to_gpu(starts, ends, slot_mapping=slots, kvcaches=fresh)
     next(load)
     yields, edited = 1, {}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Benchmarks an older tree and this one on the same machine, alternately, and
+# lists the rows the newer one is slower on. Two records from different days
+# differ by more than a few per cent on small rows (the machine's own copy
+# limits move by up to 40 %), so a regression is judged only from such runs.
+#
+#   scripts/ab_record.sh OLD OUTDIR [ROUNDS] [ONLY]
+#
+# OLD     a git revision (archived with `git archive`) or a .tar.gz of a tree
+# OUTDIR  gets old-tree/ (the older tree, built in place), old_N/ and new_N/
+#         (`kvlayout bench --out` of round N) and compare.txt
+# ROUNDS  rounds of (old, new), default 2
+# ONLY    the bench's --only selection, default "T=256"
+#
+# This tree must be built already (scripts/cuda_record.sh OUT build). The
+# older tree runs from a package folder that maps its directories as
+# pyproject.toml's package-dir does, put first on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+old=${1:?usage: ab_record.sh OLD OUTDIR [ROUNDS] [ONLY]}
+out=${2:?usage: ab_record.sh OLD OUTDIR [ROUNDS] [ONLY]}
+rounds=${3:-2}
+only=${4:-T=256}
+py=${PYTHON:-python3}
+export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
+mkdir -p "$out/old-tree"
+out=$(cd "$out" && pwd)
+tree="$out/old-tree"
+
+if [ -f "$old" ]; then
+    tar xzf "$old" -C "$tree"
+else
+    git archive "$old" | tar x -C "$tree" || { echo "ab_record.sh: cannot archive $old" >&2; exit 2; }
+fi
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+(cd "$tree" && $py setup.py build_ext --inplace -j "$(nproc)") > "$out/old_build.txt" 2>&1 \
+    || { echo "ab_record.sh: the older tree does not build (see $out/old_build.txt)" >&2; exit 1; }
+
+# The older tree's package: kvlayout/ with its subpackages linked in.
+pkg="$out/old-package/kvlayout"
+mkdir -p "$pkg"
+for f in "$tree"/kvlayout/*; do ln -sfn "$f" "$pkg/"; done
+for pair in reference:reference ops:ops conformance:conformance compat:compat bench:bench dist:distributed; do
+    [ -d "$tree/${pair#*:}" ] && ln -sfn "$tree/${pair#*:}" "$pkg/${pair%%:*}"
+done
+
+for n in $(seq 1 "$rounds"); do
+    (cd /tmp && PYTHONPATH="$out/old-package" $py -m kvlayout bench --device cuda --only "$only" \
+        --out "$out/old_$n") > "$out/old_$n.txt" 2>&1
+    $py -m kvlayout bench --device cuda --only "$only" --out "$out/new_$n" > "$out/new_$n.txt" 2>&1
+    echo "round $n done"
+done
+stem=$(basename "$(ls "$out"/new_1/*.jsonl | head -1)" .jsonl)
+{
+    for n in $(seq 1 "$rounds"); do
+        echo "# old_$n against every new run"
+        $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out"/new_*/"$stem.jsonl"
+    done
+} | tee "$out/compare.txt"
