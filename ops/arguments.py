@@ -201,8 +201,8 @@ def repeated_call_key(dst: KVCache, src_layers, dst_layers):
     """The memo key of the two calls an engine repeats in its step loop, or None for any other call.
 
     All layers (``id(dst)``), or one layer on each side given as one-int lists
-    (``(id(dst), src_layer, dst_layer)``), with planes, CTA budget and engine
-    left at their defaults.  :func:`~kvlayout.ops.transfer` reads the memo
+    (``(id(dst), src_layer, dst_layer)``), with planes and CTA budget left at
+    their defaults and the engine ``"auto"`` (the default) or ``"kernel"``.  :func:`~kvlayout.ops.transfer` reads the memo
     with this key before any other work, so it must stay this cheap.
     """
     if src_layers is None and dst_layers is None:
@@ -260,8 +260,8 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
     very destination object it was made for.
     """
     if (src_planes is None and dst_planes is None and max_ctas == 0 and type(max_ctas) is int
-            and engine == "kernel"):
-        key = repeated_call_key(dst, src_layers, dst_layers)
+            and engine in ("auto", "kernel")):
+        key = repeated_call_key(dst, src_layers, dst_layers)   # one choice for both: auto mostly runs the kernel
     else:
         key = None
     if key is None:

@@ -54,7 +54,14 @@ from .views import KVCache
 
 STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
 RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the copy engine
-AUTO_MIN_BYTES = 64 << 20   # engine="auto" stages payloads from this size on (below, the direct kernel wins)
+# engine="auto" (the default) stages an unbudgeted transfer (max_ctas = 0) from these payloads on, per
+# direction; below them, and under an SM budget, the direct kernel. From the H200 record
+# (bench/results/h200.jsonl, the staged group against the headline rows): from the host, staging was faster
+# from 64 MiB on (1.03-1.07x) and slower at 32 MiB and below (0.76-0.96x); to the host it was 0.98x at 64 MiB
+# (H1, T = 4096) and faster from 144 MiB on (1.02-1.08x). Under a budget of 4 SMs it was faster from the
+# host (1.33-1.43x) but slower to the host for rows under 2 KiB (0.84x, 0.95x), and budgets other than 4 were
+# not measured staged, so auto leaves budgeted calls to the kernel (ask for engine="staged" to stage them).
+AUTO_MIN_BYTES = {"from_host": 64 << 20, "to_host": 128 << 20}
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
 _ALIGN = 256                # bytes: every mini-cache tensor starts at a multiple
@@ -230,6 +237,23 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     return StagedPlan(f"{groups} group(s) of up to {layers} layer(s), chunks of up to {tokens} tokens through a "
                       f"{STAGING_BYTES}-byte staging ring; copy engine for the host side",
                       layers, tokens, groups, side == "dst", per_token)
+
+
+def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
+    """The rule of ``engine="auto"`` for a stageable transfer (see :data:`AUTO_MIN_BYTES`)."""
+    return max_ctas == 0 and payload_bytes >= AUTO_MIN_BYTES["to_host" if host_is_dst else "from_host"]
+
+
+def auto_declines(plan: StagedPlan, max_ctas: int) -> str | None:
+    """Why ``engine="auto"`` runs a stageable transfer (``plan``, with its payload) on the kernel; ``None``: it
+    stages it."""
+    if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas):
+        return None
+    if max_ctas:
+        return f"max_ctas = {max_ctas}: under an SM budget auto keeps the kernel (engine='staged' stages it)"
+    direction = "to_host" if plan.host_is_dst else "from_host"
+    return (f"{plan.payload_bytes} bytes {direction.replace('_', ' ')}: below {AUTO_MIN_BYTES[direction]} the "
+            "kernel's direct path is as fast")
 
 
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,

@@ -35,7 +35,7 @@ from .views import KVCache, as_index_list, as_int, bind
 
 def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
              src_planes=None, dst_planes=None, skip_prefix: int = 0, num_tokens: int | None = None,
-             max_ctas: int = 0, validate: bool | None = None, engine: str = "kernel") -> None:
+             max_ctas: int = 0, validate: bool | None = None, engine: str = "auto") -> None:
     """Copy token rows from ``src`` into ``dst`` in place (see ``reference.transfer``).
 
     ``src_slots``/``dst_slots``: int32/int64 ``[T]`` tensors on the launch
@@ -45,24 +45,26 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     src_slots[t]]`` (rows of H*E elements, byte-exact).  ``max_ctas``: an SM
     budget, 0 = default; n > 0 runs the CUDA kernel as at most n CTAs of 1024
     threads (one SM each).  ``engine``:
-    ``"kernel"`` (the copy kernel), ``"copy"`` (the copy engine, slots on the
-    host), ``"staged"`` (between a CUDA cache and a pinned host chunk: the
-    kernel works in a bounded staging ring in device memory and the copy
-    engine crosses PCIe, see :mod:`kvlayout.ops.staged`; ValueError where it
-    cannot) or
-    ``"auto"`` (staged where it can and the payload is large, else the
-    kernel; :func:`explain` says which and why).  The plan is made once per
+    ``"auto"`` (the default: staged where it can be, without an SM budget
+    and with a large payload, else the kernel; :func:`explain` says which
+    and why), ``"kernel"`` (the copy kernel), ``"copy"`` (the copy engine,
+    slots on the host) or ``"staged"`` (between a CUDA cache and a pinned
+    host chunk: the kernel works in a bounded staging ring in device memory
+    and the copy engine crosses PCIe, see :mod:`kvlayout.ops.staged`;
+    ValueError where it cannot).  The plan is made once per
     choice and kept in C++ as a copy program; calling
     :func:`~kvlayout.ops.prepare` instead also keeps the binding and the
     argument checks.
     """
-    if (src_planes is None and dst_planes is None and num_tokens is None and engine == "kernel" and max_ctas == 0
-            and type(max_ctas) is int and type(skip_prefix) is int):
+    if (src_planes is None and dst_planes is None and num_tokens is None and (engine == "auto" or engine == "kernel")
+            and max_ctas == 0 and type(max_ctas) is int and type(skip_prefix) is int):
         # the engine's repeated calls (all layers, or one layer each side; plain slot tensors): checked and
-        # launched by one C++ call from the binding its checked choice keeps (checked_choice's memo)
+        # launched by one C++ call from the binding its checked choice keeps (checked_choice's memo), where
+        # auto keeps the kernel for them
         hit = src._checked_choices.get(repeated_call_key(dst, src_layers, dst_layers))
         if (hit is not None and hit[1].bound is not None and hit[0]() is dst
                 and not torch.compiler.is_compiling()
+                and (engine == "kernel" or _auto_keeps_kernel(hit[1], src_slots, dst_slots, skip_prefix))
                 and hit[1].bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0, validating(validate))):
             return
     if engine == "kernel":
@@ -89,6 +91,24 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     routes.run_kernel(src, dst, c, s_slots, d_slots, T, skip_prefix, validate)
 
 
+def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int) -> bool:
+    """For the repeated-call path: whether auto keeps the kernel for a call with these slot arguments, from what
+    the choice keeps (False: not known here, the long way decides)."""
+    kept = c.staged_plan
+    if kept is None or kept[0] != _staged.STAGING_BYTES:
+        return False                     # not known yet: the long way decides (and plans)
+    static = kept[1]
+    if not static.stageable:
+        return True                      # (a device pair, a host side with slots, ...: no slot to look at)
+    host_slots, slots = (dst_slots, src_slots) if static.host_is_dst else (src_slots, dst_slots)
+    if host_slots is not None:
+        return True                      # staging copies host rows 0..T-1: a host side with slots is not staged
+    if type(slots) is not torch.Tensor or slots.dim() != 1:
+        return False
+    return not _staged.auto_stages(static.host_is_dst, static.payload_bytes * (slots.shape[0] - skip_prefix),
+                                   c.max_ctas)
+
+
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
                     engine: str) -> StagedPlan:
     """The staged plan of ``engine="staged"`` (ValueError naming why it cannot be staged) or ``"auto"``
@@ -99,9 +119,10 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
         staged = staged_plan(src, dst, c, s_slots, d_slots, T, skip_prefix)
     if engine == "staged" and not staged.stageable:
         raise ValueError(f"engine='staged' cannot stage this transfer: {staged.reason}")
-    if engine == "auto" and staged.stageable and staged.payload_bytes < _staged.AUTO_MIN_BYTES:
-        return StagedPlan(f"{staged.payload_bytes} bytes: below {_staged.AUTO_MIN_BYTES} the kernel's direct "
-                          "path wins")
+    if engine == "auto" and staged.stageable:
+        declined = _staged.auto_declines(staged, c.max_ctas)
+        if declined is not None:
+            return StagedPlan(declined)
     return staged
 
 

@@ -11,6 +11,10 @@ capture.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +193,56 @@ def test_engine_choice_is_explained_and_refused_with_a_reason():
     ops.prepare(src, dst, slots, engine="auto")()
 
 
+def test_auto_stages_only_where_the_record_shows_staging_no_slower():
+    """engine="auto"'s rule against the H200 record: for every staged row beside the kernel row of the same
+    transfer, where the rule stages, staging was at least as fast in both timings (and it stages some)."""
+    from kvlayout.bench.run import read_jsonl
+    _, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / "h200.jsonl"))
+    by_key = {r["key"]: r for r in rows}
+    picked = []
+    for r in rows:
+        if r["engine"] != "staged" or "gbps" not in r:
+            continue
+        kernel = by_key[r["key"].replace(" staged", "")]
+        if staged_mod.auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"]):
+            picked.append(r["key"])
+            assert r["gbps"] >= kernel["gbps"] and r["kernel_gbps"] >= kernel["kernel_gbps"], r["key"]
+    assert len(picked) >= 8, picked
+
+
+def test_auto_says_why_it_keeps_the_kernel():
+    to_host = staged_mod.StagedPlan("", 1, 16, 1, host_is_dst=True)
+    from_host = dataclasses.replace(to_host, host_is_dst=False)
+    big = dataclasses.replace(to_host, payload_bytes=1 << 30)
+    assert staged_mod.auto_declines(big, 0) is None
+    assert "max_ctas = 4: under an SM budget" in staged_mod.auto_declines(big, 4)
+    limit = staged_mod.AUTO_MIN_BYTES
+    assert staged_mod.auto_declines(dataclasses.replace(to_host, payload_bytes=limit["to_host"]), 0) is None
+    assert f"below {limit['to_host']}" in staged_mod.auto_declines(
+        dataclasses.replace(to_host, payload_bytes=limit["to_host"] - 1), 0)
+    assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=limit["from_host"]), 0) is None
+    assert "bytes from host: below" in staged_mod.auto_declines(
+        dataclasses.replace(from_host, payload_bytes=limit["from_host"] - 1), 0)
+
+
+def test_default_engine_is_auto_and_repeated_calls_stay_on_the_direct_path(monkeypatch):
+    """The default engine is auto; a repeated call that auto keeps on the kernel goes straight to C++ (one
+    ``run_checking``), as ``engine="kernel"`` does."""
+    assert inspect.signature(ops.transfer).parameters["engine"].default == "auto"
+    src, dst = _device_cache("cpu"), _chunk(8)
+    slots = torch.arange(8)
+    for _ in range(3):
+        ops.transfer(src, dst, slots)
+    choice = checked_choice(src, dst, None, None, None, None, 0, "auto")
+    assert choice.bound is not None and choice.staged_plan is not None
+    calls = []
+    run_checking = choice.bound.run_checking
+    monkeypatch.setattr(choice, "bound", type("Spy", (), {
+        "run_checking": lambda self, *a: calls.append(a) or run_checking(*a)})())
+    ops.transfer(src, dst, slots)
+    assert len(calls) == 1
+
+
 # --------------------------------------------------------------------------------------------- CUDA
 
 
@@ -291,7 +345,7 @@ def test_auto_stages_large_payloads(cuda_device, monkeypatch):
     cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
     slots = torch.arange(T, device=cuda_device)
     assert ops.explain(cache, chunk, slots)["engine"] == "kernel"   # small: the direct path
-    monkeypatch.setattr(staged_mod, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
     explained = ops.explain(cache, chunk, slots)
     assert explained["engine"] == "staged" and explained["payload_bytes"] == 2 * L * T * H * D * 2
     assert explained["chunks"] == 1 and explained["staging_bytes"] == staged_mod.STAGING_BYTES
@@ -300,6 +354,32 @@ def test_auto_stages_large_payloads(cuda_device, monkeypatch):
     expected = _chunk(T)
     ops.transfer(_device_cache("cpu"), expected, slots.cpu())
     assert torch.equal(_bytes(chunk), _bytes(expected))
+
+
+def test_auto_repeated_calls_take_the_engine_their_payload_calls_for(cuda_device, monkeypatch):
+    """Default-engine calls of one transfer pair, repeated with T below and above auto's threshold (set here to
+    16 tokens' payload): the memo's direct path keeps the kernel below it, the staged engine runs above it, and
+    every call leaves exactly the bytes the CPU kernel leaves."""
+    transfer_module = importlib.import_module("kvlayout.ops.transfer")
+    per_token = 2 * L * H * D * 2
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 16 * per_token)
+    staged_tokens = []
+    run_staged = transfer_module.run_staged
+
+    def counting(src, dst, plan, choice, s_slots, d_slots, T, *rest):
+        staged_tokens.append(T)
+        return run_staged(src, dst, plan, choice, s_slots, d_slots, T, *rest)
+    monkeypatch.setattr(transfer_module, "run_staged", counting)
+    cache, chunk = _device_cache(cuda_device), _chunk(32, pin=True)
+    expected, cpu_cache = _chunk(32), _device_cache("cpu")
+    g = torch.Generator().manual_seed(3)
+    for T in (8, 32, 8, 32, 8, 32, 16, 15):
+        slots = torch.randperm(NB * BS, generator=g)[:T]
+        ops.transfer(cache, chunk, slots.to(cuda_device))
+        ops.transfer(cpu_cache, expected, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(chunk), _bytes(expected)), T
+    assert staged_tokens == [32, 32, 32, 16]
 
 
 @pytest.mark.parametrize("ring", RINGS)
