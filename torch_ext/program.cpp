@@ -403,9 +403,9 @@ void BoundProgram::run(int64_t step, const RunArgs& args) const {
   TORCH_CHECK_VALUE(args.max_ctas >= 0, "kvlayout: max_ctas must be >= 0 (0 = default), got ",
                     args.max_ctas);
   const SlotArray src_slots =
-      slot_array(args.src_slots, args.num_tokens, "src_slots", "num_tokens");
+      slot_array(args.src_slots, args.num_tokens, "src_slots", "num_tokens", args.slot_prefixes);
   const SlotArray dst_slots =
-      slot_array(args.dst_slots, args.num_tokens, "dst_slots", "num_tokens");
+      slot_array(args.dst_slots, args.num_tokens, "dst_slots", "num_tokens", args.slot_prefixes);
   check_slots_not_written(written_ranges_, args.src_slots, "src_slots", "kvlayout");
   check_slots_not_written(written_ranges_, args.dst_slots, "dst_slots", "kvlayout");
   if (args.skip_prefix >= args.num_tokens) return;

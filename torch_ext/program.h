@@ -122,6 +122,10 @@ struct RunArgs {
   // that runs the same tokens' slots again (the staged engine's later layer
   // groups) turns it off, so that each bad token is counted once.
   bool record_errors = true;
+  // The slot tensors may hold more than num_tokens entries; the first
+  // num_tokens are read (the staged engine's chunks read prefixes of one
+  // call's slots, without a view per chunk).
+  bool slot_prefixes = false;
 };
 
 // How a dependent launch may start before the previous kernel of its stream

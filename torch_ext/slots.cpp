@@ -50,13 +50,13 @@ class SlotSet {
 }  // namespace
 
 SlotArray slot_array(const std::optional<at::Tensor>& t, int64_t length, const char* name,
-                     const char* length_name) {
+                     const char* length_name, bool prefix) {
   if (!t.has_value()) return SlotArray::identity_slots();
-  return index_array(*t, length, name, length_name);
+  return index_array(*t, length, name, length_name, prefix);
 }
 
 SlotArray index_array(const at::Tensor& x, int64_t length, const char* name,
-                      const char* length_name) {
+                      const char* length_name, bool prefix) {
   TORCH_CHECK_VALUE(x.defined(), "kvlayout: ", name,
                     " is an undefined tensor (pass None for no slots)");
   TORCH_CHECK_VALUE(!x.is_meta(), "kvlayout: ", name,
@@ -64,8 +64,8 @@ SlotArray index_array(const at::Tensor& x, int64_t length, const char* name,
   TORCH_CHECK_VALUE(x.dim() == 1, "kvlayout: ", name, " must be 1-D, got shape ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "kvlayout: ",
                    name, " must be int32 or int64, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.size(0) == length, "kvlayout: ", name, " has ", x.size(0),
-                    " entries but ", length_name, " is ", length);
+  TORCH_CHECK_VALUE(prefix ? x.size(0) >= length : x.size(0) == length, "kvlayout: ", name,
+                    " has ", x.size(0), " entries but ", length_name, " is ", length);
   const int64_t stride = x.size(0) > 1 ? x.stride(0) : 1;
   if (length > 0) {
     // The storage must still hold every entry: a tensor whose storage was

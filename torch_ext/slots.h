@@ -20,13 +20,14 @@ namespace kvlayout {
 // explicit flag); a tensor must be a defined, 1-D int32/int64 tensor of
 // `length` entries whose storage holds them: an undefined or meta tensor, or
 // one whose storage was freed or resized away, is refused (never read as
-// "no slots"). Errors name the argument and the length's name.
+// "no slots"). Errors name the argument and the length's name. With
+// `prefix`, the tensor may hold more entries: its first `length` are read.
 SlotArray slot_array(const std::optional<at::Tensor>& t, int64_t length, const char* name,
-                     const char* length_name);
+                     const char* length_name, bool prefix = false);
 
 // The same for a required index tensor (RoPE positions).
 SlotArray index_array(const at::Tensor& t, int64_t length, const char* name,
-                      const char* length_name);
+                      const char* length_name, bool prefix = false);
 
 // Slot values read once on the host into memory of the op's own: the values
 // that are checked are the values that are used, whatever happens to the

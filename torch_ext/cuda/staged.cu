@@ -88,7 +88,14 @@ class CudaStaged final : public StagedEngine {
     const auto side = reinterpret_cast<cudaStream_t>(s_.side_stream);
     const size_t R = ring_.size();
     const bool keep = s_.host_is_dst && !s_.keeps.empty();
+    const at::Tensor device_slots =
+        a.device_slots.has_value() && a.device_slots->defined() ? *a.device_slots : at::Tensor();
+    // The token table's rows, each read by every chunk as a prefix (RunArgs::slot_prefixes): one view
+    // per row per call, none per chunk.
     const at::Tensor rows = token_rows(a, keep, main);
+    const at::Tensor ring_rows = rows[0];
+    const at::Tensor kept_host_rows = keep ? rows[1] : at::Tensor();
+    const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
     // what the caller queued before (the caches, the host chunk) comes first on the side stream
     join(events_[0], main, side);
     const int64_t per_chunk = s_.tokens_per_chunk;
@@ -101,19 +108,19 @@ class CudaStaged final : public StagedEngine {
         const size_t r = c % R;
         const cudaEvent_t filled = events_[2 + r], drained = events_[2 + R + r];
         const BoundProgram& kernel = *s_.kernels[g * R + r];
-        const at::Tensor ring_rows = rows[0].narrow(0, 0, end);
         // every layer group reads the same slots: only the first records bad ones (each once)
-        const auto run = [&](const BoundProgram& p, std::optional<at::Tensor> src_slots,
-                             std::optional<at::Tensor> dst_slots, bool validate) {
-          RunArgs args{std::move(src_slots), std::move(dst_slots), end, t0, a.max_ctas, validate};
+        const auto run = [&](const BoundProgram& p, const at::Tensor& src_slots,
+                             const at::Tensor& dst_slots, bool validate) {
+          RunArgs args{slots_or_none(src_slots), slots_or_none(dst_slots), end, t0, a.max_ctas,
+                       validate};
           args.record_errors = g == 0;
+          args.slot_prefixes = true;
           p.run(0, args);
         };
         if (s_.host_is_dst) {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(main, drained, 0));  // its copy out is done
-          if (keep)
-            run(*s_.keeps[g * R + r], rows[1].narrow(0, 0, end), rows[2].narrow(0, 0, end), false);
-          run(kernel, prefix(a.device_slots, end), ring_rows, a.validate);
+          if (keep) run(*s_.keeps[g * R + r], kept_host_rows, kept_ring_rows, false);
+          run(kernel, device_slots, ring_rows, a.validate);
           join(filled, main, side);
           copy(g, r, t0, end - t0, /*to_host=*/true, side);
           C10_CUDA_CHECK(cudaEventRecord(drained, side));
@@ -121,7 +128,7 @@ class CudaStaged final : public StagedEngine {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(side, drained, 0));  // its kernel is done
           copy(g, r, t0, end - t0, /*to_host=*/false, side);
           join(filled, side, main);
-          run(kernel, ring_rows, prefix(a.device_slots, end), a.validate);
+          run(kernel, ring_rows, device_slots, a.validate);
           C10_CUDA_CHECK(cudaEventRecord(drained, main));
         }
       }
@@ -132,9 +139,10 @@ class CudaStaged final : public StagedEngine {
   }
 
  private:
-  static std::optional<at::Tensor> prefix(const std::optional<at::Tensor>& t, int64_t length) {
-    if (!t.has_value() || !t->defined()) return std::nullopt;
-    return t->narrow(0, 0, length);
+  // An undefined tensor stands for "no slots" (token t uses slot t).
+  static std::optional<at::Tensor> slots_or_none(const at::Tensor& t) {
+    if (!t.defined()) return std::nullopt;
+    return t;
   }
 
   at::Tensor token_rows(const StagedArgs& a, bool keep, cudaStream_t main) const {
