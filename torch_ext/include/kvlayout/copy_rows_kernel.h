@@ -78,14 +78,18 @@ enum RecordErrors : int32_t {
 // when every dividend is below 2^31 (the round-up method: with l =
 // ceil(log2 d) and m = ceil(2^(31+l) / d), n / d = (n * m) >> (31 + l) for
 // n < 2^31), the identity for d == 1, 64-bit division otherwise.
-// 16 bytes: four of them travel in every launch's parameter block.
+// Fields of 32 bits and more: 16-bit ones (8 bytes less each in every
+// launch's parameters) took the 16-byte device variant from 78 to 86
+// registers, two resident 256-thread CTAs per SM instead of three (see
+// docs/performance.md, "Against 7d5fbfc, on one machine").
 struct FastDivmod {
   int64_t divisor;
   uint32_t multiplier;
-  uint16_t shift;  // total right shift after the 32-bit multiply-high (< 32)
-  int16_t kind;    // kOne, kMulShift or kWide
+  uint32_t shift;  // total right shift after the 32-bit multiply-high
+  int32_t kind;    // kOne, kMulShift or kWide
+  int32_t pad_;
 
-  enum : int16_t { kOne = 0, kMulShift = 1, kWide = 2 };
+  enum : int32_t { kOne = 0, kMulShift = 1, kWide = 2 };
 
   // d >= 1; every dividend passed to divmod() is in [0, max_dividend].
   static FastDivmod make(int64_t d, int64_t max_dividend) {
@@ -100,7 +104,7 @@ struct FastDivmod {
       const uint64_t m = ((uint64_t(1) << (31 + l)) + uint64_t(d) - 1) / uint64_t(d);
       f.kind = kMulShift;
       f.multiplier = static_cast<uint32_t>(m);  // < 2^32 because d > 2^(l-1)
-      f.shift = static_cast<uint16_t>(l - 1);   // 31 + l - 32
+      f.shift = l - 1;                          // 31 + l - 32
     } else {
       f.kind = kWide;
     }
@@ -122,8 +126,6 @@ struct FastDivmod {
     }
   }
 };
-
-static_assert(sizeof(FastDivmod) == 16, "FastDivmod grew: every launch's parameters carry four");
 
 // Row offset of a valid slot with the page division precomputed.
 KVL_HD inline int64_t row_offset(const RowGeometry& g, const FastDivmod& by_page, int64_t slot) {
