@@ -152,13 +152,14 @@ def plan_cases(quick: bool) -> list[Case]:
         dev = "vllm_mla" if SHAPES[name].mla else "vllm_flash_attn_nhd"
         buf = "hicache_mla_page_first_direct" if SHAPES[name].mla else "hicache_page_first_direct"
         cases.append(Case("copy_engine", name, dev, buf, 4096, ps, direction, engine=engine))
-    # the staged engine (kernel in device memory, copy engine across PCIe) on the headline host rows, and
-    # with a budget of 4 CTAs
+    # the staged engine (kernel in device memory, copy engine across PCIe) on the headline host rows, and at
+    # T = 4096 under the SM budgets of the ctas group (what engine="auto" would need to stage budgeted calls)
     for name, T, direction in itertools.product(shapes[:3], tokens, ("to_host", "from_host")):
         dev, buf = _default_layouts(SHAPES[name])
         cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged"))
         if T == 4096:
-            cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=4, engine="staged"))
+            for ctas in ((4,) if quick else (1, 2, 4, 8)):
+                cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged"))
     return cases + host_cost_cases("to_host")
 
 
