@@ -7,10 +7,11 @@ Rows are matched by case key.  Each run is judged against its own limits
 so two runs on machines, or at times, whose copy bandwidth differs compare
 fairly.  Runs made on one machine in one sitting (``scripts/ab_record.sh``)
 compare their rates directly (``--same-machine``): the small copies that
-set the limits of small rows are noisier than the rows themselves.  With several NEW runs a row counts as slower only when every one of
-them is below OLD by more than the tolerance (the best of the new runs is
-compared; one slow run of a ~10 µs kernel is run-to-run spread).  Prints one
-line per slower row and a summary; exits 1 when a row is slower.
+set the limits of small rows are noisier than the rows themselves.  With
+several NEW runs a row counts as slower only when every one of them is
+below OLD by more than the tolerance (the best of the new runs is compared;
+one slow run of a ~10 µs kernel is run-to-run spread).  Prints one line per
+slower row and a summary; exits 1 when a row is slower.
 """
 
 from __future__ import annotations

@@ -202,8 +202,9 @@ def repeated_call_key(dst: KVCache, src_layers, dst_layers):
 
     All layers (``id(dst)``), or one layer on each side given as one-int lists
     (``(id(dst), src_layer, dst_layer)``), with planes and CTA budget left at
-    their defaults and the engine ``"auto"`` (the default) or ``"kernel"``.  :func:`~kvlayout.ops.transfer` reads the memo
-    with this key before any other work, so it must stay this cheap.
+    their defaults and the engine ``"auto"`` (the default) or ``"kernel"``.
+    :func:`~kvlayout.ops.transfer` reads the memo with this key before any
+    other work, so it must stay this cheap.
     """
     if src_layers is None and dst_layers is None:
         return id(dst)
