@@ -121,15 +121,20 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         return row
     nbytes = case.payload_bytes()
     fn = C.kvlayout_fn(case, data)
+    if case.empty:
+        # nothing moved: only the host time means something; beside it, in turn within each repetition, torch's
+        # own per op and a bare launch (the yardsticks of the budget: a call costs at most one torch op, a
+        # prepared layer call at most a bare launch + 1 µs)
+        host = timer.host_side_by_side({"ours": fn, "torch_op": C.torch_op_fn(timer.device, case.calls),
+                                        "launch": C.launch_fn(timer.device, case.calls)})
+        per_call = {name: seconds * 1e6 / case.calls for name, seconds in host.items()}
+        row.update(median_us=host["ours"] * 1e6, host_us=host["ours"] * 1e6, host_us_per_call=per_call["ours"],
+                   torch_op_host_us=per_call["torch_op"], launch_host_us=per_call["launch"],
+                   x_torch_op=per_call["ours"] / per_call["torch_op"],
+                   over_launch_us=per_call["ours"] - per_call["launch"])
+        return row
     ours = timer(fn)
     row.update(median_us=ours.median * 1e6, host_us=ours.host * 1e6, host_us_per_call=ours.host * 1e6 / case.calls)
-    if case.empty:   # nothing moved: only the host time means something; beside it, torch's own per op
-        row["torch_op_host_us"] = timer(C.torch_op_fn(timer.device, case.calls)).host * 1e6 / case.calls
-        row["launch_host_us"] = timer(C.launch_fn(timer.device, case.calls)).host * 1e6 / case.calls
-        # the budget: a call costs at most one torch op; a prepared layer call at most a bare launch + 1 µs
-        row["x_torch_op"] = row["host_us_per_call"] / row["torch_op_host_us"]
-        row["over_launch_us"] = row["host_us_per_call"] - row["launch_host_us"]
-        return row
     row.update(gbps=ours.gbps(nbytes), spread=ours.spread)
     if timer.cuda:
         kernel = timer(fn, kernel_only=True, host_s=ours.host)

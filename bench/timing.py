@@ -118,6 +118,24 @@ class Timer:
         return _timing(samples, host)
 
 
+    def host_side_by_side(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """Median host seconds of each callable, timed in turn within every repetition (so that a machine whose
+        speed drifts during the run, as a loaded CPU's does, slows them alike); the device is idle before each
+        call. ``reps`` repetitions after ``warmup`` calls of each."""
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(self.reps):
+            for name, fn in fns.items():
+                self.sync()
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+        self.sync()
+        return {name: statistics.median(s) for name, s in samples.items()}
+
+
 MiB = 1 << 20
 LIMIT_SIZES_MIB = (1, 32, 256)
 SAME_SIZE_MAX = 512 * MiB

@@ -250,6 +250,7 @@ class CheckedChoice:
     bound: object = None
     kernel_calls: int = 0
     staged_plan: tuple | None = None   # (ring size, what engine="staged" found: ops.staged.static_plan)
+    never_staged: bool = False         # that plan says the pair cannot be staged: auto always runs the kernel
 
 
 def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,

@@ -262,6 +262,7 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
     kept = choice.staged_plan
     if kept is None or kept[0] != STAGING_BYTES:
         kept = choice.staged_plan = (STAGING_BYTES, static_plan(src, dst, choice))
+        choice.never_staged = not kept[1].stageable
     static = kept[1]
     if not static.stageable:
         return static

@@ -27,10 +27,12 @@ import torch
 
 from . import _native, routes
 from . import staged as _staged
-from .arguments import CheckedChoice, _slots_tensor, check_slots, checked_choice, repeated_call_key, validating
+from .arguments import CheckedChoice, _slots_tensor, check_slots, checked_choice, validating
 from .programs import plan
 from .staged import StagedPlan, run_staged, staged_plan
 from .views import KVCache, as_index_list, as_int, bind
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_layers=None, dst_layers=None,
@@ -56,17 +58,27 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     :func:`~kvlayout.ops.prepare` instead also keeps the binding and the
     argument checks.
     """
-    if (src_planes is None and dst_planes is None and num_tokens is None and (engine == "auto" or engine == "kernel")
-            and max_ctas == 0 and type(max_ctas) is int and type(skip_prefix) is int):
+    if (src_planes is None and dst_planes is None and num_tokens is None and max_ctas == 0
+            and type(max_ctas) is int and type(skip_prefix) is int and (engine == "auto" or engine == "kernel")):
         # the engine's repeated calls (all layers, or one layer each side; plain slot tensors): checked and
         # launched by one C++ call from the binding its checked choice keeps (checked_choice's memo), where
-        # auto keeps the kernel for them
-        hit = src._checked_choices.get(repeated_call_key(dst, src_layers, dst_layers))
-        if (hit is not None and hit[1].bound is not None and hit[0]() is dst
-                and not torch.compiler.is_compiling()
-                and (engine == "kernel" or _auto_keeps_kernel(hit[1], src_slots, dst_slots, skip_prefix))
-                and hit[1].bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0, validating(validate))):
-            return
+        # auto keeps the kernel for them. (This path costs about as much as one torch op: every lookup counts.)
+        if src_layers is None and dst_layers is None:
+            key = id(dst)
+        elif (type(src_layers) is list and type(dst_layers) is list and len(src_layers) == 1
+              and len(dst_layers) == 1 and type(src_layers[0]) is int and type(dst_layers[0]) is int):
+            key = (id(dst), src_layers[0], dst_layers[0])   # (repeated_call_key inlined: a call costs ~0.1 µs)
+        else:
+            key = None
+        hit = src._checked_choices.get(key)
+        if hit is not None:
+            c = hit[1]
+            bound = c.bound
+            if (bound is not None and hit[0]() is dst and not _is_compiling()
+                    and (engine == "kernel" or c.never_staged
+                         or _auto_keeps_kernel(c, src_slots, dst_slots, skip_prefix))
+                    and bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0, validating(validate))):
+                return
     if engine == "kernel":
         routes.run(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
                    src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix, num_tokens=num_tokens,
@@ -100,9 +112,9 @@ def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int)
     static = kept[1]
     if not static.stageable:
         return True                      # (a device pair, a host side with slots, ...: no slot to look at)
-    host_slots, slots = (dst_slots, src_slots) if static.host_is_dst else (src_slots, dst_slots)
-    if host_slots is not None:
+    if (dst_slots if static.host_is_dst else src_slots) is not None:
         return True                      # staging copies host rows 0..T-1: a host side with slots is not staged
+    slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
     return not _staged.auto_stages(static.host_is_dst, static.payload_bytes * (slots.shape[0] - skip_prefix),

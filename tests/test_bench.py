@@ -14,7 +14,7 @@ import torch
 from kvlayout.bench import cases as C
 from kvlayout.bench.peers import load_peers
 from kvlayout.bench.report import markdown, plots, series, terminal_table, write_reports
-from kvlayout.bench.run import CPU_THREADS, check_bit_exact, document, run, selected, time_baseline
+from kvlayout.bench.run import CPU_THREADS, check_bit_exact, document, measure_case, run, selected, time_baseline
 from kvlayout.bench.timing import Timer, Timing, drifted
 
 ONLY = "T=256 ps=16 vllm_flash_attn_hnd"
@@ -390,3 +390,20 @@ def test_readme_tables_come_from_the_recorded_run(capsys):
     assert "Against the best peer, kernel only vs the peers' overlapped figure: ahead on " in out
     assert "end to end vs the peers' idle figure: ahead on " in out
     assert "one prepared layer call" in out and "<!-- Staged -->" in out
+
+
+def test_host_cost_calls_are_timed_in_turn_with_their_yardsticks():
+    """The host_cost rows time kvlayout, one torch op and a bare launch in turn within each repetition (a
+    machine whose speed drifts slows them alike), each callable warmup + reps times; an all-layer row repeats
+    its call as often as a layer-wise one."""
+    order = []
+    timer = Timer(torch.device("cpu"), warmup=2, reps=5)
+    medians = timer.host_side_by_side({"a": lambda: order.append("a"), "b": lambda: order.append("b")})
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 5
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+    case = next(c for c in C.host_cost_cases("gather_device") if not c.layerwise)
+    assert case.calls == C.SHAPES[case.shape].L
+    data = C.build(case, C.Inputs(torch.device("cpu")))
+    row = measure_case(case, data, timer, timer, {}, None)
+    assert row["bit_exact"] and row["x_torch_op"] == row["host_us_per_call"] / row["torch_op_host_us"]
+    assert row["host_us"] == pytest.approx(row["host_us_per_call"] * case.calls)

@@ -290,22 +290,64 @@ StagedFactory staged_factory(c10::DeviceType type) {
   return per_device_type<StagedFactory>()[static_cast<size_t>(type)];
 }
 
+namespace {
+
+// Dimensions past TensorFingerprint::kDims, hashed (FNV-1a over the words).
+uint64_t hash_beyond(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t d = TensorFingerprint::kDims; d < sizes.size(); ++d) {
+    h = (h ^ static_cast<uint64_t>(sizes[d])) * 1099511628211ull;
+    h = (h ^ static_cast<uint64_t>(strides[d])) * 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+bool TensorFingerprint::operator==(const TensorFingerprint& o) const {
+  if (storage != o.storage || memory != o.memory || nbytes != o.nbytes || offset != o.offset ||
+      dim != o.dim || beyond != o.beyond)
+    return false;
+  for (int64_t d = 0; d < std::min<int64_t>(dim, kDims); ++d)
+    if (sizes[d] != o.sizes[d] || strides[d] != o.strides[d]) return false;
+  return true;
+}
+
 TensorFingerprint TensorFingerprint::of(const at::Tensor& t) {
   if (!t.defined()) return {};
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();  // (no reference count)
   if (storage == nullptr) return {};
-  // The view's sizes and strides, hashed (FNV-1a over the words): a tensor
-  // re-strided in place (as_strided_, set_ with other strides) over the same
-  // storage would otherwise be written in its old geometry.
-  uint64_t view = 1469598103934665603ull ^ static_cast<uint64_t>(impl->dim());
+  // The view's sizes and strides too: a tensor re-strided in place
+  // (as_strided_, set_ with other strides) over the same storage would
+  // otherwise be written in its old geometry.
+  TensorFingerprint f;
+  f.storage = storage;
+  f.memory = storage->data();
+  f.nbytes = static_cast<int64_t>(storage->nbytes());
+  f.offset = impl->storage_offset();
+  f.dim = impl->dim();
   const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    view = (view ^ static_cast<uint64_t>(sizes[d])) * 1099511628211ull;
-    view = (view ^ static_cast<uint64_t>(strides[d])) * 1099511628211ull;
+  for (int64_t d = 0; d < std::min<int64_t>(f.dim, kDims); ++d) {
+    f.sizes[d] = sizes[d];
+    f.strides[d] = strides[d];
   }
-  return {storage, storage->data(), static_cast<int64_t>(storage->nbytes()), impl->storage_offset(),
-          view};
+  if (f.dim > kDims) f.beyond = hash_beyond(sizes, strides);
+  return f;
+}
+
+bool TensorFingerprint::matches(const at::Tensor& t) const {
+  if (!t.defined()) return storage == nullptr && *this == TensorFingerprint{};
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (s == nullptr || s != storage) return s == nullptr && *this == TensorFingerprint{};
+  if (s->data() != memory || static_cast<int64_t>(s->nbytes()) != nbytes ||
+      impl->storage_offset() != offset || impl->dim() != dim)
+    return false;
+  const c10::IntArrayRef sz = impl->sizes(), st = impl->strides();
+  for (int64_t d = 0; d < std::min<int64_t>(dim, kDims); ++d)
+    if (sz[d] != sizes[d] || st[d] != strides[d]) return false;
+  return dim <= kDims || hash_beyond(sz, st) == beyond;
 }
 
 BoundProgram::BoundProgram(int64_t handle, at::TensorList src, at::TensorList dst,
@@ -363,13 +405,13 @@ void BoundProgram::check_still_bound(int64_t step, at::TensorList src, at::Tenso
   check_step(step, src.size(), dst.size(), who);
   const Step& s = steps_[static_cast<size_t>(step)];
   for (int64_t i : s.read) {
-    TORCH_CHECK(TensorFingerprint::of(src[i]) == src_prints_[i], who, ": source tensor ", i,
+    TORCH_CHECK(src_prints_[i].matches(src[i]), who, ": source tensor ", i,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
                 "moved or changed size, or its sizes or strides changed); prepare the transfer "
                 "again");
   }
   for (int64_t j : s.written) {
-    TORCH_CHECK(TensorFingerprint::of(dst[j]) == dst_prints_[j], who, ": destination tensor ", j,
+    TORCH_CHECK(dst_prints_[j].matches(dst[j]), who, ": destination tensor ", j,
                 " was resized, re-set or freed since the transfer was prepared (its storage "
                 "moved or changed size, or its sizes or strides changed); prepare the transfer "
                 "again");
@@ -380,9 +422,9 @@ bool BoundProgram::still_bound(int64_t step, at::TensorList src, at::TensorList 
   if (src.size() != src_prints_.size() || dst.size() != dst_prints_.size()) return false;
   const Step& s = steps_[static_cast<size_t>(step)];
   for (int64_t i : s.read)
-    if (TensorFingerprint::of(src[i]) != src_prints_[i]) return false;
+    if (!src_prints_[i].matches(src[i])) return false;
   for (int64_t j : s.written)
-    if (TensorFingerprint::of(dst[j]) != dst_prints_[j]) return false;
+    if (!dst_prints_[j].matches(dst[j])) return false;
   return true;
 }
 

@@ -197,21 +197,23 @@ using BoundLaunchFactory = std::unique_ptr<BoundLaunch> (*)(const CopyPlan& plan
 void register_bound_launch_factory(c10::DeviceType type, BoundLaunchFactory factory);
 
 // Where a tensor's data is: its storage, the storage's memory and size, the
-// tensor's offset into it and its view (read without the checks of
-// data_ptr(): this runs for every bound tensor on every call, and a tensor
-// whose storage was freed compares unequal instead of raising).
+// tensor's offset into it and its view, sizes and strides (read without the
+// checks of data_ptr(): this runs for every bound tensor on every call, and a
+// tensor whose storage was freed compares unequal instead of raising).
 struct TensorFingerprint {
+  static constexpr int kDims = 6;  // dimensions kept exactly; a hash of any beyond
   const void* storage = nullptr;
   const void* memory = nullptr;
   int64_t nbytes = 0;
   int64_t offset = 0;
-  uint64_t view = 0;  // hash of the tensor's dimension count, sizes and strides
-  bool operator==(const TensorFingerprint& o) const {
-    return storage == o.storage && memory == o.memory && nbytes == o.nbytes &&
-           offset == o.offset && view == o.view;
-  }
+  int64_t dim = 0;
+  int64_t sizes[kDims] = {}, strides[kDims] = {};
+  uint64_t beyond = 0;
+  bool operator==(const TensorFingerprint& o) const;
   bool operator!=(const TensorFingerprint& o) const { return !(*this == o); }
   static TensorFingerprint of(const at::Tensor& t);
+  // of(t) == *this, compared field by field as it is read (the per-call check).
+  bool matches(const at::Tensor& t) const;
 };
 
 // A program bound to tensors: resolved and checked once, then run per call.

@@ -350,7 +350,7 @@ class StagedTransfer {
     for (const Binding& b : bindings_)
       if (!b.bound->still_bound(0, b.src, b.dst)) return false;
     for (size_t i = 0; i < host_.size(); ++i)  // (the copy engine's side: no program binds it from host)
-      if (TensorFingerprint::of(host_[i]) != host_prints_[i]) return false;
+      if (!host_prints_[i].matches(host_[i])) return false;
     for (size_t j = 0; j < written_.size(); ++j) check_writable(written_[j], "kvlayout", "dst", j);
     TORCH_CHECK_VALUE(num_tokens >= 0 && num_tokens <= host_num_slots_, "kvlayout: num_tokens = ",
                       num_tokens, " must lie in [0, ", host_num_slots_, "] (the host cache's slots)");

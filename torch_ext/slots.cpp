@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 namespace kvlayout {
@@ -105,14 +106,22 @@ SlotKind kind_of(const SlotArray& a) {
   return a.identity ? kIdentity : a.elem_bytes == 8 ? kInt64 : kInt32;
 }
 
+// Reads slots [begin, end) of `a` into out[begin, end), each exactly once
+// (plain loads: the loop may be vectorized; nothing reads the tensor again,
+// the checks and the copy use `out`).
 template <int K>
-inline int64_t load_slot(const SlotArray& a, int64_t t) {
-  if constexpr (K == kIdentity) {
-    return t;
-  } else if constexpr (K == kInt64) {
-    return static_cast<const volatile int64_t*>(a.data)[t * a.stride];  // one load (volatile)
+void copy_slots(const SlotArray& a, int64_t begin, int64_t end, int64_t* out) {
+  if (begin >= end) return;
+  if constexpr (K == kInt64) {
+    const int64_t* in = static_cast<const int64_t*>(a.data);
+    if (a.stride == 1) {
+      std::memcpy(out + begin, in + begin, static_cast<size_t>(end - begin) * sizeof(int64_t));
+      return;
+    }
+    for (int64_t t = begin; t < end; ++t) out[t] = in[t * a.stride];
   } else {
-    return static_cast<const volatile int32_t*>(a.data)[t * a.stride];
+    const int32_t* in = static_cast<const int32_t*>(a.data);
+    for (int64_t t = begin; t < end; ++t) out[t] = in[t * a.stride];
   }
 }
 
@@ -122,11 +131,11 @@ TokenRange read_loop(CopyPlan& p, HostSlots& copy, bool check_unique) {
   SlotSet seen(check_unique ? p.num_tokens - p.skip_prefix : 0);
   int64_t* src_copy = S == kIdentity ? nullptr : copy.src.data();
   int64_t* dst_copy = D == kIdentity ? nullptr : copy.dst.data();
+  if constexpr (S != kIdentity) copy_slots<S>(p.src_slots, p.skip_prefix, p.num_tokens, src_copy);
+  if constexpr (D != kIdentity) copy_slots<D>(p.dst_slots, p.skip_prefix, p.num_tokens, dst_copy);
   for (int64_t t = p.skip_prefix; t < p.num_tokens; ++t) {
-    const int64_t s = load_slot<S>(p.src_slots, t);  // the one load of each slot
-    const int64_t d = load_slot<D>(p.dst_slots, t);
-    if constexpr (S != kIdentity) src_copy[t] = s;
-    if constexpr (D != kIdentity) dst_copy[t] = d;
+    const int64_t s = S == kIdentity ? t : src_copy[t];
+    const int64_t d = D == kIdentity ? t : dst_copy[t];
     if (s < 0 || d < 0) continue;
     if (s >= p.src_geom.num_slots)
       raise_slot_out_of_range("src_slots", S == kIdentity, t, s, p.src_geom.num_slots);
