@@ -337,10 +337,10 @@ TensorFingerprint TensorFingerprint::of(const at::Tensor& t) {
 }
 
 bool TensorFingerprint::matches(const at::Tensor& t) const {
-  if (!t.defined()) return storage == nullptr && *this == TensorFingerprint{};
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  const c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (s == nullptr || s != storage) return s == nullptr && *this == TensorFingerprint{};
+  const c10::TensorImpl* impl = t.defined() ? t.unsafeGetTensorImpl() : nullptr;
+  const c10::StorageImpl* s = impl ? impl->unsafe_storage().unsafeGetStorageImpl() : nullptr;
+  if (s == nullptr) return *this == TensorFingerprint{};  // (as of() gives for such a tensor)
+  if (s != storage) return false;
   if (s->data() != memory || static_cast<int64_t>(s->nbytes()) != nbytes ||
       impl->storage_offset() != offset || impl->dim() != dim)
     return false;
