@@ -305,10 +305,32 @@ def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
     return ring
 
 
+_RING_REFUSED: set = set()   # devices whose memory could not hold a ring: engine="auto" keeps the kernel there
+
+
+def ring_available(device: torch.device, allocate: bool = True) -> bool:
+    """For ``engine="auto"``: whether the current stream has a staging ring, allocating it if needed
+    (``allocate``; else only what is known). An engine's cache may fill the device: where the ring's memory
+    cannot be had, auto runs the kernel instead of failing, and keeps doing so on that device (no allocation
+    attempt per call) until :func:`release_staging`. Under graph capture (a ring per call, from the graph's
+    pool) only that remembered answer is given."""
+    if device in _RING_REFUSED:
+        return False
+    if not allocate or torch.cuda.is_current_stream_capturing():
+        return True
+    try:
+        _ring_for(device, torch.cuda.current_stream(device))
+    except torch.cuda.OutOfMemoryError:
+        _RING_REFUSED.add(device)
+        return False
+    return True
+
+
 def release_staging() -> None:
     """Frees the staging rings (their memory returns to torch's caching allocator) and the transfers planned
-    on them."""
+    on them; ``engine="auto"`` tries to stage again on devices where a ring did not fit."""
     _RINGS.clear()
+    _RING_REFUSED.clear()
 
 
 _SIDE_STREAMS: dict = {}

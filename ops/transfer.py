@@ -122,9 +122,10 @@ def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int)
 
 
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
-                    engine: str) -> StagedPlan:
+                    engine: str, allocate: bool = True) -> StagedPlan:
     """The staged plan of ``engine="staged"`` (ValueError naming why it cannot be staged) or ``"auto"``
-    (not ``stageable`` where the kernel is the better choice)."""
+    (not ``stageable`` where the kernel is the better choice, or where the device has no memory for a
+    staging ring: ``allocate`` says whether to allocate the ring now, as a transfer does, or only to ask)."""
     if torch.compiler.is_compiling():
         staged = StagedPlan("compiled code keeps the copy kernel")
     else:
@@ -135,6 +136,9 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
         declined = _staged.auto_declines(staged, c.max_ctas)
         if declined is not None:
             return StagedPlan(declined)
+        if not _staged.ring_available(c.device, allocate):
+            return StagedPlan(f"no device memory for a {_staged.STAGING_BYTES}-byte staging ring on {c.device}: "
+                              "the kernel (ops.release_staging() lets auto try again)")
     return staged
 
 
@@ -150,7 +154,7 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
                                                    num_tokens)
     if engine in ("kernel", "copy"):
         return {"engine": engine, "reason": "asked for"}
-    staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine)
+    staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine, allocate=False)
     if staged.stageable:
         return {"engine": "staged", "reason": staged.reason, "groups": staged.layer_groups,
                 "chunks": staged.chunks(T, skip_prefix), "payload_bytes": staged.payload_bytes,

@@ -382,6 +382,37 @@ def test_auto_repeated_calls_take_the_engine_their_payload_calls_for(cuda_device
     assert staged_tokens == [32, 32, 32, 16]
 
 
+def test_auto_runs_the_kernel_where_no_ring_fits(cuda_device, monkeypatch):
+    """A device whose memory cannot hold the staging ring: auto moves the rows with the kernel (same bytes),
+    says why, and does not try to allocate again until release_staging(); engine="staged" raises."""
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    ops.release_staging()
+    attempts = []
+
+    class NoRoom:
+        def __init__(self, *args, **kwargs):
+            attempts.append(1)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(staged_mod, "_Ring", NoRoom)
+    T = 32
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    slots = torch.arange(T, device=cuda_device)
+    assert ops.explain(cache, chunk, slots)["engine"] == "staged"    # (explain allocates nothing)
+    for _ in range(3):
+        ops.transfer(cache, chunk, slots)
+    torch.cuda.synchronize()
+    expected = _chunk(T)
+    ops.transfer(_device_cache("cpu"), expected, slots.cpu())
+    assert torch.equal(_bytes(chunk), _bytes(expected))
+    assert len(attempts) == 1
+    explained = ops.explain(cache, chunk, slots)
+    assert explained["engine"] == "kernel" and "no device memory for a" in explained["reason"]
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        ops.transfer(cache, chunk, slots, engine="staged")
+    ops.release_staging()
+    assert ops.explain(cache, chunk, slots)["engine"] == "staged"
+
+
 @pytest.mark.parametrize("ring", RINGS)
 def test_staged_transfer_in_a_cuda_graph(cuda_device, ring, ring_bytes):
     if ring is not None:
