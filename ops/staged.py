@@ -308,22 +308,32 @@ def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
 _RING_REFUSED: set = set()   # devices whose memory could not hold a ring: engine="auto" keeps the kernel there
 
 
-def ring_available(device: torch.device, allocate: bool = True) -> bool:
-    """For ``engine="auto"``: whether the current stream has a staging ring, allocating it if needed
-    (``allocate``; else only what is known). An engine's cache may fill the device: where the ring's memory
-    cannot be had, auto runs the kernel instead of failing, and keeps doing so on that device (no allocation
-    attempt per call) until :func:`release_staging`. Under graph capture (a ring per call, from the graph's
-    pool) only that remembered answer is given."""
+def ring_refusal(device: torch.device, allocate: bool = True) -> str | None:
+    """For ``engine="auto"``: why the current stream cannot have a staging ring, or None when it has one
+    (allocated now if needed and ``allocate``).
+
+    * The ring's memory cannot be had (an engine's cache may fill the device): auto runs the kernel instead of
+      failing, and keeps doing so on that device (no allocation attempt per call) until
+      :func:`release_staging`.
+    * The kept rings belong to other streams: auto does not take one away (a new ring and new plans on every
+      call of streams taking turns would cost more than staging saves); ``engine="staged"`` does.
+
+    Under graph capture (a ring per call, from the graph's pool) only the memory answer is given."""
     if device in _RING_REFUSED:
-        return False
-    if not allocate or torch.cuda.is_current_stream_capturing():
-        return True
+        return f"no device memory for a {STAGING_BYTES}-byte staging ring on {device}"
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    stream = torch.cuda.current_stream(device)
+    if (device, stream.cuda_stream, STAGING_BYTES) not in _RINGS and len(_RINGS) >= KEPT_RINGS:
+        return f"the {KEPT_RINGS} staging rings kept belong to other streams"
+    if not allocate:
+        return None
     try:
-        _ring_for(device, torch.cuda.current_stream(device))
+        _ring_for(device, stream)
     except torch.cuda.OutOfMemoryError:
         _RING_REFUSED.add(device)
-        return False
-    return True
+        return f"no device memory for a {STAGING_BYTES}-byte staging ring on {device}"
+    return None
 
 
 def release_staging() -> None:

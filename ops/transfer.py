@@ -136,9 +136,9 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
         declined = _staged.auto_declines(staged, c.max_ctas)
         if declined is not None:
             return StagedPlan(declined)
-        if not _staged.ring_available(c.device, allocate):
-            return StagedPlan(f"no device memory for a {_staged.STAGING_BYTES}-byte staging ring on {c.device}: "
-                              "the kernel (ops.release_staging() lets auto try again)")
+        refusal = _staged.ring_refusal(c.device, allocate)
+        if refusal is not None:
+            return StagedPlan(f"{refusal}: the kernel (ops.release_staging() frees the rings)")
     return staged
 
 

@@ -413,6 +413,38 @@ def test_auto_runs_the_kernel_where_no_ring_fits(cuda_device, monkeypatch):
     assert ops.explain(cache, chunk, slots)["engine"] == "staged"
 
 
+def test_auto_does_not_take_a_ring_from_another_stream(cuda_device, monkeypatch):
+    """With both kept rings held by two streams, auto on a third stream runs the kernel (same bytes, the rings
+    untouched); engine="staged" there takes the least recently used ring."""
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    monkeypatch.setattr(staged_mod, "KEPT_RINGS", 2)
+    ops.release_staging()
+    T = 32
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    slots = torch.arange(T, device=cuda_device)
+    streams = [torch.cuda.Stream(cuda_device) for _ in range(3)]
+    for stream in streams[:2]:
+        with torch.cuda.stream(stream):
+            ops.transfer(cache, chunk, slots)
+    torch.cuda.synchronize()
+    kept = list(staged_mod._RINGS)
+    assert len(kept) == 2
+    with torch.cuda.stream(streams[2]):
+        assert "staging rings kept belong to other streams" in ops.explain(cache, chunk, slots)["reason"]
+        chunk.tensors[0].zero_()
+        ops.transfer(cache, chunk, slots)
+    torch.cuda.synchronize()
+    assert list(staged_mod._RINGS) == kept
+    expected = _chunk(T)
+    ops.transfer(_device_cache("cpu"), expected, slots.cpu())
+    assert torch.equal(_bytes(chunk), _bytes(expected))
+    with torch.cuda.stream(streams[2]):
+        ops.transfer(cache, chunk, slots, engine="staged")
+    torch.cuda.synchronize()
+    assert len(staged_mod._RINGS) == 2 and list(staged_mod._RINGS)[0] == kept[1]
+    ops.release_staging()
+
+
 @pytest.mark.parametrize("ring", RINGS)
 def test_staged_transfer_in_a_cuda_graph(cuda_device, ring, ring_bytes):
     if ring is not None:
