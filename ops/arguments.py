@@ -250,7 +250,8 @@ class CheckedChoice:
     bound: object = None
     kernel_calls: int = 0
     staged_plan: tuple | None = None   # (ring size, what engine="staged" found: ops.staged.static_plan)
-    never_staged: bool = False         # that plan says the pair cannot be staged: auto always runs the kernel
+    never_staged: int = 0              # the ring size for which that plan says the pair cannot be staged (auto
+    #                                    then always runs the kernel); 0: not known, or it can be
 
 
 def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,

@@ -262,7 +262,7 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
     kept = choice.staged_plan
     if kept is None or kept[0] != STAGING_BYTES:
         kept = choice.staged_plan = (STAGING_BYTES, static_plan(src, dst, choice))
-        choice.never_staged = not kept[1].stageable
+        choice.never_staged = 0 if kept[1].stageable else STAGING_BYTES
     static = kept[1]
     if not static.stageable:
         return static

@@ -75,7 +75,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             c = hit[1]
             bound = c.bound
             if (bound is not None and hit[0]() is dst and not _is_compiling()
-                    and (engine == "kernel" or c.never_staged
+                    and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
                          or _auto_keeps_kernel(c, src_slots, dst_slots, skip_prefix))
                     and bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0, validating(validate))):
                 return
