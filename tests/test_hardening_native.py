@@ -157,7 +157,6 @@ def test_the_row_limit_is_the_walks_count_limit(walk_lib):
 # bad slots counted once per program step (device backends record, the CPU raises)
 # ---------------------------------------------------------------------------------------
 
-RECORD_NONE, RECORD_ALL, RECORD_NEW = 0, 1, 2
 INT64_MAX = 2 ** 63 - 1
 
 
@@ -181,21 +180,21 @@ def test_each_bad_token_of_a_step_is_recorded_once(walk_lib):
     slots = np.array([0, 7, 9, 1, 12], np.int64)     # out of range: 9, 12 for 8 slots; 7, 9, 12 for 6
     status = np.zeros(5, np.int64)
     try:
-        walk_lib.kvl_set_recording(RECORD_ALL, INT64_MAX, INT64_MAX)
+        walk_lib.kvl_set_recording(INT64_MAX, INT64_MAX)
         first = _emulate(walk_lib, slots, 8, status)
         assert status[0] == 2 and status[2] in (9, 12)
-        walk_lib.kvl_set_recording(RECORD_NEW, INT64_MAX, 8)
+        walk_lib.kvl_set_recording(INT64_MAX, 8)
         second = _emulate(walk_lib, slots, 6, status)
         assert status[0] == 3, f"{status[0]} records for 3 bad tokens"
         # the rows of the valid tokens still moved in both launches
         assert np.array_equal(first[7 * 16:8 * 16], np.arange(16 * 1, 16 * 2, dtype=np.uint8))
         assert np.array_equal(second[16:32], np.arange(16 * 3, 16 * 4, dtype=np.uint8))
         # a launch that records nothing (the later launches of a split call)
-        walk_lib.kvl_set_recording(RECORD_NONE, INT64_MAX, INT64_MAX)
+        walk_lib.kvl_set_recording(0, 0)
         _emulate(walk_lib, slots, 6, status)
         assert status[0] == 3
     finally:
-        walk_lib.kvl_set_recording(RECORD_ALL, INT64_MAX, INT64_MAX)
+        walk_lib.kvl_set_recording(INT64_MAX, INT64_MAX)
 
 
 def _two_launch_program(num_rows: tuple[int, int], row_bytes: int) -> int:

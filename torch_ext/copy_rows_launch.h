@@ -130,7 +130,6 @@ class RowsLaunch final : public BoundLaunch {
       a.num_segments =
           std::min<int64_t>(Backend::kMaxSegmentsPerLaunch, plan.num_segments - first);
       a.status = status.data_ptr<int64_t>();
-      a.record_errors = first == 0 ? kRecordNew : kRecordNone;  // the bounds: per run
       prepare_copy_rows_args(a, plan.num_pieces, plan.piece_bytes / vec_);
       chunks_.push_back({a, first});
     }
@@ -166,8 +165,9 @@ class RowsLaunch final : public BoundLaunch {
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
-      a.src_recorded_from = before.src_from;
-      a.dst_recorded_from = before.dst_from;
+      // only the first launch of a split call records (the others read the same slots)
+      a.src_recorded_from = chunk.first == 0 ? before.src_from : 0;
+      a.dst_recorded_from = chunk.first == 0 ? before.dst_from : 0;
       const EarlyStart start =
           may_load_early ? order->early_start(reads, writes_) : EarlyStart::kNone;
       // A launch without programmatic dependent launch is an ordinary kernel

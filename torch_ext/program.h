@@ -33,6 +33,7 @@
 
 #include "copy_plan.h"
 #include "kvlayout/address.h"
+#include "kvlayout/copy_rows_kernel.h"
 
 namespace kvlayout {
 
@@ -155,8 +156,8 @@ inline CopyPlan plan_for_run(const CopyPlan& plan, const SlotArray& src_slots,
 // source slot is >= src_from or whose destination slot is >= dst_from. The
 // smallest slot counts of the earlier launches; none for the first.
 struct RecordedBefore {
-  int64_t src_from = INT64_MAX;
-  int64_t dst_from = INT64_MAX;
+  int64_t src_from = kRecordEverything;
+  int64_t dst_from = kRecordEverything;
   // As if every out-of-range slot had been recorded already (a run that records nothing).
   static RecordedBefore everything() { return RecordedBefore{0, 0}; }
   // This launch's slot counts join the earlier ones.

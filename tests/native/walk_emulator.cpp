@@ -63,11 +63,10 @@ struct HostRecorder {
 
 kvlayout::RowGeometry geometry(const int64_t* g) { return {g[0], g[1], g[2], g[3], g[4]}; }
 
-// What the next emulated launch records (kvl_set_recording): a RecordErrors
-// mode and, for kRecordNew, the earlier launches' smallest slot counts.
+// What the next emulated launch records (kvl_set_recording): its
+// src/dst_recorded_from bounds (see kvlayout::kRecordEverything).
 struct Recording {
-  int32_t mode = kvlayout::kRecordAll;
-  int64_t src_from = INT64_MAX, dst_from = INT64_MAX;
+  int64_t src_from = kvlayout::kRecordEverything, dst_from = kvlayout::kRecordEverything;
 } g_recording;
 
 template <int VEC, int UNROLL>
@@ -119,7 +118,6 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
   a.tokens = num_tokens - skip_prefix;
   a.num_segments = num_segments;
   a.status = status;
-  a.record_errors = g_recording.mode;
   a.src_recorded_from = g_recording.src_from;
   a.dst_recorded_from = g_recording.dst_from;
   kvlayout::prepare_copy_rows_args(a, num_pieces, piece_bytes / vec);
@@ -136,8 +134,8 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
 }
 
 // The recording of the launches emulated from now on (mode: a RecordErrors value).
-void kvl_set_recording(int32_t mode, int64_t src_from, int64_t dst_from) {
-  g_recording = Recording{mode, src_from, dst_from};
+void kvl_set_recording(int64_t src_from, int64_t dst_from) {
+  g_recording = Recording{src_from, dst_from};
 }
 
 // kMaxWalkCount, the longest row (in vectors) and the most segments of a launch.

@@ -60,18 +60,16 @@ constexpr int kHostUnroll = 16;
 // in copy_rows_launch.h).
 constexpr int64_t kMaxWalkCount = (int64_t(1) << 31) - 2 * int64_t(kWalkLanes) - 2;
 
-// Which out-of-range slots a launch records in the status word.
-enum RecordErrors : int32_t {
-  kRecordNone = 0,  // none (the later launches of a split call)
-  kRecordAll = 1,   // every token with an out-of-range slot
-  // Only the tokens that no earlier launch of the same run recorded: the
-  // launches of one program step read the same slots, each with its own
-  // slot counts, and each bad token is counted once. An earlier launch
-  // recorded a token when its source slot was >= src_recorded_from or its
-  // destination slot >= dst_recorded_from (the smallest slot counts of the
-  // earlier launches).
-  kRecordNew = 2,
-};
+// Which out-of-range slots a launch records in the status word: a token
+// whose source slot s or destination slot d is out of range is recorded when
+// s < src_recorded_from and d < dst_recorded_from. The launches of one program
+// step read the same slots, each with its own slot counts, and each bad token
+// is counted once: an earlier launch recorded the tokens with a slot at or
+// past its counts, so a launch gets the smallest counts of the earlier ones
+// (kRecordEverything where there are none; 0: it records nothing, as the
+// later launches of a split call). One rule, two compares: the walk inlines
+// it at every unrolled item.
+constexpr int64_t kRecordEverything = INT64_MAX;
 
 
 // n / d and n % d for a divisor fixed at launch: a multiply-high and a shift
@@ -158,9 +156,9 @@ struct CopyRowsArgs {
   FastDivmod src_by_page;  // slot -> (page, slot in page), per side
   FastDivmod dst_by_page;
   int64_t* status;         // device-visible int64[kStatusNumel]
-  int64_t src_recorded_from;  // kRecordNew: see RecordErrors
+  int64_t src_recorded_from;  // which out-of-range slots are recorded (see kRecordEverything)
   int64_t dst_recorded_from;
-  int32_t record_errors;   // RecordErrors: only one launch of a split call records
+  int32_t unused_;         // (keeps the layout that the kernels' register counts were measured with)
   int32_t next_start;      // NextStart: when the next kernel of the stream may start (CUDA)
 };
 
@@ -188,7 +186,7 @@ inline void prepare_copy_rows_args(CopyRowsArgs& a, int64_t num_pieces, int64_t 
 
 // Rows of one token on both sides: the row offsets from a segment's base, or
 // why there is no row (a negative slot: skipped; an out-of-range slot:
-// skipped and, as the launch's record_errors says, recorded once, by the lane
+// skipped and, as the launch's recorded_from bounds say, recorded once, by the lane
 // that owns the token's first item).
 // The slot pair of the lane's next token is loaded ahead (each slot is still
 // loaded once, checked, and that value used).
@@ -222,9 +220,7 @@ struct TokenRows {
     invalid = false;
     if (s < 0 || d < 0) return;
     if (s >= a.src_geom.num_slots || d >= a.dst_geom.num_slots) {
-      invalid = a.record_errors == kRecordAll ||
-                (a.record_errors == kRecordNew && s < a.src_recorded_from &&
-                 d < a.dst_recorded_from);
+      invalid = s < a.src_recorded_from && d < a.dst_recorded_from;
       const bool src_bad = s >= a.src_geom.num_slots;
       bad_value = src_bad ? s : d;
       bad_which = src_bad ? int32_t(kStatusSrcSlots) : int32_t(kStatusDstSlots);
