@@ -104,14 +104,13 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
 
 
 def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int) -> bool:
-    """For the repeated-call path: whether auto keeps the kernel for a call with these slot arguments, from what
-    the choice keeps (False: not known here, the long way decides)."""
+    """For the repeated-call path, past ``c.never_staged`` (a pair that cannot be staged at all): whether auto
+    keeps the kernel for a call with these slot arguments, from what the choice keeps (False: not known here,
+    the long way decides)."""
     kept = c.staged_plan
     if kept is None or kept[0] != _staged.STAGING_BYTES:
         return False                     # not known yet: the long way decides (and plans)
     static = kept[1]
-    if not static.stageable:
-        return True                      # (a device pair, a host side with slots, ...: no slot to look at)
     if (dst_slots if static.host_is_dst else src_slots) is not None:
         return True                      # staging copies host rows 0..T-1: a host side with slots is not staged
     slots = src_slots if static.host_is_dst else dst_slots
