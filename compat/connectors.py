@@ -534,8 +534,10 @@ class _ChunkConnector(_Connector):
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         """Every chunk's :meth:`to_gpu` on the load stream; returns when the loads have landed
-        (LMCache frees the memory objects right after)."""
+        (LMCache frees the memory objects right after).  The load stream first waits (device side) for the
+        caller's stream: the caches it writes may have just been filled or zeroed there."""
         stream = self.load_stream if self.sync_after_batched_load else None
+        wait_stream(stream, self._current())
         with on_stream(stream):
             for obj, start, end in zip(memory_objs, starts, ends):
                 self.to_gpu(obj, start, end, **kwargs)

@@ -72,6 +72,8 @@ def test_v2_from_gpu_to_gpu(device, fmt, use_gpu):
         assert obj.fmt == (MF.KV_MLA_FMT if mla else MF.KV_2LTD)
         assert same(obj.tensor, _expected_chunk(fmt, kv, slots, s, e))      # one direction: K/V order checked
     # retrieve into a fresh cache, with 10 tokens already cached by the engine
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)   # the caller's stream busy: its zero-fill of the fresh cache runs late
     fresh = zeros_like(kv)
     conn.batched_to_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots,
                         kvcaches=_hnd_view(fresh) if fmt == 6 else fresh, vllm_cached_tokens=10)
@@ -119,6 +121,8 @@ def test_v3_layer_groups_mixed_dtypes(device, fmt, use_gpu):
         assert obj.fmt == MF.KV_2LTD
         for g, t in zip(groups, obj.tensors):
             assert t.dtype == g[0].dtype and same(t, _expected_chunk(fmt, g, slots, s, e))
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)   # the caller's stream busy: its zero-fill of the fresh caches runs late
     fresh_groups = [zeros_like(g) for g in groups]
     fresh = [t for g in fresh_groups for t in g]
     conn.batched_to_gpu(objs, [s for s, _ in CHUNKS], [e for _, e in CHUNKS], slot_mapping=slots, kvcaches=fresh)
