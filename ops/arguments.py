@@ -252,6 +252,8 @@ class CheckedChoice:
     staged_plan: tuple | None = None   # (ring size, what engine="staged" found: ops.staged.static_plan)
     never_staged: int = 0              # the ring size for which that plan says the pair cannot be staged (auto
     #                                    then always runs the kernel); 0: not known, or it can be
+    staged_kept: object = None         # weak reference to the staged transfer last run for the choice
+    #                                    (ops.staged._Transfer; its ring owns it)
 
 
 def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,

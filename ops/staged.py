@@ -33,7 +33,12 @@ captured in a CUDA graph.
 
 The per-call loop is one C++ call (``_C.StagedTransfer``, ``torch_ext/staged.h``);
 Python plans a transfer once (chunk shape, the copy programs bound to each
-ring slot, the host byte spans) and keeps the plan with the ring.
+ring slot, the host byte spans) and keeps the plan with the ring. The C++
+engine captures the second call of a shape (token count, skip_prefix, SM
+budget, slot dtype) into a CUDA graph and replays it for later calls of that
+shape (a slot copy and a graph launch instead of some 25 µs of driver calls
+per chunk); :func:`kvlayout.ops.transfer`'s repeated-call path reaches the
+kept plan without planning or looking the ring up (:meth:`_Transfer.run_kept`).
 """
 
 from __future__ import annotations
@@ -279,12 +284,16 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
 class _Ring:
     """One stream's staging ring and the transfers planned on it."""
 
-    def __init__(self, device: torch.device, capturing: bool):
+    def __init__(self, device: torch.device, stream: int):
         slot_bytes = STAGING_BYTES // RING_SLOTS // _ALIGN * _ALIGN
         self.buffer = torch.empty(slot_bytes * RING_SLOTS, dtype=torch.uint8, device=device)
         self.slots = [self.buffer[r * slot_bytes:(r + 1) * slot_bytes] for r in range(RING_SLOTS)]
         self.transfers: collections.OrderedDict = collections.OrderedDict()   # id(choice) -> _Transfer
-        self.capturing = capturing
+        self.stream = stream               # the stream's handle; 0: a ring of one graph capture (not kept)
+
+    @property
+    def capturing(self) -> bool:
+        return self.stream == 0
 
 
 _RINGS: collections.OrderedDict = collections.OrderedDict()   # (device, stream) -> _Ring, least recent first
@@ -294,13 +303,13 @@ def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
     """The ring of a call on ``stream``: the kept one, or a new one (kept, except under graph capture, whose
     memory comes from the graph's own pool)."""
     if torch.cuda.is_current_stream_capturing():
-        return _Ring(device, capturing=True)
+        return _Ring(device, stream=0)
     key = (device, stream.cuda_stream, STAGING_BYTES)
     ring = _RINGS.pop(key, None)
     if ring is None:
         while len(_RINGS) >= KEPT_RINGS:
             _RINGS.pop(next(iter(_RINGS)))
-        ring = _Ring(device, capturing=False)
+        ring = _Ring(device, stream=stream.cuda_stream)
     _RINGS[key] = ring                   # (re)inserted last: the most recently used
     return ring
 
@@ -355,7 +364,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 class _Transfer:
     """A staged transfer planned on one ring: the copy programs bound to each ring slot (pinned while it lives)
-    and the native run loop."""
+    and the native run loop.
+
+    The choice it was planned for keeps a weak reference to it (``choice.staged_kept``), so that
+    :func:`kvlayout.ops.transfer` can repeat the call without planning or looking the ring up
+    (:meth:`run_kept`); the ring holds the only strong one, so a ring let go of takes its plans along."""
 
     def __init__(self, src: KVCache, dst: KVCache, choice, staged: StagedPlan, ring: _Ring):
         # the plan holds the caches' tensors (its bindings): it leaves the ring as soon as the choice or either
@@ -369,6 +382,7 @@ class _Transfer:
 
         self._watches = [weakref.ref(o, forget) for o in (choice, src, dst)]
         self.choice = self._watches[0]
+        self.host_is_dst = staged.host_is_dst
         sides = _Sides.of(src, dst, choice, staged.host_is_dst)
         status = _native.status_tensor(choice.device)
         minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
@@ -403,12 +417,22 @@ class _Transfer:
             self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots),
                                             list(sides.host.tensors), groups, staged.chunk_tokens,
                                             sides.device.geometry.N, sides.host.geometry.N,
-                                            _side_stream(choice.device).cuda_stream, written)
+                                            _side_stream(choice.device).cuda_stream, ring.stream, written)
         except BaseException:
             for handle in handles:
                 unpin(handle)
             raise
         weakref.finalize(self, lambda hs=tuple(handles): [unpin(h) for h in hs])
+
+    def run_kept(self, src_slots, dst_slots, skip_prefix: int, max_ctas: int, validate: bool) -> bool:
+        """The call again, from :func:`kvlayout.ops.transfer`'s repeated-call path: False (nothing done) where
+        it is not this plan's to run as it is (the host side has slots, the device side's slots are not a
+        plain tensor of the ring's device, another stream is current, a capture is under way, a bound tensor
+        changed); the long way then decides."""
+        host_slots, slots = (dst_slots, src_slots) if self.host_is_dst else (src_slots, dst_slots)
+        if host_slots is not None or type(slots) is not torch.Tensor:
+            return False
+        return self.native.run_kept(slots, skip_prefix, max_ctas, validate)
 
 
 def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots, dst_slots, num_tokens: int,
@@ -430,5 +454,7 @@ def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots
         else:
             ring.transfers.move_to_end(id(choice))
         if transfer.native.run(device_slots, num_tokens, skip_prefix, choice.max_ctas, validate):
+            if not ring.capturing:
+                choice.staged_kept = weakref.ref(transfer)
             return
     raise RuntimeError("kvlayout: a staged transfer's tensors changed while it was planned")

@@ -59,26 +59,35 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     argument checks.
     """
     if (src_planes is None and dst_planes is None and num_tokens is None and max_ctas == 0
-            and type(max_ctas) is int and type(skip_prefix) is int and (engine == "auto" or engine == "kernel")):
+            and type(max_ctas) is int and type(skip_prefix) is int
+            and (engine == "auto" or engine == "kernel" or engine == "staged")):
         # the engine's repeated calls (all layers, or one layer each side; plain slot tensors): checked and
-        # launched by one C++ call from the binding its checked choice keeps (checked_choice's memo), where
-        # auto keeps the kernel for them. (This path costs about as much as one torch op: every lookup counts.)
+        # launched by one C++ call from what its checked choice keeps (checked_choice's memo): the bound copy
+        # program where auto keeps the kernel, the staged transfer last run where it stages (or the engine is
+        # "staged", all layers). (This path costs about as much as one torch op: every lookup counts.)
         if src_layers is None and dst_layers is None:
-            key = id(dst)
+            key = id(dst) if engine != "staged" else (id(dst), None, None, None, None, 0, "staged")
         elif (type(src_layers) is list and type(dst_layers) is list and len(src_layers) == 1
-              and len(dst_layers) == 1 and type(src_layers[0]) is int and type(dst_layers[0]) is int):
+              and len(dst_layers) == 1 and type(src_layers[0]) is int and type(dst_layers[0]) is int
+              and engine != "staged"):
             key = (id(dst), src_layers[0], dst_layers[0])   # (repeated_call_key inlined: a call costs ~0.1 µs)
         else:
             key = None
         hit = src._checked_choices.get(key)
-        if hit is not None:
+        if hit is not None and hit[0]() is dst and not _is_compiling():
             c = hit[1]
-            bound = c.bound
-            if (bound is not None and hit[0]() is dst and not _is_compiling()
-                    and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
-                         or _auto_keeps_kernel(c, src_slots, dst_slots, skip_prefix))
-                    and bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0, validating(validate))):
-                return
+            if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
+                                       or _auto_keeps_kernel(c, src_slots, dst_slots, skip_prefix)):
+                bound = c.bound
+                if bound is not None and bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0,
+                                                            validating(validate)):
+                    return
+            elif c.staged_kept is not None:
+                # staged: the transfer last run for the choice, if its ring is still kept and the call is its to
+                # run as it is (no planning, no ring lookup)
+                kept = c.staged_kept()
+                if kept is not None and kept.run_kept(src_slots, dst_slots, skip_prefix, 0, validating(validate)):
+                    return
     if engine == "kernel":
         routes.run(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
                    src_planes=src_planes, dst_planes=dst_planes, skip_prefix=skip_prefix, num_tokens=num_tokens,

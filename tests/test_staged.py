@@ -370,6 +370,14 @@ def test_auto_repeated_calls_take_the_engine_their_payload_calls_for(cuda_device
         staged_tokens.append(T)
         return run_staged(src, dst, plan, choice, s_slots, d_slots, T, *rest)
     monkeypatch.setattr(transfer_module, "run_staged", counting)
+    run_kept = staged_mod._Transfer.run_kept
+
+    def counting_kept(self, src_slots, *rest):   # (the repeated-call path's staged calls)
+        ran = run_kept(self, src_slots, *rest)
+        if ran:
+            staged_tokens.append(src_slots.shape[0])
+        return ran
+    monkeypatch.setattr(staged_mod._Transfer, "run_kept", counting_kept)
     cache, chunk = _device_cache(cuda_device), _chunk(32, pin=True)
     expected, cpu_cache = _chunk(32), _device_cache("cpu")
     g = torch.Generator().manual_seed(3)
@@ -522,6 +530,93 @@ def test_ring_is_reused_per_stream_and_stays_exact(cuda_device, direction, ring_
     assert not staged_mod._RINGS
 
 
+def _kept_transfer(choice_src, choice_dst, engine="auto"):
+    """The staged transfer the repeated-call path keeps for this pair (``choice.staged_kept``)."""
+    kept = checked_choice(choice_src, choice_dst, None, None, None, None, 0, engine).staged_kept
+    return None if kept is None else kept()
+
+
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("ring", [16 << 10, None])   # many chunks per call / one
+def test_repeated_shapes_replay_a_captured_graph_and_stay_exact(cuda_device, direction, ring, ring_bytes,
+                                                                 monkeypatch):
+    """Default-engine calls that auto stages, repeated the way an engine repeats them (same caches, fresh slot
+    tensors of int32 and int64 each call, new bytes in the caches, two token counts, a skip_prefix): the
+    second call of a shape is captured into a graph and later ones replay it; every call leaves exactly the
+    bytes the CPU kernel leaves, and the calls after the first go straight to C++."""
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, direction, 0)
+    ring_bytes(ring or staged_mod.STAGING_BYTES)
+    cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
+    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
+    g = torch.Generator().manual_seed(11)
+    shapes = [(48, 0, torch.int64), (40, 0, torch.int64), (48, 0, torch.int32), (48, 5, torch.int64)] * 3
+    for i, (T, skip, dtype) in enumerate(shapes):
+        fresh = torch.randint(-2**15, 2**15, (L, 2, NB, BS, H, D), generator=g, dtype=torch.int16)
+        slots = torch.randperm(NB * BS, generator=g)[:T].to(dtype)
+        slots[i % T] = -1                                        # a token without a device row
+        for tensors in (cache.tensors, cpu_cache.tensors):       # new bytes in the same tensors
+            for layer, t in enumerate(tensors):
+                t.view(torch.int16).copy_(fresh[layer])
+        for c in (chunk, cpu_chunk):
+            c.tensors[0].view(torch.int16).fill_(i)
+        if direction == "to_host":
+            ops.transfer(cache, chunk, slots.to(cuda_device), skip_prefix=skip)
+            ops.transfer(cpu_cache, cpu_chunk, slots, skip_prefix=skip)
+        else:
+            ops.transfer(chunk, cache, None, slots.to(cuda_device), skip_prefix=skip)
+            ops.transfer(cpu_chunk, cpu_cache, None, slots, skip_prefix=skip)
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache)), i
+    src, dst = (cache, chunk) if direction == "to_host" else (chunk, cache)
+    kept = _kept_transfer(src, dst)
+    assert kept is not None
+    # four shapes, each run three times: the first call of each direct, the second captured and replayed, the
+    # third replayed
+    assert kept.native.kept_graphs == 4 and kept.native.replayed_calls == 8
+
+
+def test_replayed_calls_record_out_of_range_slots_and_validate_on_the_host(cuda_device, ring_bytes, monkeypatch):
+    """A replayed call records its out-of-range slots as a direct one does (each once, its index in the caller's
+    slots); a validating call checks on the host first and is never replayed."""
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    ring_bytes(16 << 10)
+    T = 40
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    slots = _slots_with_holes(T, cuda_device)
+    slots[33] = NB * BS + 9
+    with contextlib.suppress(IndexError):
+        ops.check_errors(cuda_device)
+    for _ in range(3):
+        ops.transfer(cache, chunk, slots)
+        with pytest.raises(IndexError, match=r"src_slots\[33\] = 105 is out of range"):
+            ops.check_errors(cuda_device)
+    kept = _kept_transfer(cache, chunk)
+    assert kept.native.replayed_calls == 2
+    with pytest.raises(IndexError, match=r"src_slots\[33\] = 105"):
+        ops.transfer(cache, chunk, slots, validate=True)
+    assert kept.native.replayed_calls == 2
+
+
+def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
+    """Twenty token counts, each called twice: at most eight captured graphs are kept per transfer (the least
+    recently used go), and every call is exact."""
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    ring_bytes(16 << 10)
+    cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
+    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
+    for T in range(20, 40):
+        slots = torch.arange(T).flip(0)
+        for _ in range(2):
+            chunk.tensors[0].zero_()
+            cpu_chunk.tensors[0].zero_()
+            ops.transfer(cache, chunk, slots.to(cuda_device))
+            ops.transfer(cpu_cache, cpu_chunk, slots)
+            torch.cuda.synchronize()
+            assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)), T
+    kept = _kept_transfer(cache, chunk)
+    assert kept.native.kept_graphs == 8 and kept.native.replayed_calls == 20
+
+
 def test_native_staged_transfer_refuses_copies_outside_its_tensors():
     """The native run loop checks, once, that every copy it can issue lies inside its tensors: a segment's host
     rows of every host slot inside its host tensor, its ring rows of a whole chunk inside every ring slot."""
@@ -539,7 +634,7 @@ def test_native_staged_transfer_refuses_copies_outside_its_tensors():
 
         def make(segments, tokens_per_chunk=4):
             return _C.StagedTransfer(True, [kernel], [], [slot], list(chunk.tensors), [segments], tokens_per_chunk,
-                                     NB * BS, 8, 0, [])
+                                     NB * BS, 8, 0, 0, [])
 
         with pytest.raises(ValueError, match="host rows lie outside host tensor 0"):
             make([(0, host_bytes - row, 0, row)])          # slots 1..7 of that segment would pass the end

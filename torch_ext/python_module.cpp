@@ -287,7 +287,7 @@ class StagedTransfer {
                  std::vector<at::Tensor> host_tensors,
                  const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>& groups,
                  int64_t tokens_per_chunk, int64_t device_num_slots, int64_t host_num_slots,
-                 int64_t side_stream, std::vector<at::Tensor> written)
+                 int64_t side_stream, int64_t ring_stream, std::vector<at::Tensor> written)
       : host_num_slots_(host_num_slots), device_(ring_slots.empty() ? c10::Device(c10::kCPU)
                                                                     : ring_slots.front().device()) {
     TORCH_CHECK_VALUE(!ring_slots.empty() && !kernels.empty() && tokens_per_chunk > 0 &&
@@ -334,6 +334,7 @@ class StagedTransfer {
     setup.device_num_slots = device_num_slots;
     setup.device = setup.ring_slots.front().device();
     setup.side_stream = side_stream;
+    setup.ring_stream = ring_stream;
     const StagedFactory factory = staged_factory(setup.device.type());
     TORCH_CHECK_VALUE(factory != nullptr, "kvlayout: no staged engine for ", setup.device,
                       " in this build");
@@ -371,6 +372,29 @@ class StagedTransfer {
       if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
     return true;
   }
+
+  // run() for a caller that kept this plan and did not look its ring up:
+  // false (nothing done) unless the current stream is the ring's, no graph is
+  // being captured, no dispatch mode is active and the device slots are a 1-D
+  // int32/int64 tensor of this device that run() takes as it is; the caller
+  // then takes the long way, which raises where the arguments are wrong.
+  bool run_kept(const at::Tensor& device_slots, int64_t skip_prefix, int64_t max_ctas,
+                bool validate) const {
+    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || !device_slots.defined() ||
+        needs_dispatcher(at::TensorList(device_slots)) || device_slots.dim() != 1 ||
+        device_slots.device() != device_ ||
+        (device_slots.scalar_type() != at::kInt && device_slots.scalar_type() != at::kLong) ||
+        !device_slots.is_contiguous())
+      return false;
+    const int64_t num_tokens = device_slots.size(0);
+    if (num_tokens > host_num_slots_ || skip_prefix < 0 || skip_prefix > num_tokens ||
+        !engine_->on_ring_stream())
+      return false;
+    return run(device_slots, num_tokens, skip_prefix, max_ctas, validate);
+  }
+
+  int64_t replayed_calls() const { return engine_->replayed_calls(); }
+  int64_t kept_graphs() const { return engine_->kept_graphs(); }
 
  private:
   int64_t host_num_slots_;
@@ -451,18 +475,27 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<bool, const std::vector<PreparedCopy*>&, const std::vector<PreparedCopy*>&,
                     std::vector<at::Tensor>, std::vector<at::Tensor>,
                     const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>&,
-                    int64_t, int64_t, int64_t, int64_t, std::vector<at::Tensor>>(),
+                    int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<at::Tensor>>(),
            py::arg("host_is_dst"), py::arg("kernels"), py::arg("keeps"), py::arg("ring_slots"),
            py::arg("host_tensors"), py::arg("groups"), py::arg("tokens_per_chunk"),
            py::arg("device_num_slots"), py::arg("host_num_slots"), py::arg("side_stream"),
-           py::arg("written"),
+           py::arg("ring_stream"), py::arg("written"),
            "kernels/keeps: PreparedCopy per (group, ring slot); groups: "
            "per layer group, (host tensor, host byte offset, ring byte offset, row bytes) per "
            "segment.")
       .def("run", &StagedTransfer::run, py::arg("device_slots"), py::arg("num_tokens"),
            py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("validate"),
            "Issues the transfer on the current stream; False (nothing done) when a bound tensor "
-           "changed since the plan was made.");
+           "changed since the plan was made.")
+      .def("run_kept", &StagedTransfer::run_kept, py::arg("device_slots"), py::arg("skip_prefix"),
+           py::arg("max_ctas"), py::arg("validate"),
+           "run() for a caller that kept the plan: False (nothing done) unless the current stream "
+           "is the ring's (no capture, no dispatch mode) and the device slots a 1-D int32/int64 "
+           "tensor of the ring's device; the number of tokens is their length.")
+      .def_property_readonly("replayed_calls", &StagedTransfer::replayed_calls,
+                             "Calls replayed from a captured graph so far.")
+      .def_property_readonly("kept_graphs", &StagedTransfer::kept_graphs,
+                             "Captured call shapes kept now (at most 8).");
   m.def("early_load_launches", &early_load_launches,
         "How many copy launches this process made whose loads could start before the previous "
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "

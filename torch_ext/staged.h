@@ -19,7 +19,8 @@
 // token t is t. Every row still moves through the copy kernel, so slots,
 // skip_prefix and recorded out-of-range slots behave as the kernel engine's.
 // Streams are ordered with events; no host synchronisation, so a staged
-// transfer can be captured in a CUDA graph.
+// transfer can be captured in a CUDA graph (the CUDA engine captures repeated
+// call shapes itself and replays them: cuda/staged.cu).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -56,6 +57,7 @@ struct StagedSetup {
   int64_t device_num_slots = 0;  // the device cache's slot count (slots >= it are out of range)
   c10::Device device{c10::kCPU};
   int64_t side_stream = 0;       // the backend's stream handle for the copy engine's work
+  int64_t ring_stream = 0;       // the stream the ring belongs to (0: none, a ring of one capture)
 };
 
 struct StagedArgs {
@@ -71,6 +73,12 @@ class StagedEngine {
   virtual ~StagedEngine() = default;
   // Issues the transfer in stream order on the current stream.
   virtual void run(const StagedArgs& args) = 0;
+  // Whether the current stream is the ring's and captures no graph: where a
+  // kept plan may run without its caller looking the ring up again.
+  virtual bool on_ring_stream() const = 0;
+  // Calls replayed from a captured graph so far, and the graphs kept now.
+  virtual int64_t replayed_calls() const = 0;
+  virtual int64_t kept_graphs() const = 0;
 };
 
 using StagedFactory = std::unique_ptr<StagedEngine> (*)(StagedSetup setup);

@@ -4,18 +4,26 @@
 // a side stream, ordered by events (reused across calls: a wait takes the
 // event's latest record at the time it is issued).
 //
-// Host work per call: one small kernel that writes the ring row of every
-// token (and, device -> host, which host rows must be kept), then per chunk
-// one or two program runs, the chunk's copies (adjacent ones merged) and two
-// event records with their waits. No allocation beyond the per-call token
-// table (torch's caching allocator), no synchronisation.
+// Issued directly, a call's host work is one small kernel that writes the
+// ring row of every token (and, device -> host, which host rows must be
+// kept), then per chunk one or two program runs, the chunk's copies (adjacent
+// ones merged) and two event records with their waits: about 25 us of driver
+// calls per chunk. So a call whose shape (token count, skip_prefix, SM
+// budget, slot dtype) came before is captured once into a CUDA graph (on the
+// engine's own streams, reading the slots from a buffer of the graph) and
+// replayed: per call one copy of the slots into that buffer and one graph
+// launch, whatever the chunk count. Shapes are captured on their second call
+// (a one-off shape costs no capture); at most kReplays graphs are kept per
+// engine, least recently used evicted. No synchronisation either way.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <list>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "../staged.h"
@@ -69,6 +77,52 @@ void join(cudaEvent_t event, cudaStream_t stream, cudaStream_t waiter) {
   C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
 }
 
+// A stream of the engine's own (never another library's pool stream: a
+// capture would take in whatever else is queued on it).
+class OwnStream {
+ public:
+  OwnStream() = default;
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+  ~OwnStream() {
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  }
+  cudaStream_t get() {
+    if (stream_ == nullptr) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    return stream_;
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// What a captured call depends on besides the bound tensors.
+struct ReplayKey {
+  int64_t num_tokens, skip_prefix, max_ctas;
+  int64_t slot_bytes;  // 0: no device slots; else 4 or 8
+  bool operator==(const ReplayKey& o) const {
+    return num_tokens == o.num_tokens && skip_prefix == o.skip_prefix && max_ctas == o.max_ctas &&
+           slot_bytes == o.slot_bytes;
+  }
+};
+
+// One captured call: its graph, the buffer it reads the slots from and the
+// token table it writes (allocated on the engine's stream before the capture).
+struct Replay {
+  ReplayKey key{};
+  at::Tensor slots, rows;
+  cudaGraphExec_t exec = nullptr;
+  Replay() = default;
+  Replay(const Replay&) = delete;
+  Replay& operator=(const Replay&) = delete;
+  ~Replay() {
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);  // (freed when done if still running)
+  }
+};
+
+constexpr size_t kReplays = 8;     // graphs kept per engine
+constexpr size_t kSeenShapes = 16;  // shapes remembered as run once
+
 class CudaStaged final : public StagedEngine {
  public:
   explicit CudaStaged(StagedSetup setup)
@@ -81,18 +135,129 @@ class CudaStaged final : public StagedEngine {
     }
   }
 
+  bool on_ring_stream() const override {
+    const cudaStream_t current = c10::cuda::getCurrentCUDAStream(s_.device.index()).stream();
+    if (s_.ring_stream == 0 || current != reinterpret_cast<cudaStream_t>(s_.ring_stream)) return false;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(current, &capture));
+    return capture == cudaStreamCaptureStatusNone;
+  }
+
+  int64_t replayed_calls() const override {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return replayed_;
+  }
+  int64_t kept_graphs() const override {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(replays_.size());
+  }
+
   void run(const StagedArgs& a) override {
     if (a.skip_prefix >= a.num_tokens) return;
     const c10::cuda::CUDAGuard guard(s_.device);
+    const std::lock_guard<std::mutex> lock(mu_);
     const cudaStream_t main = c10::cuda::getCurrentCUDAStream(s_.device.index()).stream();
-    const auto side = reinterpret_cast<cudaStream_t>(s_.side_stream);
-    const size_t R = ring_.size();
-    const bool keep = s_.host_is_dst && !s_.keeps.empty();
     const at::Tensor device_slots =
         a.device_slots.has_value() && a.device_slots->defined() ? *a.device_slots : at::Tensor();
+    // A validating call checks its slots on the host first (per call), and a call inside the
+    // caller's own graph capture becomes part of that graph: both are issued directly.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(main, &capture));
+    if (!a.validate && replays_ok_ && capture == cudaStreamCaptureStatusNone) {
+      const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas,
+                          device_slots.defined() ? int64_t(device_slots.element_size()) : 0};
+      Replay* replay = find_replay(key);
+      if (replay == nullptr && seen_before(key)) replay = capture_replay(key);
+      if (replay != nullptr) {
+        if (device_slots.defined())
+          C10_CUDA_CHECK(cudaMemcpyAsync(replay->slots.data_ptr(), device_slots.data_ptr(),
+                                         size_t(a.num_tokens) * size_t(key.slot_bytes),
+                                         cudaMemcpyDeviceToDevice, main));
+        C10_CUDA_CHECK(cudaGraphLaunch(replay->exec, main));
+        ++replayed_;
+        return;
+      }
+    }
+    const at::Tensor rows = new_token_rows(a.num_tokens);
+    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, rows, main);
+    issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate, rows, main,
+          reinterpret_cast<cudaStream_t>(s_.side_stream));
+  }
+
+ private:
+  bool keeps() const { return s_.host_is_dst && !s_.keeps.empty(); }
+
+  Replay* find_replay(const ReplayKey& key) {
+    for (auto it = replays_.begin(); it != replays_.end(); ++it) {
+      if ((*it)->key == key) {
+        replays_.splice(replays_.begin(), replays_, it);  // most recently used first
+        return replays_.front().get();
+      }
+    }
+    return nullptr;
+  }
+
+  // Whether `key` was run before (remembering it now if not).
+  bool seen_before(const ReplayKey& key) {
+    for (const ReplayKey& k : seen_)
+      if (k == key) return true;
+    seen_.push_front(key);
+    if (seen_.size() > kSeenShapes) seen_.pop_back();
+    return false;
+  }
+
+  // Captures the call of `key` on the engine's own streams; nullptr where
+  // the runtime refuses (and no more captures by this engine) or the call
+  // raised (the direct call that follows raises the same). The graph's
+  // buffers are allocated for the caller's stream, where the graph runs:
+  // freed, they are reused only after the work queued there.
+  Replay* capture_replay(const ReplayKey& key) {
+    auto replay = std::make_unique<Replay>();
+    replay->key = key;
+    if (key.slot_bytes != 0)
+      replay->slots = at::empty({key.num_tokens}, at::TensorOptions().device(s_.device).dtype(
+                                                      key.slot_bytes == 4 ? at::kInt : at::kLong));
+    replay->rows = new_token_rows(key.num_tokens);
+    const cudaStream_t cap = capture_stream_.get(), side = capture_side_.get();
+    const c10::cuda::CUDAStreamGuard on_cap(c10::cuda::getStreamFromExternal(cap, s_.device.index()));
+    if (cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      replays_ok_ = false;
+      return nullptr;
+    }
+    cudaGraph_t graph = nullptr;
+    try {
+      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, replay->rows, cap);
+      issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, false, replay->rows, cap,
+            side);
+    } catch (...) {
+      (void)cudaStreamEndCapture(cap, &graph);
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    cudaError_t err = cudaStreamEndCapture(cap, &graph);
+    if (err == cudaSuccess) err = cudaGraphInstantiateWithFlags(&replay->exec, graph, 0);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      replays_ok_ = false;
+      return nullptr;
+    }
+    replays_.push_front(std::move(replay));
+    if (replays_.size() > kReplays) replays_.pop_back();
+    return replays_.front().get();
+  }
+
+  // The transfer's work in stream order: `main` runs the kernels, `side` the
+  // copy engine's copies; `rows` is the token table fill_token_rows wrote.
+  void issue(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
+             int64_t max_ctas, bool validate, const at::Tensor& rows, cudaStream_t main,
+             cudaStream_t side) {
+    const size_t R = ring_.size();
+    const bool keep = keeps();
     // The token table's rows, each read by every chunk as a prefix (RunArgs::slot_prefixes): one view
     // per row per call, none per chunk.
-    const at::Tensor rows = token_rows(a, keep, main);
     const at::Tensor ring_rows = rows[0];
     const at::Tensor kept_host_rows = keep ? rows[1] : at::Tensor();
     const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
@@ -101,17 +266,17 @@ class CudaStaged final : public StagedEngine {
     const int64_t per_chunk = s_.tokens_per_chunk;
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
-      for (int64_t t0 = a.skip_prefix; t0 < a.num_tokens; t0 += per_chunk, ++c) {
+      for (int64_t t0 = skip_prefix; t0 < num_tokens; t0 += per_chunk, ++c) {
         // tokens [t0, end): the slot arrays' first `end` entries, with skip_prefix t0 (so a
         // recorded out-of-range slot names its index in the caller's slots)
-        const int64_t end = std::min(t0 + per_chunk, a.num_tokens);
+        const int64_t end = std::min(t0 + per_chunk, num_tokens);
         const size_t r = c % R;
         const cudaEvent_t filled = events_[2 + r], drained = events_[2 + R + r];
         const BoundProgram& kernel = *s_.kernels[g * R + r];
         // every layer group reads the same slots: only the first records bad ones (each once)
         const auto run = [&](const BoundProgram& p, const at::Tensor& src_slots,
                              const at::Tensor& dst_slots, bool validate) {
-          RunArgs args{slots_or_none(src_slots), slots_or_none(dst_slots), end, t0, a.max_ctas,
+          RunArgs args{slots_or_none(src_slots), slots_or_none(dst_slots), end, t0, max_ctas,
                        validate};
           args.record_errors = g == 0;
           args.slot_prefixes = true;
@@ -120,7 +285,7 @@ class CudaStaged final : public StagedEngine {
         if (s_.host_is_dst) {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(main, drained, 0));  // its copy out is done
           if (keep) run(*s_.keeps[g * R + r], kept_host_rows, kept_ring_rows, false);
-          run(kernel, device_slots, ring_rows, a.validate);
+          run(kernel, device_slots, ring_rows, validate);
           join(filled, main, side);
           copy(g, r, t0, end - t0, /*to_host=*/true, side);
           C10_CUDA_CHECK(cudaEventRecord(drained, side));
@@ -128,7 +293,7 @@ class CudaStaged final : public StagedEngine {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(side, drained, 0));  // its kernel is done
           copy(g, r, t0, end - t0, /*to_host=*/false, side);
           join(filled, side, main);
-          run(kernel, ring_rows, device_slots, a.validate);
+          run(kernel, ring_rows, device_slots, validate);
           C10_CUDA_CHECK(cudaEventRecord(drained, main));
         }
       }
@@ -138,30 +303,34 @@ class CudaStaged final : public StagedEngine {
     join(events_[1], side, main);
   }
 
- private:
   // An undefined tensor stands for "no slots" (token t uses slot t).
   static std::optional<at::Tensor> slots_or_none(const at::Tensor& t) {
     if (!t.defined()) return std::nullopt;
     return t;
   }
 
-  at::Tensor token_rows(const StagedArgs& a, bool keep, cudaStream_t main) const {
-    const int64_t T = a.num_tokens;
-    at::Tensor rows = at::empty({keep ? 3 : 1, T}, at::TensorOptions().dtype(at::kLong).device(s_.device));
+  // The token table of a call of `num_tokens` tokens (see staged_rows_kernel).
+  at::Tensor new_token_rows(int64_t num_tokens) const {
+    return at::empty({keeps() ? 3 : 1, num_tokens},
+                     at::TensorOptions().dtype(at::kLong).device(s_.device));
+  }
+
+  void fill_token_rows(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
+                       const at::Tensor& rows, cudaStream_t stream) const {
     const int threads = 256;
-    const int blocks = static_cast<int>(std::min<int64_t>((T + threads - 1) / threads, 1024));
-    const bool has_slots = a.device_slots.has_value() && a.device_slots->defined();
-    if (has_slots && a.device_slots->scalar_type() == at::kInt) {
-      staged_rows_kernel<int32_t><<<blocks, threads, 0, main>>>(
-          a.device_slots->data_ptr<int32_t>(), T, a.skip_prefix, s_.tokens_per_chunk,
-          s_.device_num_slots, keep, rows.data_ptr<int64_t>());
+    const int blocks =
+        static_cast<int>(std::min<int64_t>((num_tokens + threads - 1) / threads, 1024));
+    if (device_slots.defined() && device_slots.scalar_type() == at::kInt) {
+      staged_rows_kernel<int32_t><<<blocks, threads, 0, stream>>>(
+          device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, s_.tokens_per_chunk,
+          s_.device_num_slots, keeps(), rows.data_ptr<int64_t>());
     } else {
-      staged_rows_kernel<int64_t><<<blocks, threads, 0, main>>>(
-          has_slots ? a.device_slots->data_ptr<int64_t>() : nullptr, T, a.skip_prefix,
-          s_.tokens_per_chunk, s_.device_num_slots, keep, rows.data_ptr<int64_t>());
+      staged_rows_kernel<int64_t><<<blocks, threads, 0, stream>>>(
+          device_slots.defined() ? device_slots.data_ptr<int64_t>() : nullptr, num_tokens,
+          skip_prefix, s_.tokens_per_chunk, s_.device_num_slots, keeps(),
+          rows.data_ptr<int64_t>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return rows;
   }
 
   // The copy engine's part of chunk (group g, tokens [t0, t0 + n)) through
@@ -196,6 +365,12 @@ class CudaStaged final : public StagedEngine {
   StagedSetup s_;
   Events events_;  // 0: side waits for main; 1: main waits for side; then filled[R], free[R]
   std::vector<char*> ring_, host_;
+  mutable std::mutex mu_;  // a call's issue and the replays below
+  OwnStream capture_stream_, capture_side_;
+  std::list<std::unique_ptr<Replay>> replays_;  // most recently used first
+  std::list<ReplayKey> seen_;                    // shapes run once, most recent first
+  bool replays_ok_ = true;
+  int64_t replayed_ = 0;
 };
 
 std::unique_ptr<StagedEngine> make_cuda_staged(StagedSetup setup) {
