@@ -537,7 +537,8 @@ class _ChunkConnector(_Connector):
         (LMCache frees the memory objects right after).  The load stream first waits (device side) for the
         caller's stream: the caches it writes may have just been filled or zeroed there."""
         stream = self.load_stream if self.sync_after_batched_load else None
-        wait_stream(stream, self._current())
+        if stream is not None:
+            wait_stream(stream, self._current())
         with on_stream(stream):
             for obj, start, end in zip(memory_objs, starts, ends):
                 self.to_gpu(obj, start, end, **kwargs)

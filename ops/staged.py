@@ -284,16 +284,17 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
 class _Ring:
     """One stream's staging ring and the transfers planned on it."""
 
-    def __init__(self, device: torch.device, stream: int):
+    def __init__(self, device: torch.device, stream: int | None):
         slot_bytes = STAGING_BYTES // RING_SLOTS // _ALIGN * _ALIGN
         self.buffer = torch.empty(slot_bytes * RING_SLOTS, dtype=torch.uint8, device=device)
         self.slots = [self.buffer[r * slot_bytes:(r + 1) * slot_bytes] for r in range(RING_SLOTS)]
         self.transfers: collections.OrderedDict = collections.OrderedDict()   # id(choice) -> _Transfer
-        self.stream = stream               # the stream's handle; 0: a ring of one graph capture (not kept)
+        # the stream's handle (0 is the default stream's); None: a ring of one graph capture (not kept)
+        self.stream = stream
 
     @property
     def capturing(self) -> bool:
-        return self.stream == 0
+        return self.stream is None
 
 
 _RINGS: collections.OrderedDict = collections.OrderedDict()   # (device, stream) -> _Ring, least recent first
@@ -303,7 +304,7 @@ def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
     """The ring of a call on ``stream``: the kept one, or a new one (kept, except under graph capture, whose
     memory comes from the graph's own pool)."""
     if torch.cuda.is_current_stream_capturing():
-        return _Ring(device, stream=0)
+        return _Ring(device, stream=None)
     key = (device, stream.cuda_stream, STAGING_BYTES)
     ring = _RINGS.pop(key, None)
     if ring is None:
@@ -417,7 +418,8 @@ class _Transfer:
             self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots),
                                             list(sides.host.tensors), groups, staged.chunk_tokens,
                                             sides.device.geometry.N, sides.host.geometry.N,
-                                            _side_stream(choice.device).cuda_stream, ring.stream, written)
+                                            _side_stream(choice.device).cuda_stream,
+                                            -1 if ring.capturing else ring.stream, written)
         except BaseException:
             for handle in handles:
                 unpin(handle)

@@ -258,8 +258,9 @@ def test_paged_streams_as_lmcache(monkeypatch):
     assert {("store", o.tensor.data_ptr()) for o in objs} | {("store", slots[0:4].data_ptr()),
                                                             ("store", slots[4:8].data_ptr())} <= kept
     conn.batched_to_gpu(objs, [0, 4], [4, 8], slot_mapping=slots)
-    # loads on the load stream; returns when they have landed
-    assert rec.take() == [("copy", "load"), ("copy", "load"), ("sync", "load")]
+    # loads on the load stream, after it waits for the caller's (which may have just written the caches);
+    # returns when they have landed
+    assert rec.take() == [("wait", "load", "cur"), ("copy", "load"), ("copy", "load"), ("sync", "load")]
     conn.to_gpu(objs[0], 0, 4, slot_mapping=slots)                            # alone: the caller's stream
     assert rec.take() == [("copy", "cur")]
     sg = C.SGLangGPUConnector(H * D, L, device="cpu", kvcaches=make_cache(4, L, NB, BS, H, D, torch.float32, "cpu",

@@ -634,7 +634,7 @@ def test_native_staged_transfer_refuses_copies_outside_its_tensors():
 
         def make(segments, tokens_per_chunk=4):
             return _C.StagedTransfer(True, [kernel], [], [slot], list(chunk.tensors), [segments], tokens_per_chunk,
-                                     NB * BS, 8, 0, 0, [])
+                                     NB * BS, 8, 0, -1, [])
 
         with pytest.raises(ValueError, match="host rows lie outside host tensor 0"):
             make([(0, host_bytes - row, 0, row)])          # slots 1..7 of that segment would pass the end

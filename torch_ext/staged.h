@@ -57,7 +57,7 @@ struct StagedSetup {
   int64_t device_num_slots = 0;  // the device cache's slot count (slots >= it are out of range)
   c10::Device device{c10::kCPU};
   int64_t side_stream = 0;       // the backend's stream handle for the copy engine's work
-  int64_t ring_stream = 0;       // the stream the ring belongs to (0: none, a ring of one capture)
+  int64_t ring_stream = -1;      // the stream the ring belongs to (-1: none, a ring of one capture)
 };
 
 struct StagedArgs {

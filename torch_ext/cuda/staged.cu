@@ -137,7 +137,7 @@ class CudaStaged final : public StagedEngine {
 
   bool on_ring_stream() const override {
     const cudaStream_t current = c10::cuda::getCurrentCUDAStream(s_.device.index()).stream();
-    if (s_.ring_stream == 0 || current != reinterpret_cast<cudaStream_t>(s_.ring_stream)) return false;
+    if (s_.ring_stream < 0 || current != reinterpret_cast<cudaStream_t>(s_.ring_stream)) return false;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(current, &capture));
     return capture == cudaStreamCaptureStatusNone;
