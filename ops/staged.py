@@ -59,14 +59,17 @@ from .views import KVCache
 
 STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
 RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the copy engine
-# engine="auto" (the default) stages an unbudgeted transfer (max_ctas = 0) from these payloads on, per
-# direction; below them, and under an SM budget, the direct kernel. From the H200 record
-# (bench/results/h200.jsonl, the staged group against the headline rows): from the host, staging was faster
-# from 64 MiB on (1.03-1.07x) and slower at 32 MiB and below (0.76-0.96x); to the host it was 0.98x at 64 MiB
-# (H1, T = 4096) and faster from 144 MiB on (1.02-1.08x). Under a budget of 4 SMs it was faster from the
-# host (1.33-1.43x) but slower to the host for rows under 2 KiB (0.84x, 0.95x), and budgets other than 4 were
-# not measured staged, so auto leaves budgeted calls to the kernel (ask for engine="staged" to stage them).
-AUTO_MIN_BYTES = {"from_host": 64 << 20, "to_host": 128 << 20}
+# engine="auto" (the default) stages a stageable transfer from AUTO_MIN_BYTES on (both directions), without an
+# SM budget or, from the host, under a budget of at most AUTO_MAX_BUDGET_FROM_HOST SMs; every other call runs
+# the direct kernel. From the H200 record (bench/results/h200.jsonl, the staged group against the kernel rows of
+# the same cases, both timings, staged calls replayed from their captured graphs): without a budget staging was
+# at least as fast from 64 MiB on in both directions (1.00-1.09x; H1 to the host at 64 MiB: 1.011x end to end,
+# 1.000x kernel only) and slower at 32 MiB and below in at least one timing (down to 0.91x). Under a budget of 1,
+# 2 or 4 SMs it was 1.29-3.41x as fast from the host (the copy engine crosses PCIe, the budget's SMs only move
+# rows inside device memory); at 8 SMs slower for 256-byte rows (0.95x). To the host under a budget it was
+# slower end to end for rows under 2 KiB at every budget (0.73-0.98x), and for 2 KiB rows at 1 SM.
+AUTO_MIN_BYTES = {"from_host": 64 << 20, "to_host": 64 << 20}
+AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
 _ALIGN = 256                # bytes: every mini-cache tensor starts at a multiple
@@ -246,7 +249,9 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
 
 def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
     """The rule of ``engine="auto"`` for a stageable transfer (see :data:`AUTO_MIN_BYTES`)."""
-    return max_ctas == 0 and payload_bytes >= AUTO_MIN_BYTES["to_host" if host_is_dst else "from_host"]
+    if payload_bytes < AUTO_MIN_BYTES["to_host" if host_is_dst else "from_host"]:
+        return False
+    return max_ctas == 0 or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
 
 def auto_declines(plan: StagedPlan, max_ctas: int) -> str | None:
@@ -254,9 +259,10 @@ def auto_declines(plan: StagedPlan, max_ctas: int) -> str | None:
     stages it."""
     if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas):
         return None
-    if max_ctas:
-        return f"max_ctas = {max_ctas}: under an SM budget auto keeps the kernel (engine='staged' stages it)"
     direction = "to_host" if plan.host_is_dst else "from_host"
+    if max_ctas and plan.payload_bytes >= AUTO_MIN_BYTES[direction]:
+        return (f"max_ctas = {max_ctas}: under an SM budget auto stages only transfers from the host under at most "
+                f"{AUTO_MAX_BUDGET_FROM_HOST} SMs (engine='staged' stages it)")
     return (f"{plan.payload_bytes} bytes {direction.replace('_', ' ')}: below {AUTO_MIN_BYTES[direction]} the "
             "kernel's direct path is as fast")
 
