@@ -13,6 +13,7 @@ import json
 import pathlib
 import re
 
+from kvlayout.bench import targets
 from kvlayout.bench.report import compared_with_peers, peer_standing
 from kvlayout.bench.run import document, read_jsonl
 
@@ -172,10 +173,16 @@ def test_readme_has_no_figure_without_a_source():
     assert not FIGURE.findall(text), FIGURE.findall(text)
 
 
+def targets_section() -> str:
+    """The H200 record against the performance targets (kvlayout.bench.targets)."""
+    return targets.markdown(targets.checks(compared_with_peers(document(str(BENCH / "h200.jsonl")))))
+
+
 def test_performance_doc_figures_are_the_records():
     doc = fold((ROOT / "docs" / "performance.md").read_text(encoding="utf-8"))
     assert fold(host_cost_table()) in doc
     assert fold(headline_table()) in doc
+    assert fold(targets_section()) in doc
     for path in sorted(BENCH.glob("*.jsonl")):
         assert fold(limits_note(path.stem)) in doc, path.stem
 
@@ -187,7 +194,7 @@ def test_conformance_doc_records_are_the_reports():
 
 
 if __name__ == "__main__":
-    print(headline_table(), host_cost_table(), main_job_sentence(), sep="\n\n")
+    print(headline_table(), host_cost_table(), main_job_sentence(), targets_section(), sep="\n\n")
     for path in sorted(BENCH.glob("*.jsonl")):
         print("*", limits_note(path.stem))
     for name in ("cpu", "h200"):

@@ -1,0 +1,58 @@
+"""kvlayout.bench.targets: each target judged on the row of the engine auto picks, met and missed at its bound."""
+from __future__ import annotations
+
+from kvlayout.bench import targets
+from kvlayout.ops import staged as staged_mod
+
+MiB = 1 << 20
+
+
+def _row(group="headline", shape="L32_H8_D128", T=4096, direction="to_host", max_ctas=0, engine="kernel", **more):
+    r = {"group": group, "shape": shape, "T": T, "direction": direction, "max_ctas": max_ctas, "engine": engine,
+         "payload_bytes": 512 * MiB, "gbps": 50.0, "pct_of_limit": 95.0, "host_us_per_call": 10.0, "page_size": 16}
+    r["key"] = f"{shape} T={T} {direction} ctas={max_ctas} {engine} {group}"
+    r.update(more)
+    return r
+
+
+def _by_target(found):
+    out = {}
+    for c in found:
+        out.setdefault(c.target, []).append(c)
+    return out
+
+
+def test_auto_rows_take_the_staged_twin_where_auto_stages_the_case():
+    small = staged_mod.AUTO_MIN_BYTES["to_host"] - 1
+    rows = [_row(), _row(engine="staged", group="staged", pct_of_limit=98.0),
+            _row(T=256, payload_bytes=small), _row(T=256, payload_bytes=small, engine="staged", group="staged"),
+            _row(group="ctas", max_ctas=4), _row(group="ctas", max_ctas=4, engine="staged")]
+    rows[-1]["group"] = "staged"
+    picked = targets.auto_rows(rows)
+    assert [(r["T"], r["max_ctas"], r["engine"]) for r in picked] == [(4096, 0, "staged"), (256, 0, "kernel"),
+                                                                         (4096, 4, "kernel")]   # (to host: kernel)
+
+
+def test_each_target_is_met_at_its_bound_and_missed_past_it():
+    rows = [
+        _row(pct_of_limit=97.0, vs_peer_kernel="ahead", x_peer_kernel=1.01, peer_kernel="P"),   # met, met
+        _row(direction="from_host", pct_of_limit=96.9, vs_peer_end_to_end="behind", x_peer_end_to_end=0.9,
+             peer_end_to_end="P"),                                                               # missed, missed
+        _row(T=256, direction="gather_device", pct_of_limit=10.0),                               # no peer, no ceiling
+        _row(group="staged", engine="staged", T=256, host_us_per_call=50.0),
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1),
+        _row(group="copy_engine", engine="copy", host_us_per_call=100.0),
+        _row(group="copy_engine", engine="kernel", host_us_per_call=1e6),                        # not the copy engine
+        _row(group="ctas", max_ctas=4, pct_of_limit=90.0),
+        _row(group="ctas", max_ctas=4, direction="from_host", payload_bytes=MiB, pct_of_limit=89.9),
+    ]
+    found = _by_target(targets.checks({"results": rows}))
+    assert [c.met for c in found["host ceiling"]] == [True, False]
+    assert [c.met for c in found["peers, kernel only"]] == [True]
+    assert [c.met for c in found["peers, end to end"]] == [False]
+    assert [c.met for c in found["staged host work"]] == [True, False]
+    assert [c.met for c in found["copy engine host work"]] == [True]
+    assert [c.met for c in found["SM budget"]] == [True, False]
+    text = targets.markdown(targets.checks({"results": rows}))
+    assert "| host ceiling | 1 of 2 |" in text and "| staged host work | 1 of 2 |" in text
+    assert "| staged host work | L32_H8_D128 T=32768 to_host (staged) | 50.1 µs | ≤ 50 µs |" in text
