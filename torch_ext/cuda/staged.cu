@@ -107,7 +107,7 @@ struct ReplayKey {
 };
 
 // One captured call: its graph, the buffer it reads the slots from and the
-// token table it writes (allocated on the engine's stream before the capture).
+// token table it writes (allocated for the caller's stream before the capture).
 struct Replay {
   ReplayKey key{};
   at::Tensor slots, rows;
