@@ -103,7 +103,7 @@ def native_status() -> tuple[bool, str]:
 def _extension():
     include_dirs = [os.path.join(ROOT, EXT, "include"), os.path.join(ROOT, EXT)]
     sources = _sources("registration.cpp", "python_module.cpp", "program.cpp", "copy_plan.cpp", "slots.cpp",
-                       "rope_plan.cpp", "device_args.cpp", "cpu/*.cpp")
+                       "rope_plan.cpp", "device_args.cpp", "staged.cpp", "cpu/*.cpp")
     cxx_flags = ["-O3", "-std=c++17"]
     define_macros = []
 

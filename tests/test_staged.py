@@ -136,6 +136,74 @@ def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, l
     assert torch.equal(results[0][1], results[1][1])
 
 
+def _apply(copies, host_bytes, ring, to_ring):
+    """Runs (host tensor, host offset, ring offset, bytes, count, host step, ring step) copies between
+    ``host_bytes`` (one flat uint8 tensor per host tensor) and ``ring``."""
+    for tensor, h, o, n, count, hs, rs in copies:
+        for i in range(count):
+            hi, ri = h + i * hs, o + i * rs
+            if to_ring:
+                ring[ri:ri + n] = host_bytes[tensor][hi:hi + n]
+            else:
+                host_bytes[tensor][hi:hi + n] = ring[ri:ri + n]
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("host", ["chunk", "pool"])
+@pytest.mark.parametrize("pages", [1, 5, 400])
+def test_folded_copies_move_exactly_the_segments_rows(mla, host, pages):
+    """The copy-engine calls of every chunk (merged, folded into 2-D copies) move exactly the bytes of one copy
+    per segment, both ways, and fold where runs repeat at constant steps."""
+    from kvlayout import _C
+    T = 40
+    chunk = _chunk(T, mla) if host == "chunk" else _pool(mla)
+    g = chunk.geometry
+    slot_bytes = -(-pages * g.P * g.BS * chunk.row_width * chunk.itemsize // 256) * 256
+    n_layers, n_tokens = staged_mod.chunk_shape(chunk, L, slot_bytes)
+    slot = torch.zeros(slot_bytes, dtype=torch.uint8)
+    mini = staged_mod.mini_cache(chunk, n_layers, n_tokens, slot)
+    gen = torch.Generator().manual_seed(pages)
+    folded = False
+    for g0 in range(0, L, n_layers):
+        layers = list(range(g0, min(g0 + n_layers, L)))
+        segments = sorted(staged_mod.host_segments(chunk, mini, slot, layers, list(range(g.P))))
+        for t0 in range(0, T, n_tokens):
+            n = min(n_tokens, T - t0)
+            copies = _C.staged_copies(segments, t0, n)
+            per_segment = [(tensor, h + t0 * row, o, n * row, 1, 0, 0) for tensor, h, o, row in segments]
+            folded |= any(c[4] > 1 for c in copies)
+            assert len(copies) <= len(per_segment)
+            host = [torch.randint(0, 256, (_storage_bytes(t).numel(),), generator=gen, dtype=torch.uint8)
+                    for t in chunk.tensors]
+            rings = [torch.zeros(slot_bytes, dtype=torch.uint8) for _ in range(2)]
+            _apply(per_segment, host, rings[0], to_ring=True)
+            _apply(copies, host, rings[1], to_ring=True)
+            assert torch.equal(rings[0], rings[1])
+            ring = torch.randint(0, 256, (slot_bytes,), generator=gen, dtype=torch.uint8)
+            hosts = [[t.clone() for t in host] for _ in range(2)]
+            _apply(per_segment, hosts[0], ring, to_ring=False)
+            _apply(copies, hosts[1], ring, to_ring=False)
+            assert all(torch.equal(a, b) for a, b in zip(*hosts))
+    if host == "chunk" and not mla and pages == 5:
+        assert folded          # a K/V chunk cut in token chunks: each plane's layers are one 2-D copy
+
+
+def test_copies_fold_only_into_non_overlapping_runs_of_one_tensor():
+    from kvlayout import _C
+    row = 64
+    # four segments 256 bytes apart on both sides: one 2-D copy of 4 rows of 2 x 64 bytes
+    assert _C.staged_copies([(0, 256 * i, 256 * i, row) for i in range(4)], 0, 2) == [(0, 0, 0, 128, 4, 256, 256)]
+    # back to back on both sides: one plain copy
+    assert _C.staged_copies([(0, 128 * i, 128 * i, row) for i in range(4)], 0, 2) == [(0, 0, 0, 512, 1, 0, 0)]
+    # another host tensor, or steps shorter than a run (overlap) or at 2^31: no fold
+    assert len(_C.staged_copies([(i % 2, 256 * i, 256 * i, row) for i in range(4)], 0, 2)) == 4
+    assert len(_C.staged_copies([(0, 100 * i, 256 * i, row) for i in range(3)], 0, 2)) == 3
+    assert len(_C.staged_copies([(0, (1 << 31) * i, 256 * i, row) for i in range(3)], 0, 2)) == 3
+    # a run whose steps differ from the copy's starts a new copy
+    assert [c[4] for c in _C.staged_copies([(0, 0, 0, row), (0, 256, 256, row), (0, 512, 512, row),
+                                            (0, 1000, 1000, row)], 0, 1)] == [3, 1]
+
+
 @pytest.mark.parametrize("layout,shape,page", [
     ("lmcache_kv_2ltd", (2, L, 40, H * D), None),
     ("lmcache_kv_mla", (1, L, 40, 3 * D), None),

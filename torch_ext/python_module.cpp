@@ -496,6 +496,23 @@ PYBIND11_MODULE(_C, m) {
                              "Calls replayed from a captured graph so far.")
       .def_property_readonly("kept_graphs", &StagedTransfer::kept_graphs,
                              "Captured call shapes kept now (at most 8).");
+  m.def(
+      "staged_copies",
+      [](const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& segments, int64_t t0,
+         int64_t n) {
+        std::vector<StagedSegment> group;
+        for (const auto& [tensor, host_offset, ring_offset, row_bytes] : segments)
+          group.push_back(StagedSegment{tensor, host_offset, ring_offset, row_bytes});
+        std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+        for (const StagedCopy& c : staged_copies(group, t0, n))
+          out.emplace_back(c.host_tensor, c.host_offset, c.ring_offset, c.bytes, c.count, c.host_step,
+                           c.ring_step);
+        return out;
+      },
+      py::arg("segments"), py::arg("t0"), py::arg("n"),
+      "The copy-engine calls of a staged chunk (tokens [t0, t0 + n)) of one layer group's "
+      "segments (host tensor, host byte offset, ring byte offset, row bytes): (host tensor, host "
+      "offset, ring offset, bytes, count, host step, ring step), count > 1 a 2-D copy.");
   m.def("early_load_launches", &early_load_launches,
         "How many copy launches this process made whose loads could start before the previous "
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "

@@ -44,6 +44,29 @@ struct StagedSegment {
   int64_t row_bytes = 0;
 };
 
+// One copy-engine call of a chunk: `count` runs of `bytes` bytes, run i
+// between host tensor `host_tensor` at byte host_offset + i * host_step and
+// the ring slot at byte ring_offset + i * ring_step. count 1 is a plain copy,
+// more a 2-D copy (pitches host_step and ring_step).
+struct StagedCopy {
+  int64_t host_tensor = 0;
+  int64_t host_offset = 0;
+  int64_t ring_offset = 0;
+  int64_t bytes = 0;
+  int64_t count = 1;
+  int64_t host_step = 0;
+  int64_t ring_step = 0;
+};
+
+// The copies of one layer group's chunk of tokens [t0, t0 + n): the
+// segments' rows (in the group's order), a copy that continues the previous
+// one on both sides merged into it, then consecutive copies of one length at
+// constant steps within one host tensor folded into one 2-D copy (each step
+// at least the length, so the runs do not overlap, and below 2^31, the
+// pitch the copy engine takes). Fewer copies: fewer driver calls issued
+// directly, fewer nodes in a captured graph.
+std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n);
+
 struct StagedSetup {
   bool host_is_dst = false;
   // Per (group, ring slot), index group * ring_slots.size() + slot: the copy

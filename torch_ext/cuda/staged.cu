@@ -7,7 +7,8 @@
 // Issued directly, a call's host work is one small kernel that writes the
 // ring row of every token (and, device -> host, which host rows must be
 // kept), then per chunk one or two program runs, the chunk's copies (adjacent
-// ones merged) and two event records with their waits: about 25 us of driver
+// ones merged, runs at constant steps folded into 2-D copies: staged_copies)
+// and two event records with their waits: about 25 us of driver
 // calls per chunk. So a call whose shape (token count, skip_prefix, SM
 // budget, slot dtype) came before is captured once into a CUDA graph (on the
 // engine's own streams, reading the slots from a buffer of the graph) and
@@ -334,32 +335,25 @@ class CudaStaged final : public StagedEngine {
   }
 
   // The copy engine's part of chunk (group g, tokens [t0, t0 + n)) through
-  // ring slot r: host rows t0.. <-> ring rows 0.., one copy per segment, a
-  // copy that continues the previous one on both sides merged into it.
+  // ring slot r: host rows t0.. <-> ring rows 0.., as staged_copies lists
+  // them (merged and folded into 2-D copies).
   void copy(size_t g, size_t r, int64_t t0, int64_t n, bool to_host, cudaStream_t side) const {
-    char *prev_host = nullptr, *prev_ring = nullptr;
-    size_t prev_bytes = 0;
-    auto flush = [&] {
-      if (prev_bytes == 0) return;
-      C10_CUDA_CHECK(to_host ? cudaMemcpyAsync(prev_host, prev_ring, prev_bytes,
-                                               cudaMemcpyDeviceToHost, side)
-                             : cudaMemcpyAsync(prev_ring, prev_host, prev_bytes,
-                                               cudaMemcpyHostToDevice, side));
-    };
-    for (const StagedSegment& seg : s_.groups[g]) {
-      char* host = host_[static_cast<size_t>(seg.host_tensor)] + seg.host_offset + t0 * seg.row_bytes;
-      char* ring = ring_[r] + seg.ring_offset;
-      const size_t bytes = static_cast<size_t>(n * seg.row_bytes);
-      if (prev_bytes != 0 && prev_host + prev_bytes == host && prev_ring + prev_bytes == ring) {
-        prev_bytes += bytes;
+    for (const StagedCopy& c : staged_copies(s_.groups[g], t0, n)) {
+      char* host = host_[static_cast<size_t>(c.host_tensor)] + c.host_offset;
+      char* ring = ring_[r] + c.ring_offset;
+      const auto bytes = static_cast<size_t>(c.bytes);
+      if (c.count == 1) {
+        C10_CUDA_CHECK(to_host ? cudaMemcpyAsync(host, ring, bytes, cudaMemcpyDeviceToHost, side)
+                               : cudaMemcpyAsync(ring, host, bytes, cudaMemcpyHostToDevice, side));
         continue;
       }
-      flush();
-      prev_host = host;
-      prev_ring = ring;
-      prev_bytes = bytes;
+      const auto rows = static_cast<size_t>(c.count);
+      const auto host_pitch = static_cast<size_t>(c.host_step), ring_pitch = static_cast<size_t>(c.ring_step);
+      C10_CUDA_CHECK(to_host ? cudaMemcpy2DAsync(host, host_pitch, ring, ring_pitch, bytes, rows,
+                                                 cudaMemcpyDeviceToHost, side)
+                             : cudaMemcpy2DAsync(ring, ring_pitch, host, host_pitch, bytes, rows,
+                                                 cudaMemcpyHostToDevice, side));
     }
-    flush();
   }
 
   StagedSetup s_;

@@ -1,0 +1,53 @@
+// The staged transfer's copy list (staged.h): which copy-engine calls move a
+// chunk's rows between the host chunk and a ring slot. Host logic only, the
+// same for every backend with a copy engine.
+#include "staged.h"
+
+namespace kvlayout {
+namespace {
+
+constexpr int64_t kMaxPitch = (int64_t(1) << 31) - 1;
+
+// Whether `next` is the next run of the 2-D copy `c` (one host tensor, one
+// length, the steps `c` already has, or the first step when it has none).
+bool continues(const StagedCopy& c, const StagedCopy& next) {
+  if (next.host_tensor != c.host_tensor || next.bytes != c.bytes) return false;
+  const int64_t host_step = next.host_offset - c.host_offset - (c.count - 1) * c.host_step;
+  const int64_t ring_step = next.ring_offset - c.ring_offset - (c.count - 1) * c.ring_step;
+  if (c.count > 1) return host_step == c.host_step && ring_step == c.ring_step;
+  return host_step >= c.bytes && ring_step >= c.bytes && host_step <= kMaxPitch && ring_step <= kMaxPitch;
+}
+
+}  // namespace
+
+std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n) {
+  std::vector<StagedCopy> runs;
+  for (const StagedSegment& seg : group) {
+    const int64_t host = seg.host_offset + t0 * seg.row_bytes, bytes = n * seg.row_bytes;
+    if (!runs.empty()) {
+      StagedCopy& prev = runs.back();
+      if (prev.host_tensor == seg.host_tensor && prev.host_offset + prev.bytes == host &&
+          prev.ring_offset + prev.bytes == seg.ring_offset) {
+        prev.bytes += bytes;
+        continue;
+      }
+    }
+    runs.push_back(StagedCopy{seg.host_tensor, host, seg.ring_offset, bytes, 1, 0, 0});
+  }
+  std::vector<StagedCopy> out;
+  for (const StagedCopy& run : runs) {
+    if (!out.empty() && continues(out.back(), run)) {
+      StagedCopy& c = out.back();
+      if (c.count == 1) {
+        c.host_step = run.host_offset - c.host_offset;
+        c.ring_step = run.ring_offset - c.ring_offset;
+      }
+      ++c.count;
+      continue;
+    }
+    out.push_back(run);
+  }
+  return out;
+}
+
+}  // namespace kvlayout
