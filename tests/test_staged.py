@@ -710,6 +710,50 @@ def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
     assert kept.native.kept_graphs == 8 and kept.native.replayed_calls == 20
 
 
+@pytest.mark.parametrize("engine", ["auto", "staged"])
+def test_threads_on_their_own_streams_stage_exactly(cuda_device, ring_bytes, monkeypatch, engine):
+    """Four threads, each on a stream of its own with its own cache and pinned chunk, repeat staged-size
+    transfers both ways with fresh slot tensors and a few token counts (so their shapes are captured and
+    replayed), while only two rings are kept: auto runs the kernel on the streams without one, engine="staged"
+    makes the streams take the rings from each other (plans and graphs made again). Every call is exact."""
+    import threading
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "from_host", 0)
+    ring_bytes(16 << 10)
+    errors = []
+
+    def worker(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            stream = torch.cuda.Stream(cuda_device)
+            cache, cpu_cache = _device_cache(cuda_device, seed=seed), _device_cache("cpu", seed=seed)
+            chunk, cpu_chunk = _chunk(48, pin=True), _chunk(48)
+            stream.wait_stream(torch.cuda.current_stream(cuda_device))   # (the cache was written there)
+            for i in range(24):
+                T = (40, 48, 32)[i % 3]
+                slots = torch.randperm(NB * BS, generator=g)[:T]
+                with torch.cuda.stream(stream):
+                    if i % 2 == 0:
+                        ops.transfer(cache, chunk, slots.to(cuda_device), engine=engine)
+                        ops.transfer(cpu_cache, cpu_chunk, slots)
+                    else:
+                        ops.transfer(chunk, cache, None, slots.to(cuda_device), engine=engine)
+                        ops.transfer(cpu_chunk, cpu_cache, None, slots)
+                stream.synchronize()
+                if not (torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache))):
+                    raise AssertionError(f"thread {seed}, call {i}: bytes differ from the CPU kernel's")
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+    assert len(staged_mod._RINGS) <= staged_mod.KEPT_RINGS
+
+
 def test_native_staged_transfer_refuses_copies_outside_its_tensors():
     """The native run loop checks, once, that every copy it can issue lies inside its tensors: a segment's host
     rows of every host slot inside its host tensor, its ring rows of a whole chunk inside every ring slot."""
