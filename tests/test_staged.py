@@ -740,7 +740,8 @@ def test_threads_on_their_own_streams_stage_exactly(cuda_device, ring_bytes, mon
                         ops.transfer(chunk, cache, None, slots.to(cuda_device), engine=engine)
                         ops.transfer(cpu_chunk, cpu_cache, None, slots)
                 stream.synchronize()
-                if not (torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache))):
+                if not (torch.equal(_bytes(chunk), _bytes(cpu_chunk))
+                        and torch.equal(_bytes(cache), _bytes(cpu_cache))):
                     raise AssertionError(f"thread {seed}, call {i}: bytes differ from the CPU kernel's")
         except Exception as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
