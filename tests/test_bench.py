@@ -407,3 +407,22 @@ def test_host_cost_calls_are_timed_in_turn_with_their_yardsticks():
     row = measure_case(case, data, timer, timer, {}, None)
     assert row["bit_exact"] and row["x_torch_op"] == row["host_us_per_call"] / row["torch_op_host_us"]
     assert row["host_us"] == pytest.approx(row["host_us_per_call"] * case.calls)
+
+
+def test_host_profile_script_times_a_bench_row_and_lists_its_events():
+    """scripts/host_profile.py builds a bench row, times its calls on the host and lists profiler events per
+    call (none of the copy's own on the CPU, where the call is one C++ call outside torch's operators)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvlayout.bench import cases as C
+    key = C.cpu_cases()[0].key
+    script = Path(__file__).resolve().parents[1] / "scripts" / "host_profile.py"
+    out = subprocess.run([sys.executable, str(script), key, "--device", "cpu", "--calls", "3"], capture_output=True,
+                         text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+    assert f"{key}: host " in out and "µs per call (median of 3" in out and "host µs per call" in out
+    bad = subprocess.run([sys.executable, str(script), "no such row", "--device", "cpu"], capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "no bench case 'no such row' on cpu" in bad.stderr
