@@ -360,6 +360,25 @@ def kvlayout_fn(case: Case, data: dict):
     return graph.replay
 
 
+def copy_run_list_fn(case: Case, data: dict):
+    """For a copy-engine case: a callable that builds the run lists its call issues (``_C.copy_run_list``, the
+    same C++ as ``kvlayout::copy_runs`` without the driver's part) and returns how many copies they hold."""
+    from kvlayout import _C
+    from kvlayout.ops.programs import plan
+
+    src, ss, dst, ds = endpoints(case, data)
+    g_src, g_dst = src.geometry, dst.geometry
+    launches = plan(src, dst, list(range(g_src.L)), list(range(g_dst.L)), list(range(g_src.P)),
+                    list(range(g_dst.P)))
+    T = (ss if ss is not None else ds).shape[0]
+
+    def build() -> int:
+        return sum(_C.copy_run_list(list(x.src_tensors), list(x.dst_tensors), ss, ds, T, 0, list(x.src_segments),
+                                    list(x.dst_segments), list(x.src_geometry), list(x.dst_geometry),
+                                    x.num_pieces, x.piece_bytes) for x in launches)
+    return build
+
+
 # ---------------------------------------------------------------------------------------------
 # The pure-torch baseline
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -148,7 +149,22 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
     if case.max_ctas == 0 and case.engine == "kernel" and not case.empty:
         row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))
+    if case.engine == "copy":
+        row.update(time_run_list(case, data))
     return row
+
+
+def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:
+    """A copy-engine row's run list alone: built in C++ as the call builds it, not issued (median host µs), and
+    how many copies it holds. The rest of the call's host time is the driver's."""
+    build = C.copy_run_list_fn(case, data)
+    runs = build()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        build()
+        samples.append(time.perf_counter() - t0)
+    return {"runs": runs, "run_list_us": statistics.median(samples) * 1e6}
 
 
 

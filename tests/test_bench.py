@@ -426,3 +426,14 @@ def test_host_profile_script_times_a_bench_row_and_lists_its_events():
     bad = subprocess.run([sys.executable, str(script), "no such row", "--device", "cpu"], capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "no bench case 'no such row' on cpu" in bad.stderr
+
+
+def test_copy_engine_rows_time_their_run_list_apart_from_the_call():
+    """A copy-engine row also holds its run list's length and the host time to build it (the C++ the call runs
+    before the driver's copy call), which the performance targets judge."""
+    case = C.Case("copy_engine", "L32_H1_D128", "vllm_flash_attn_nhd", "hicache_page_first_direct", 64, 16,
+                  "to_host", engine="copy")
+    data = C.build(case, C.Inputs(torch.device("cpu")), min_cache_slots=256)
+    timer = Timer(torch.device("cpu"), warmup=0, reps=1)
+    row = measure_case(case, data, timer, timer, {"D2D": 1.0}, None)
+    assert row["bit_exact"] and row["runs"] == (64 // 16) * 32 * 2 and row["run_list_us"] > 0

@@ -41,7 +41,9 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(T=256, direction="gather_device", pct_of_limit=10.0),                               # no peer, no ceiling
         _row(group="staged", engine="staged", T=256, host_us_per_call=50.0),
         _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1),
-        _row(group="copy_engine", engine="copy", host_us_per_call=100.0),
+        _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
+        _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
+        _row(group="copy_engine", engine="copy", host_us_per_call=100.0),                        # older record
         _row(group="copy_engine", engine="kernel", host_us_per_call=1e6),                        # not the copy engine
         _row(group="ctas", max_ctas=4, pct_of_limit=90.0),
         _row(group="ctas", max_ctas=4, direction="from_host", payload_bytes=MiB, pct_of_limit=89.9),
@@ -51,7 +53,7 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["peers, kernel only"]] == [True]
     assert [c.met for c in found["peers, end to end"]] == [False]
     assert [c.met for c in found["staged host work"]] == [True, False]
-    assert [c.met for c in found["copy engine host work"]] == [True]
+    assert [c.met for c in found["copy engine run list"]] == [True, False, True]
     assert [c.met for c in found["SM budget"]] == [True, False]
     text = targets.markdown(targets.checks({"results": rows}))
     assert "| host ceiling | 1 of 2 |" in text and "| staged host work | 1 of 2 |" in text

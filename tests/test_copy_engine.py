@@ -138,3 +138,24 @@ def test_copy_engine_with_more_runs_than_one_batch(device):
                                         s.numpy(), d.numpy())
     for got, expected in zip(dst.tensors, R.flat_arrays("hicache_page_first_direct", want)):
         assert np.array_equal(TC.bits(got), S.bits(np.asarray(expected)))
+
+
+def test_run_list_is_one_copy_per_page_and_layer_plane_and_merges_what_continues():
+    """The copy engine's run list (built in C++ as copy_runs builds it, _C.copy_run_list): whole pages in random
+    order give one copy per (page, layer, plane); slots in order into an LMCache chunk give one copy per
+    (layer, plane), every page of it merged; a slot out of range raises before any list exists."""
+    from kvlayout.bench import cases as C
+
+    device = torch.device("cpu")
+    paged = C.Case("copy_engine", "L32_H1_D128", "vllm_flash_attn_nhd", "hicache_page_first_direct", 256, 16,
+                   "to_host", engine="copy")
+    data = C.build(paged, C.Inputs(device), min_cache_slots=512)
+    assert C.copy_run_list_fn(paged, data)() == (256 // 16) * 32 * 2
+    chunked = C.Case("copy_engine", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 256, 16, "to_host",
+                     engine="copy")
+    data = C.build(chunked, C.Inputs(device), min_cache_slots=512)
+    data["cache_slots"] = torch.arange(256)
+    assert C.copy_run_list_fn(chunked, data)() == 32 * 2
+    data["cache_slots"] = torch.arange(256) + 512          # past the cache's 512 slots
+    with pytest.raises(IndexError, match="src_slots"):
+        C.copy_run_list_fn(chunked, data)()

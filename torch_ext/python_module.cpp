@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "copy_list.h"
 #include "kvlayout/status.h"
 #include "program.h"
 #include "slots.h"
@@ -278,6 +279,37 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
   return true;
 }
 
+// The copy engine's run list for these arguments (those of copy_runs), built
+// as copy_runs builds it and not issued: its length. Slots must be on the
+// host. Host addresses stand for pinned memory's device alias (which keeps
+// every adjacency), so the list is the one the CUDA op issues.
+int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst,
+                      const std::optional<at::Tensor>& src_slots,
+                      const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
+                      int64_t skip_prefix, const std::vector<int64_t>& src_segments,
+                      const std::vector<int64_t>& dst_segments,
+                      const std::vector<int64_t>& src_geometry,
+                      const std::vector<int64_t>& dst_geometry, int64_t num_pieces,
+                      int64_t piece_bytes) {
+  for (const auto* slots : {&src_slots, &dst_slots})
+    TORCH_CHECK_VALUE(!slots->has_value() || !(*slots)->defined() || (*slots)->device().is_cpu(),
+                      "kvlayout: the copy engine reads the slots on the host: pass CPU tensors");
+  const CopyPlan plan =
+      plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
+                     dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
+  if (plan.empty()) return 0;
+  CopyPlan checked = plan;
+  HostSlots copies_of_slots;
+  read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
+  std::vector<const char*> src_base(plan.num_segments);
+  std::vector<char*> dst_base(plan.num_segments);
+  for (int64_t g = 0; g < plan.num_segments; ++g) {
+    src_base[g] = static_cast<const char*>(src[plan.src_tensor[g]].data_ptr()) + plan.src_offset[g];
+    dst_base[g] = static_cast<char*>(dst[plan.dst_tensor[g]].data_ptr()) + plan.dst_offset[g];
+  }
+  return static_cast<int64_t>(build_copy_list(checked, src_base, dst_base).sizes.size());
+}
+
 // A staged host transfer (staged.h) built from bound programs: Python plans
 // it once per transfer shape; each call is this one C++ call.
 class StagedTransfer {
@@ -513,6 +545,12 @@ PYBIND11_MODULE(_C, m) {
       "The copy-engine calls of a staged chunk (tokens [t0, t0 + n)) of one layer group's "
       "segments (host tensor, host byte offset, ring byte offset, row bytes): (host tensor, host "
       "offset, ring offset, bytes, count, host step, ring step), count > 1 a 2-D copy.");
+  m.def("copy_run_list", &copy_run_list, py::arg("src"), py::arg("dst"), py::arg("src_slots"),
+        py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"),
+        py::arg("src_segments"), py::arg("dst_segments"), py::arg("src_geometry"),
+        py::arg("dst_geometry"), py::arg("num_pieces"), py::arg("piece_bytes"),
+        "The copy engine's run list for copy_runs' arguments, built and not issued: its length "
+        "(slots on the host; the time of this call is the list's host cost).");
   m.def("early_load_launches", &early_load_launches,
         "How many copy launches this process made whose loads could start before the previous "
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "

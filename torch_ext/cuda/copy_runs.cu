@@ -2,10 +2,9 @@
 // engine instead of SMs.
 //
 // The host reads the slots (CPU tensors) once, checks them (range, repeated
-// destination slots), coalesces consecutive
-// tokens whose rows are adjacent on both sides (slots.h for_each_block),
-// merges copies that continue each other on both sides, and issues the copies
-// in stream order on the current stream:
+// destination slots), builds the run list (copy_list.h: consecutive tokens
+// whose rows are adjacent on both sides coalesced, copies that continue each
+// other merged), and issues the copies in stream order on the current stream:
 //
 // * cudaMemcpyBatchAsync where the runtime has it (CUDA >= 12.8), in batches
 //   of at most kMaxBatch copies. The batch API refuses the legacy NULL stream
@@ -33,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "../copy_list.h"
 #include "../copy_plan.h"
 #include "../device_args.h"
 #include "../slots.h"
@@ -50,25 +50,6 @@ void check_host_slots(const std::optional<at::Tensor>& slots, const char* name) 
               " is on ", slots.has_value() ? slots->device() : c10::Device(c10::kCPU),
               "; the copy engine reads the slots on the host: pass a CPU tensor (or use the kernel)");
 }
-
-// The copies of one call, in issue order; add() extends the previous copy when
-// the new one continues it on both sides.
-struct CopyList {
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-
-  void add(char* dst, const char* src, size_t bytes) {
-    if (!sizes.empty() && static_cast<char*>(dsts.back()) + sizes.back() == dst &&
-        static_cast<const char*>(srcs.back()) + sizes.back() == src) {
-      sizes.back() += bytes;
-      return;
-    }
-    dsts.push_back(dst);
-    srcs.push_back(src);
-    sizes.push_back(bytes);
-  }
-};
 
 void issue_one_by_one(const CopyList& c, size_t begin, size_t end, cudaStream_t stream) {
   for (size_t i = begin; i < end; ++i)
@@ -176,11 +157,7 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
     dst_base[g] = cuda::device_address(dst[plan.dst_tensor[g]], dev, "dst", plan.dst_tensor[g]) +
                   plan.dst_offset[g];
   }
-  CopyList copies;
-  for_each_block(checked, checked.skip_prefix, checked.num_tokens,
-                 [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
-                   copies.add(dst_base[g] + dof, src_base[g] + so, static_cast<size_t>(bytes));
-                 });
+  CopyList copies = build_copy_list(checked, src_base, dst_base);
   issue(copies, dev);
 }
 

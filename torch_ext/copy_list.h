@@ -1,0 +1,49 @@
+// The copy engine's run list (kvlayout::copy_runs): the copies that move a
+// checked plan's rows, built on the host from slots read once. Host code
+// only: the CUDA op issues the list, and _C.copy_run_list builds it alone so
+// that its cost can be told apart from the driver's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "copy_plan.h"
+#include "slots.h"
+
+namespace kvlayout {
+
+// The copies of one call, in issue order; add() extends the previous copy when
+// the new one continues it on both sides.
+struct CopyList {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+
+  void add(char* dst, const char* src, size_t bytes) {
+    if (!sizes.empty() && static_cast<char*>(dsts.back()) + sizes.back() == dst &&
+        static_cast<const char*>(srcs.back()) + sizes.back() == src) {
+      sizes.back() += bytes;
+      return;
+    }
+    dsts.push_back(dst);
+    srcs.push_back(src);
+    sizes.push_back(bytes);
+  }
+};
+
+// The copies of `checked` (slots already read once and checked: read_slots_once)
+// between segment bases `src_base` / `dst_base`: consecutive tokens whose rows
+// are adjacent on both sides coalesced (for_each_block), copies that continue
+// each other merged.
+inline CopyList build_copy_list(const CopyPlan& checked, const std::vector<const char*>& src_base,
+                                const std::vector<char*>& dst_base) {
+  CopyList copies;
+  for_each_block(checked, checked.skip_prefix, checked.num_tokens,
+                 [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
+                   copies.add(dst_base[g] + dof, src_base[g] + so, static_cast<size_t>(bytes));
+                 });
+  return copies;
+}
+
+}  // namespace kvlayout
