@@ -167,7 +167,6 @@ def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:
     return {"runs": runs, "run_list_us": statistics.median(samples) * 1e6}
 
 
-
 def time_baseline(case: C.Case, data: dict, baseline_timer: Timer, nbytes: int, ours_s: float) -> dict:
     """Every form of the torch baseline that applies (:data:`kvlayout.bench.cases.TORCH_FORMS`); ``x_torch``
     against the faster form, named by ``torch_form``."""

@@ -46,4 +46,20 @@ inline CopyList build_copy_list(const CopyPlan& checked, const std::vector<const
   return copies;
 }
 
+// build_copy_list with segment g's bases at address(side tensor, "src" or
+// "dst", index) + the segment's offset: where a copy reaches the tensor (its
+// data pointer, or on CUDA a pinned host tensor's device alias).
+template <class Address>
+CopyList copy_list_at(const CopyPlan& checked, at::TensorList src, at::TensorList dst,
+                      const Address& address) {
+  std::vector<const char*> src_base(checked.num_segments);
+  std::vector<char*> dst_base(checked.num_segments);
+  for (int64_t g = 0; g < checked.num_segments; ++g) {
+    const int64_t i = checked.src_tensor[g], j = checked.dst_tensor[g];
+    src_base[g] = address(src[i], "src", i) + checked.src_offset[g];
+    dst_base[g] = address(dst[j], "dst", j) + checked.dst_offset[g];
+  }
+  return build_copy_list(checked, src_base, dst_base);
+}
+
 }  // namespace kvlayout

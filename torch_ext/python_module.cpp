@@ -301,13 +301,11 @@ int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::
   CopyPlan checked = plan;
   HostSlots copies_of_slots;
   read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
-  std::vector<const char*> src_base(plan.num_segments);
-  std::vector<char*> dst_base(plan.num_segments);
-  for (int64_t g = 0; g < plan.num_segments; ++g) {
-    src_base[g] = static_cast<const char*>(src[plan.src_tensor[g]].data_ptr()) + plan.src_offset[g];
-    dst_base[g] = static_cast<char*>(dst[plan.dst_tensor[g]].data_ptr()) + plan.dst_offset[g];
-  }
-  return static_cast<int64_t>(build_copy_list(checked, src_base, dst_base).sizes.size());
+  const CopyList copies =
+      copy_list_at(checked, src, dst, [](const at::Tensor& t, const char*, int64_t) {
+        return static_cast<char*>(t.data_ptr());
+      });
+  return static_cast<int64_t>(copies.sizes.size());
 }
 
 // A staged host transfer (staged.h) built from bound programs: Python plans

@@ -149,15 +149,10 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
               "kvlayout: the copy engine cannot be captured in a CUDA graph; use the kernel "
               "(engine='kernel') inside graphs");
 
-  std::vector<const char*> src_base(plan.num_segments);
-  std::vector<char*> dst_base(plan.num_segments);
-  for (int64_t g = 0; g < plan.num_segments; ++g) {
-    src_base[g] = cuda::device_address(src[plan.src_tensor[g]], dev, "src", plan.src_tensor[g]) +
-                  plan.src_offset[g];
-    dst_base[g] = cuda::device_address(dst[plan.dst_tensor[g]], dev, "dst", plan.dst_tensor[g]) +
-                  plan.dst_offset[g];
-  }
-  CopyList copies = build_copy_list(checked, src_base, dst_base);
+  CopyList copies =
+      copy_list_at(checked, src, dst, [&](const at::Tensor& t, const char* name, int64_t i) {
+        return cuda::device_address(t, dev, name, i);
+      });
   issue(copies, dev);
 }
 
