@@ -160,6 +160,9 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
+    if T == 0 or not c.src_layers or not c.src_planes:
+        # transfer returns before any engine is chosen (so engine="staged" refuses nothing here either)
+        return {"engine": "none", "reason": "nothing to move: no tokens, layers or planes"}
     if engine in ("kernel", "copy"):
         return {"engine": engine, "reason": "asked for"}
     staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine, allocate=False)

@@ -259,6 +259,11 @@ def test_engine_choice_is_explained_and_refused_with_a_reason():
     ops.transfer(src, dst, slots, engine="auto")   # the kernel, as explained
     assert not torch.equal(_bytes(dst), before)
     ops.prepare(src, dst, slots, engine="auto")()
+    # nothing to move: transfer chooses no engine (and refuses none), and explain says so for every engine
+    for engine in ("auto", "kernel", "copy", "staged"):
+        assert ops.explain(src, dst, slots[:0], engine=engine)["engine"] == "none"
+        assert ops.explain(src, dst, slots, src_layers=[], dst_layers=[], engine=engine)["engine"] == "none"
+        ops.transfer(src, dst, slots[:0], engine=engine)
 
 
 def test_auto_stages_only_where_the_record_shows_staging_no_slower():
