@@ -13,10 +13,13 @@ on one stream.
 Each ring slot holds a *mini cache*: the host cache's layout with
 ``chunk_layers`` layers and ``chunk_tokens`` slots (as many as fit the slot).
 The transfer is cut into chunks (a group of ``chunk_layers`` chosen layers,
-``chunk_tokens`` tokens), chunk c through ring slot c % RING_SLOTS:
+up to ``chunk_tokens`` tokens: fewer where that gives a call about 16
+chunks of at least 2 MiB, so that the pipeline's start and end, where one
+stage waits for the other, stay short; :meth:`StagedPlan.call_chunk_tokens`),
+chunk c through ring slot c % RING_SLOTS:
 
 * device -> host: the copy kernel moves the chunk's rows from the device
-  cache into the slot (token t to ring row (t - skip_prefix) % chunk_tokens)
+  cache into the slot (token t to ring row (t - skip_prefix) % the call's chunk tokens)
   on the caller's stream; the copy engine moves the slot's rows to the host
   chunk on a side stream.  Host rows the transfer must leave unchanged
   (tokens whose device slot is negative or out of range) are first copied
@@ -81,17 +84,24 @@ class StagedPlan:
 
     reason: str                        # why staged, or why not
     chunk_layers: int = 0              # 0: not stageable
-    chunk_tokens: int = 0
+    chunk_tokens: int = 0              # a ring slot's capacity in tokens
     layer_groups: int = 0
     host_is_dst: bool = False
-    payload_bytes: int = 0
+    payload_bytes: int = 0             # of the call (of one token in a static plan)
+    token_bytes: int = 0               # of one token, all layer groups
 
     @property
     def stageable(self) -> bool:
         return self.chunk_layers > 0
 
+    def call_chunk_tokens(self, num_tokens: int, skip_prefix: int) -> int:
+        """Tokens per chunk of a call (the C++ engine's rule, ``staged_chunk_tokens``)."""
+        return _C.staged_chunk_tokens(self.chunk_tokens, self.layer_groups, num_tokens - skip_prefix,
+                                      self.token_bytes)
+
     def chunks(self, num_tokens: int, skip_prefix: int) -> int:
-        return self.layer_groups * -(-(num_tokens - skip_prefix) // self.chunk_tokens)
+        per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix)
+        return self.layer_groups * -(-(num_tokens - skip_prefix) // per_chunk)
 
 
 def _host_side(src: KVCache, dst: KVCache) -> str | None:
@@ -244,7 +254,7 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     groups = -(-len(sides.host_layers) // layers)
     return StagedPlan(f"{groups} group(s) of up to {layers} layer(s), chunks of up to {tokens} tokens through a "
                       f"{STAGING_BYTES}-byte staging ring; copy engine for the host side",
-                      layers, tokens, groups, side == "dst", per_token)
+                      layers, tokens, groups, side == "dst", per_token, per_token)
 
 
 def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:

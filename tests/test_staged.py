@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlayout import ops
+from kvlayout import _C, ops
 from kvlayout.ops import staged as staged_mod
 from kvlayout.ops.arguments import checked_choice
 
@@ -54,16 +54,25 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (storage.nbytes() - start,))
 
 
-def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst):
+def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tokens=None):
     """The staged run loop (torch_ext/cuda/staged.cu) step by step on the CPU, from the Python plan: ring slots,
     mini caches, ring rows, keep rows, chunk order and host byte spans - everything but the streams.
+    ``call_tokens``: tokens per chunk of the call, at most a ring slot's (None: the engine's rule).
     Returns the number of chunks."""
     choice = checked_choice(src, dst, layers, layers, None, None, 0, "kernel")
     sides = staged_mod._Sides.of(src, dst, choice, host_is_dst)
-    n_layers, n_tokens = staged_mod.chunk_shape(sides.host, len(sides.host_layers), slot_bytes)
+    n_layers, capacity = staged_mod.chunk_shape(sides.host, len(sides.host_layers), slot_bytes)
     ring = [torch.randint(0, 256, (slot_bytes,), dtype=torch.uint8) for _ in range(staged_mod.RING_SLOTS)]
-    minis = [staged_mod.mini_cache(sides.host, n_layers, n_tokens, slot) for slot in ring]
+    minis = [staged_mod.mini_cache(sides.host, n_layers, capacity, slot) for slot in ring]
     T = slots.shape[0]
+    if call_tokens is None:
+        groups = -(-len(sides.host_layers) // n_layers)
+        token_bytes = sum(row for g0 in range(0, len(sides.host_layers), n_layers)
+                          for *_, row in staged_mod.host_segments(sides.host, minis[0], ring[0],
+                                                                  sides.host_layers[g0:g0 + n_layers],
+                                                                  sides.host_planes))
+        call_tokens = _C.staged_chunk_tokens(capacity, groups, T - skip, token_bytes)
+    n_tokens = min(call_tokens, capacity)
     t = torch.arange(T)
     ring_rows = torch.where(t >= skip, (t - skip) % n_tokens, -1)
     invalid = (slots < 0) | (slots >= sides.device.geometry.N)
@@ -96,6 +105,34 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst):
     return c
 
 
+def test_a_call_is_cut_into_about_sixteen_chunks_of_at_least_two_mib():
+    """The engine's chunk rule (staged_chunk_tokens): a ring slot's capacity, or fewer tokens (multiples of 16)
+    so that a call has about 16 chunks in all, each of at least 2 MiB; never more than a slot holds."""
+    MiB = 1 << 20
+    rule = _C.staged_chunk_tokens
+    # the H200 bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 16 chunks of 4 MiB, not 2 of 32 MiB
+    assert rule(8192, 1, 4096, 32 * 2 * 256) == 256
+    # L32 H8 T=4096 (16 groups of 2 layers) and T=32768 (32 groups of one layer): slot-sized chunks as before
+    assert rule(4096, 16, 4096, 32 * 2 * 2048) == 4096 and rule(8192, 32, 32768, 32 * 2 * 2048) == 8192
+    assert rule(8192, 1, 256, 64) == 256            # 16 KiB: one chunk
+    # ops.explain's chunk count is the engine's
+    plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
+    assert plan.chunks(4096, 0) == 16 and plan.chunks(4096, 4000) == 1 and plan.chunks(40, 0) == 1
+    assert rule(100, 1, 0, 64) == 100 and rule(5, 1, 1, 1) == 5
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        capacity, groups, tokens, token_bytes = (int(torch.randint(1, hi, (1,), generator=gen))
+                                                 for hi in (1 << 16, 40, 1 << 17, 1 << 16))
+        n = rule(capacity, groups, tokens, token_bytes)
+        assert 1 <= n <= capacity and (n == capacity or n % 16 == 0), (capacity, groups, tokens, token_bytes, n)
+        chunks = groups * -(-tokens // n)
+        if n < min(capacity, tokens):   # a group's tokens cut below a slot's for the chunk count: no further
+            assert chunks < 16 + groups, (capacity, groups, tokens, token_bytes, n)
+            assert n * token_bytes // groups >= MiB or n == 16, (capacity, groups, tokens, token_bytes, n)
+        if tokens * token_bytes < 2 * MiB:
+            assert n == min(capacity, -(-tokens // 16) * 16)    # small: one chunk per group
+
+
 def _pool(mla=False, fill=0x5A5A):
     """A HiCache layer-first host pool of 64 slots in pages of 16 (more slots than a transfer's tokens)."""
     shape = (L, 64, 1, 3 * D) if mla else (2, L, 64, H, D)
@@ -108,9 +145,11 @@ def _pool(mla=False, fill=0x5A5A):
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("skip,layers", [(0, None), (5, None), (0, [2, 0]), (3, [1, 2, 3])])
 @pytest.mark.parametrize("pages", [1, 5, 400])   # ring slot of one page of one layer / a few pages / everything
-def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, layers, pages):
+@pytest.mark.parametrize("call_tokens", [None, 7])  # the engine's rule / chunks smaller than a ring slot holds
+def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, layers, pages, call_tokens):
     """The plan's chunks, run through ring slots full of garbage, leave exactly the bytes of one direct
-    transfer: every row moved once, the host rows of tokens without a device row kept, nothing else touched."""
+    transfer: every row moved once, the host rows of tokens without a device row kept, nothing else touched;
+    also where a call's chunks hold fewer tokens than a ring slot."""
     T = 40
     slots = _slots_with_holes(T, "cpu")          # tokens without a device row: their host rows stay
     results = []
@@ -123,8 +162,8 @@ def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, l
         if staged:
             g = chunk.geometry
             slot_bytes = -(-pages * g.P * g.BS * chunk.row_width * chunk.itemsize // 256) * 256   # (aligned)
-            chunks = _chunk_loop(src, dst, slots, layers, skip, slot_bytes, direction == "to_host")
-            assert chunks >= (1 if pages == 400 else 2)
+            chunks = _chunk_loop(src, dst, slots, layers, skip, slot_bytes, direction == "to_host", call_tokens)
+            assert chunks >= (1 if pages == 400 and call_tokens is None else 2)
         else:
             kw = dict(src_layers=layers, dst_layers=layers, skip_prefix=skip)
             if direction == "to_host":
@@ -154,7 +193,6 @@ def _apply(copies, host_bytes, ring, to_ring):
 def test_folded_copies_move_exactly_the_segments_rows(mla, host, pages):
     """The copy-engine calls of every chunk (merged, folded into 2-D copies) move exactly the bytes of one copy
     per segment, both ways, and fold where runs repeat at constant steps."""
-    from kvlayout import _C
     T = 40
     chunk = _chunk(T, mla) if host == "chunk" else _pool(mla)
     g = chunk.geometry

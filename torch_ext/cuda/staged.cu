@@ -33,7 +33,8 @@
 namespace kvlayout {
 namespace {
 
-// rows[0][t]: token t's ring row ((t - skip) % per_chunk; -1 before skip).
+// rows[0][t]: token t's ring row ((t - skip) % per_chunk, per_chunk the
+// call's chunk tokens; -1 before skip).
 // With keep (device -> host): rows[1][t] = t and rows[2][t] = its ring row
 // where token t has no device row (slot < 0 or >= num_slots), else -1: the
 // keep kernel copies those host rows into the ring so that the copy back
@@ -130,6 +131,8 @@ class CudaStaged final : public StagedEngine {
       : s_(std::move(setup)), events_(2 + 2 * s_.ring_slots.size()) {
     const c10::cuda::CUDAGuard guard(s_.device);
     for (const at::Tensor& slot : s_.ring_slots) ring_.push_back(static_cast<char*>(slot.data_ptr()));
+    for (const std::vector<StagedSegment>& group : s_.groups)
+      for (const StagedSegment& seg : group) bytes_per_token_ += seg.row_bytes;
     for (size_t i = 0; i < s_.host_tensors.size(); ++i) {
       (void)cuda::device_address(s_.host_tensors[i], s_.device, "host", int64_t(i));  // pinned?
       host_.push_back(static_cast<char*>(s_.host_tensors[i].data_ptr()));
@@ -187,6 +190,13 @@ class CudaStaged final : public StagedEngine {
 
  private:
   bool keeps() const { return s_.host_is_dst && !s_.keeps.empty(); }
+
+  // Tokens per chunk of a call of num_tokens tokens from skip_prefix on (the
+  // same for a replay as for the call it captured: a function of its key).
+  int64_t chunk_tokens(int64_t num_tokens, int64_t skip_prefix) const {
+    return staged_chunk_tokens(s_.tokens_per_chunk, static_cast<int64_t>(s_.groups.size()),
+                               num_tokens - skip_prefix, bytes_per_token_);
+  }
 
   Replay* find_replay(const ReplayKey& key) {
     for (auto it = replays_.begin(); it != replays_.end(); ++it) {
@@ -264,7 +274,7 @@ class CudaStaged final : public StagedEngine {
     const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
     // what the caller queued before (the caches, the host chunk) comes first on the side stream
     join(events_[0], main, side);
-    const int64_t per_chunk = s_.tokens_per_chunk;
+    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix);
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
       for (int64_t t0 = skip_prefix; t0 < num_tokens; t0 += per_chunk, ++c) {
@@ -321,15 +331,15 @@ class CudaStaged final : public StagedEngine {
     const int threads = 256;
     const int blocks =
         static_cast<int>(std::min<int64_t>((num_tokens + threads - 1) / threads, 1024));
+    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix);
     if (device_slots.defined() && device_slots.scalar_type() == at::kInt) {
       staged_rows_kernel<int32_t><<<blocks, threads, 0, stream>>>(
-          device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, s_.tokens_per_chunk,
+          device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, per_chunk,
           s_.device_num_slots, keeps(), rows.data_ptr<int64_t>());
     } else {
       staged_rows_kernel<int64_t><<<blocks, threads, 0, stream>>>(
           device_slots.defined() ? device_slots.data_ptr<int64_t>() : nullptr, num_tokens,
-          skip_prefix, s_.tokens_per_chunk, s_.device_num_slots, keeps(),
-          rows.data_ptr<int64_t>());
+          skip_prefix, per_chunk, s_.device_num_slots, keeps(), rows.data_ptr<int64_t>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -359,6 +369,7 @@ class CudaStaged final : public StagedEngine {
   StagedSetup s_;
   Events events_;  // 0: side waits for main; 1: main waits for side; then filled[R], free[R]
   std::vector<char*> ring_, host_;
+  int64_t bytes_per_token_ = 0;  // every layer group's rows of one token
   mutable std::mutex mu_;  // a call's issue and the replays below
   OwnStream capture_stream_, capture_side_;
   std::list<std::unique_ptr<Replay>> replays_;  // most recently used first
