@@ -3,8 +3,10 @@ result file: this module renders each figure-bearing sentence and table from the
 the documents hold exactly that text (compared with whitespace folded, so the prose may wrap anywhere).
 
 The README keeps no other figure: with the rendered parts taken out, no number with a unit is left.
-To refresh the documents after a new record, print the parts with
-``python tests/test_readme_figures.py`` and paste them.
+To refresh the documents after new records are committed, run
+``python tests/test_readme_figures.py --refresh HEAD~1`` (the revision whose records the documents were rendered
+from): every part rendered from that revision's records is replaced by the part rendered from today's. Without
+arguments the module prints today's parts.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import subprocess
+import sys
+import tempfile
 
 from kvlayout.bench import targets
 from kvlayout.bench.report import compared_with_peers, peer_standing
@@ -193,9 +198,53 @@ def test_conformance_doc_records_are_the_reports():
         assert fold(conformance_record(name)) in doc, name
 
 
+DOCUMENTS = ("README.md", "docs/performance.md", "docs/conformance.md")
+
+
+def rendered_parts() -> dict[str, str]:
+    """Every part the documents hold, rendered from the records under BENCH and REPORTS, by name."""
+    parts = {"headline": headline_table(), "host cost": host_cost_table(), "main job": main_job_sentence(),
+             "peers": peer_sentence(), "targets": targets_section()}
+    parts.update({f"limits {p.stem}": limits_note(p.stem) for p in sorted(BENCH.glob("*.jsonl"))})
+    parts.update({f"conformance {n}": conformance_record(n) for n in ("cpu", "h200")})
+    return parts
+
+
+def refresh(rev: str) -> list[str]:
+    """Rewrites the documents: each part rendered from the records committed at ``rev`` (found with its
+    whitespace folded, as the tests compare) becomes the part rendered from the records now. Returns the names
+    of the parts replaced; a part new since ``rev`` (a record added) has no text to replace and is left to the
+    author."""
+    global BENCH, REPORTS
+    new = rendered_parts()
+    here = (BENCH, REPORTS)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", rev, "bench/results", "conformance/reports"], cwd=ROOT,
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        BENCH, REPORTS = pathlib.Path(tmp) / "bench" / "results", pathlib.Path(tmp) / "conformance" / "reports"
+        try:
+            old = rendered_parts()
+        finally:
+            BENCH, REPORTS = here
+    replaced = []
+    for name in DOCUMENTS:
+        path = ROOT / name
+        text = path.read_text(encoding="utf-8")
+        for part, before in old.items():
+            after = new.get(part)
+            if after is None or after == before:
+                continue
+            pattern = re.compile(r"\s+".join(re.escape(word) for word in before.split()))
+            text, n = pattern.subn(lambda _: after, text)
+            if n:
+                replaced.append(f"{part} ({name})")
+        path.write_text(text, encoding="utf-8")
+    return replaced
+
+
 if __name__ == "__main__":
-    print(headline_table(), host_cost_table(), main_job_sentence(), targets_section(), sep="\n\n")
-    for path in sorted(BENCH.glob("*.jsonl")):
-        print("*", limits_note(path.stem))
-    for name in ("cpu", "h200"):
-        print(conformance_record(name))
+    if sys.argv[1:2] == ["--refresh"]:
+        print("\n".join(refresh(sys.argv[2] if len(sys.argv) > 2 else "HEAD")) or "nothing changed")
+    else:
+        print(*rendered_parts().values(), sep="\n\n")
