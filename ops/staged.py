@@ -13,9 +13,10 @@ on one stream.
 Each ring slot holds a *mini cache*: the host cache's layout with
 ``chunk_layers`` layers and ``chunk_tokens`` slots (as many as fit the slot).
 The transfer is cut into chunks (a group of ``chunk_layers`` chosen layers,
-up to ``chunk_tokens`` tokens: fewer where that gives a call about 16
-chunks of at least 2 MiB, so that the pipeline's start and end, where one
-stage waits for the other, stay short; :meth:`StagedPlan.call_chunk_tokens`),
+up to ``chunk_tokens`` tokens: fewer where that gives a call about 8
+chunks of at least 2 MiB, 16 under an SM budget, so that the pipeline's
+start and end, where one stage waits for the other, stay short;
+:meth:`StagedPlan.call_chunk_tokens`),
 chunk c through ring slot c % RING_SLOTS:
 
 * device -> host: the copy kernel moves the chunk's rows from the device
@@ -94,13 +95,13 @@ class StagedPlan:
     def stageable(self) -> bool:
         return self.chunk_layers > 0
 
-    def call_chunk_tokens(self, num_tokens: int, skip_prefix: int) -> int:
+    def call_chunk_tokens(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
         """Tokens per chunk of a call (the C++ engine's rule, ``staged_chunk_tokens``)."""
         return _C.staged_chunk_tokens(self.chunk_tokens, self.layer_groups, num_tokens - skip_prefix,
-                                      self.token_bytes)
+                                      self.token_bytes, max_ctas)
 
-    def chunks(self, num_tokens: int, skip_prefix: int) -> int:
-        per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix)
+    def chunks(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
+        per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix, max_ctas)
         return self.layer_groups * -(-(num_tokens - skip_prefix) // per_chunk)
 
 

@@ -71,7 +71,7 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
                           for *_, row in staged_mod.host_segments(sides.host, minis[0], ring[0],
                                                                   sides.host_layers[g0:g0 + n_layers],
                                                                   sides.host_planes))
-        call_tokens = _C.staged_chunk_tokens(capacity, groups, T - skip, token_bytes)
+        call_tokens = _C.staged_chunk_tokens(capacity, groups, T - skip, token_bytes, 0)
     n_tokens = min(call_tokens, capacity)
     t = torch.arange(T)
     ring_rows = torch.where(t >= skip, (t - skip) % n_tokens, -1)
@@ -105,32 +105,39 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
     return c
 
 
-def test_a_call_is_cut_into_about_sixteen_chunks_of_at_least_two_mib():
+def test_a_call_is_cut_into_a_few_chunks_of_at_least_two_mib():
     """The engine's chunk rule (staged_chunk_tokens): a ring slot's capacity, or fewer tokens (multiples of 16)
-    so that a call has about 16 chunks in all, each of at least 2 MiB; never more than a slot holds."""
+    so that a call has about 8 chunks in all (16 under an SM budget), each of at least 2 MiB; never more than
+    a slot holds."""
     MiB = 1 << 20
     rule = _C.staged_chunk_tokens
-    # the H200 bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 16 chunks of 4 MiB, not 2 of 32 MiB
-    assert rule(8192, 1, 4096, 32 * 2 * 256) == 256
+    # the H200 bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 8 chunks of 8 MiB, not 2 of 32 MiB,
+    # and 16 of 4 MiB under an SM budget
+    assert rule(8192, 1, 4096, 32 * 2 * 256, 0) == 512 and rule(8192, 1, 4096, 32 * 2 * 256, 4) == 256
     # L32 H8 T=4096 (16 groups of 2 layers) and T=32768 (32 groups of one layer): slot-sized chunks as before
-    assert rule(4096, 16, 4096, 32 * 2 * 2048) == 4096 and rule(8192, 32, 32768, 32 * 2 * 2048) == 8192
-    assert rule(8192, 1, 256, 64) == 256            # 16 KiB: one chunk
+    for budget in (0, 4):
+        assert rule(4096, 16, 4096, 32 * 2 * 2048, budget) == 4096
+        assert rule(8192, 32, 32768, 32 * 2 * 2048, budget) == 8192
+    assert rule(8192, 1, 256, 64, 0) == 256            # 16 KiB: one chunk
+    assert rule(100, 1, 0, 64, 0) == 100 and rule(5, 1, 1, 1, 0) == 5
     # ops.explain's chunk count is the engine's
     plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
-    assert plan.chunks(4096, 0) == 16 and plan.chunks(4096, 4000) == 1 and plan.chunks(40, 0) == 1
-    assert rule(100, 1, 0, 64) == 100 and rule(5, 1, 1, 1) == 5
+    assert plan.chunks(4096, 0, 0) == 8 and plan.chunks(4096, 0, 2) == 16
+    assert plan.chunks(4096, 4000, 0) == 1 and plan.chunks(40, 0, 0) == 1
     gen = torch.Generator().manual_seed(0)
     for _ in range(2000):
-        capacity, groups, tokens, token_bytes = (int(torch.randint(1, hi, (1,), generator=gen))
-                                                 for hi in (1 << 16, 40, 1 << 17, 1 << 16))
-        n = rule(capacity, groups, tokens, token_bytes)
-        assert 1 <= n <= capacity and (n == capacity or n % 16 == 0), (capacity, groups, tokens, token_bytes, n)
+        capacity, groups, tokens, token_bytes, budget = (int(torch.randint(lo, hi, (1,), generator=gen))
+                                                         for lo, hi in ((1, 1 << 16), (1, 40), (1, 1 << 17),
+                                                                        (1, 1 << 16), (0, 3)))
+        n = rule(capacity, groups, tokens, token_bytes, budget)
+        case = (capacity, groups, tokens, token_bytes, budget, n)
+        assert 1 <= n <= capacity and (n == capacity or n % 16 == 0), case
         chunks = groups * -(-tokens // n)
         if n < min(capacity, tokens):   # a group's tokens cut below a slot's for the chunk count: no further
-            assert chunks < 16 + groups, (capacity, groups, tokens, token_bytes, n)
-            assert n * token_bytes // groups >= MiB or n == 16, (capacity, groups, tokens, token_bytes, n)
+            assert chunks < (16 if budget else 8) + groups, case
+            assert n * token_bytes // groups >= MiB or n == 16, case
         if tokens * token_bytes < 2 * MiB:
-            assert n == min(capacity, -(-tokens // 16) * 16)    # small: one chunk per group
+            assert n == min(capacity, -(-tokens // 16) * 16), case    # small: one chunk per group
 
 
 def _pool(mla=False, fill=0x5A5A):

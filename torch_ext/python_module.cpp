@@ -527,9 +527,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("kept_graphs", &StagedTransfer::kept_graphs,
                              "Captured call shapes kept now (at most 8).");
   m.def("staged_chunk_tokens", &staged_chunk_tokens, py::arg("capacity"), py::arg("groups"),
-        py::arg("tokens"), py::arg("bytes_per_token"),
+        py::arg("tokens"), py::arg("bytes_per_token"), py::arg("max_ctas"),
         "Tokens per chunk of a staged call of `tokens` tokens (past skip_prefix), `bytes_per_token` "
-        "bytes each in all `groups` layer groups, through ring slots of `capacity` tokens.");
+        "bytes each in all `groups` layer groups, through ring slots of `capacity` tokens, under an "
+        "SM budget of `max_ctas` (0: none).");
   m.def(
       "staged_copies",
       [](const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& segments, int64_t t0,

@@ -22,10 +22,12 @@ bool continues(const StagedCopy& c, const StagedCopy& next) {
 
 }  // namespace
 
-int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token) {
+int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
+                            int64_t max_ctas) {
   if (tokens <= 0 || capacity <= 0) return std::max<int64_t>(capacity, 1);
   const int64_t total = tokens * std::max<int64_t>(bytes_per_token, 0);
-  const int64_t wanted = std::clamp<int64_t>(total / kStagedChunkBytes, 1, kStagedChunks);
+  const int64_t wanted = std::clamp<int64_t>(total / kStagedChunkBytes, 1,
+                                             max_ctas > 0 ? kStagedChunksBudgeted : kStagedChunks);
   const int64_t per_group = (wanted + std::max<int64_t>(groups, 1) - 1) / std::max<int64_t>(groups, 1);
   const int64_t n = (tokens + per_group - 1) / per_group;
   return std::min(capacity, (n + 15) / 16 * 16);

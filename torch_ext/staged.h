@@ -70,18 +70,23 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 
 // Tokens per chunk of one call: `tokens` tokens (past skip_prefix) whose rows
 // carry `bytes_per_token` bytes in all layer groups, cut in `groups` layer
-// groups, through ring slots of `capacity` tokens. The capacity, or fewer
-// tokens (a multiple of 16) so that the call has about kStagedChunks chunks
-// in all, each still moving at least about kStagedChunkBytes. A pipeline of
-// two stages idles one stage for one chunk at its start and its end (the
-// first chunk's kernel before the copy engine has work; the last chunk's
-// kernel after it is done), which a transfer of a few slot-sized chunks
-// feels: in the H200 record, unbudgeted staged transfers of 2-5 chunks
-// reached 93.7-96.6 % of the pinned ceiling and those of 16 or more
+// groups, through ring slots of `capacity` tokens, under an SM budget of
+// `max_ctas` (0: none). The capacity, or fewer tokens (a multiple of 16) so
+// that the call has about kStagedChunks chunks in all (kStagedChunksBudgeted
+// under a budget), each still moving at least about kStagedChunkBytes. A
+// pipeline of two stages idles one stage for one chunk at its start and its
+// end (the first chunk's kernel before the copy engine has work; the last
+// chunk's kernel after it is done), which a transfer of a few slot-sized
+// chunks feels: in the H200 record, unbudgeted staged transfers of 2-5
+// chunks reached 93.7-96.6 % of the pinned ceiling and those of 16 or more
 // 97.9-99.5 %, and a 64 MiB load under an SM budget of 4 (a slow kernel
-// behind the copy engine) 79 %.
-int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token);
-constexpr int64_t kStagedChunks = 16;
+// behind the copy engine) 79 %. More chunks cost host work where a call is
+// issued directly (a few driver calls each), hence fewer without a budget,
+// where the kernel of a chunk is short.
+int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
+                            int64_t max_ctas);
+constexpr int64_t kStagedChunks = 8;
+constexpr int64_t kStagedChunksBudgeted = 16;
 constexpr int64_t kStagedChunkBytes = int64_t(2) << 20;
 
 struct StagedSetup {

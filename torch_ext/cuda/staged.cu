@@ -183,7 +183,7 @@ class CudaStaged final : public StagedEngine {
       }
     }
     const at::Tensor rows = new_token_rows(a.num_tokens);
-    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, rows, main);
+    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, rows, main);
     issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate, rows, main,
           reinterpret_cast<cudaStream_t>(s_.side_stream));
   }
@@ -191,11 +191,12 @@ class CudaStaged final : public StagedEngine {
  private:
   bool keeps() const { return s_.host_is_dst && !s_.keeps.empty(); }
 
-  // Tokens per chunk of a call of num_tokens tokens from skip_prefix on (the
-  // same for a replay as for the call it captured: a function of its key).
-  int64_t chunk_tokens(int64_t num_tokens, int64_t skip_prefix) const {
+  // Tokens per chunk of a call of num_tokens tokens from skip_prefix on under
+  // a budget of max_ctas (the same for a replay as for the call it captured:
+  // a function of its key).
+  int64_t chunk_tokens(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas) const {
     return staged_chunk_tokens(s_.tokens_per_chunk, static_cast<int64_t>(s_.groups.size()),
-                               num_tokens - skip_prefix, bytes_per_token_);
+                               num_tokens - skip_prefix, bytes_per_token_, max_ctas);
   }
 
   Replay* find_replay(const ReplayKey& key) {
@@ -238,7 +239,7 @@ class CudaStaged final : public StagedEngine {
     }
     cudaGraph_t graph = nullptr;
     try {
-      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, replay->rows, cap);
+      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, replay->rows, cap);
       issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, false, replay->rows, cap,
             side);
     } catch (...) {
@@ -274,7 +275,7 @@ class CudaStaged final : public StagedEngine {
     const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
     // what the caller queued before (the caches, the host chunk) comes first on the side stream
     join(events_[0], main, side);
-    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix);
+    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix, max_ctas);
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
       for (int64_t t0 = skip_prefix; t0 < num_tokens; t0 += per_chunk, ++c) {
@@ -327,11 +328,11 @@ class CudaStaged final : public StagedEngine {
   }
 
   void fill_token_rows(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
-                       const at::Tensor& rows, cudaStream_t stream) const {
+                       int64_t max_ctas, const at::Tensor& rows, cudaStream_t stream) const {
     const int threads = 256;
     const int blocks =
         static_cast<int>(std::min<int64_t>((num_tokens + threads - 1) / threads, 1024));
-    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix);
+    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix, max_ctas);
     if (device_slots.defined() && device_slots.scalar_type() == at::kInt) {
       staged_rows_kernel<int32_t><<<blocks, threads, 0, stream>>>(
           device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, per_chunk,
