@@ -81,7 +81,9 @@ class Case:
     #                         transfer's layer calls), "prepared-early" (the same with early_loads=True),
     #                         "prepared-serial" (without programmatic dependent launch),
     #                         "prepared-no-launch" (skip_prefix = T: checked, nothing launched) or "graph"
-    #                         (the prepared calls captured once, replayed)
+    #                         (the prepared calls captured once, replayed); staged: "transfer" (a repeated
+    #                         shape's call replays its captured graph) or "direct" (every call issued
+    #                         directly, as a new shape's is: no graph kept)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -161,6 +163,8 @@ def plan_cases(quick: bool) -> list[Case]:
             continue
         dev, buf = _default_layouts(SHAPES[name])
         cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged"))
+        if T >= 4096 and name in shapes[:3]:
+            cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call="direct"))
         if T == 4096 and name in shapes[:3]:
             for ctas in ((4,) if quick else (1, 2, 4, 8)):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged"))
@@ -320,6 +324,9 @@ def kvlayout_fn(case: Case, data: dict):
     src, ss, dst, ds = endpoints(case, data)
     if not case.layerwise:
         if case.group != "host_cost":
+            if case.call == "direct":
+                return _issued_directly(lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
+                                                             engine=case.engine))
             return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
 
         def repeated():   # the call as an engine writes it (engine at its default, "auto"), case.calls times
@@ -358,6 +365,19 @@ def kvlayout_fn(case: Case, data: dict):
         prepared()
     data["graph"] = graph     # kept alive with the case's tensors
     return graph.replay
+
+
+def _issued_directly(call):
+    """``call`` with no staged graph kept while it runs (``staged_graphs=0``), so that a staged transfer is issued
+    directly every time, as the call of a shape not seen before is."""
+    def direct():
+        kept = ops.cache_info()["staged_graphs_capacity"]
+        ops.set_cache_capacity(staged_graphs=0)
+        try:
+            call()
+        finally:
+            ops.set_cache_capacity(staged_graphs=kept)
+    return direct
 
 
 def copy_run_list_fn(case: Case, data: dict):

@@ -104,7 +104,8 @@ def staged(rows: list[dict]) -> str:
             continue
         kernel = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
                        direction=r["direction"], max_ctas=r["max_ctas"])
-        out.append([r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"] or "default"), _pct(r),
+        direction = r["direction"] + (", issued directly" if r.get("call") == "direct" else "")
+        out.append([r["shape"], str(r["T"]), direction, str(r["max_ctas"] or "default"), _pct(r),
                     _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}", peer_cell(r, "kernel"),
                     peer_cell(r, "end_to_end")])
     return markdown_table(["shape", "T", "direction", "CTAs", "staged GB/s (% ceiling)",

@@ -18,6 +18,9 @@ cache                  holds                                       bound (settin
 ``staging``            staging rings of ``engine="staged"``, one   ``ops.staged.KEPT_RINGS`` (2) of
                        per stream, each with the transfers         ``KVLAYOUT_STAGING_BYTES`` (64 MiB)
                        planned on it                               each; 64 transfers per ring
+``staged_graphs``      per staged transfer, the CUDA graphs of     ``staged_graphs`` /
+                       repeated call shapes (C++; each with        ``KVLAYOUT_STAGED_GRAPHS`` (8);
+                       buffers of a few bytes per token)           0: every call issued directly
 =====================  ==========================================  ==============================
 
 Least recently used entries go first (``choices`` are cleared when full).
@@ -40,11 +43,16 @@ def cache_info() -> dict:
     info["staging_capacity"] = staged.KEPT_RINGS
     info["staging_bytes"] = staged.STAGING_BYTES
     info["staged_transfers"] = sum(len(r.transfers) for r in staged._RINGS.values())
+    info["staged_graphs"] = sum(t.native.kept_graphs for r in staged._RINGS.values() for t in r.transfers.values())
+    info["staged_graphs_capacity"] = _C.staged_graph_capacity()
     return info
 
 
-def set_cache_capacity(*, programs: int | None = None, bindings: int | None = None) -> None:
-    """Bound the program registry and the native binding cache (entries beyond the bound are evicted now)."""
+def set_cache_capacity(*, programs: int | None = None, bindings: int | None = None,
+                       staged_graphs: int | None = None) -> None:
+    """Bound the program registry and the native binding cache (entries beyond the bound are evicted now), and
+    the graphs each staged transfer keeps (0: none, every staged call issued directly; each transfer lets go of
+    its graphs beyond the bound at its next call)."""
     from . import programs as registry  # (the argument shadows the module's name)
     if programs is not None:
         registry.set_program_cache_capacity(programs)
@@ -52,6 +60,11 @@ def set_cache_capacity(*, programs: int | None = None, bindings: int | None = No
         if type(bindings) is not int or bindings < 1:
             raise ValueError(f"the binding cache capacity must be a positive int, got {bindings!r}")
         _C.set_binding_cache_capacity(bindings)
+    if staged_graphs is not None:
+        if type(staged_graphs) is not int or staged_graphs < 0:
+            raise ValueError(f"the staged graph capacity must be an int >= 0, got {staged_graphs!r}")
+        _C.set_staged_graph_capacity(staged_graphs)
 
 
 _C.set_binding_cache_capacity(environment_capacity("KVLAYOUT_BINDING_CACHE", 256))
+_C.set_staged_graph_capacity(environment_capacity("KVLAYOUT_STAGED_GRAPHS", 8, minimum=0))

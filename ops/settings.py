@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 
 
-def environment_capacity(name: str, default: int) -> int:
-    """A cache bound from environment variable ``name`` (a positive integer), ``default`` when unset."""
+def environment_capacity(name: str, default: int, minimum: int = 1) -> int:
+    """A cache bound from environment variable ``name`` (an integer >= ``minimum``), ``default`` when unset."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name} = {raw!r}: it must be a positive integer")
+    if not raw.isdigit() or int(raw) < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} = {raw!r}: it must be {kind}")
     return int(raw)

@@ -2,6 +2,7 @@
 finished case is on disk at once, an interrupted run resumes, reports are written and compare with the peers like
 for like, plots and usage errors say what went wrong."""
 
+import dataclasses
 import json
 import pathlib
 import struct
@@ -11,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from kvlayout import ops
 from kvlayout.bench import cases as C
 from kvlayout.bench.peers import load_peers
 from kvlayout.bench.report import markdown, plots, series, terminal_table, write_reports
@@ -91,6 +93,27 @@ def test_peer_figures_match_the_same_job():
     assert [(r["peer"], r["overlapped_gbps"]) for r in budget] == [("SGLang", 52.0)]
     assert peers.matching(C.Case("ctas", "L32_H8_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 4096, 16,
                                  "to_host", max_ctas=16)) == []
+    # the staged call of a repeated shape is compared; the same call issued directly (a diagnostic) is not
+    staged = C.Case("staged", "L32_H8_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 4096, 16, "to_host",
+                    engine="staged")
+    assert peers.matching(staged) and peers.matching(dataclasses.replace(staged, call="direct")) == []
+
+
+def test_staged_rows_issued_directly_keep_no_graph_while_they_run():
+    """The bench's "direct" staged rows: each call runs with no staged graph kept (as a new shape's call), and
+    the bound is back after it, also when the call raises."""
+    seen = []
+    saved = ops.cache_info()["staged_graphs_capacity"]
+    C._issued_directly(lambda: seen.append(ops.cache_info()["staged_graphs_capacity"]))()
+    assert seen == [0] and ops.cache_info()["staged_graphs_capacity"] == saved
+
+    def fails():
+        raise RuntimeError("a failed call")
+    with pytest.raises(RuntimeError, match="a failed call"):
+        C._issued_directly(fails)()
+    assert ops.cache_info()["staged_graphs_capacity"] == saved
+    keys = [c.key for c in C.plan_cases(quick=False) if c.call == "direct"]
+    assert len(keys) == 12 and all(k.endswith(" staged direct") for k in keys) and len(set(keys)) == 12
 
 
 def test_peers_json_holds_both_timings_with_their_source():

@@ -25,12 +25,14 @@ def _by_target(found):
 def test_auto_rows_take_the_staged_twin_where_auto_stages_the_case():
     small = staged_mod.AUTO_MIN_BYTES["to_host"] - 1
     rows = [_row(), _row(engine="staged", group="staged", pct_of_limit=98.0),
+            _row(engine="staged", group="staged", call="direct", pct_of_limit=90.0),   # not what auto repeats
             _row(T=256, payload_bytes=small), _row(T=256, payload_bytes=small, engine="staged", group="staged"),
             _row(group="ctas", max_ctas=4), _row(group="ctas", max_ctas=4, engine="staged")]
     rows[-1]["group"] = "staged"
     picked = targets.auto_rows(rows)
     assert [(r["T"], r["max_ctas"], r["engine"]) for r in picked] == [(4096, 0, "staged"), (256, 0, "kernel"),
                                                                          (4096, 4, "kernel")]   # (to host: kernel)
+    assert picked[0]["pct_of_limit"] == 98.0
 
 
 def test_each_target_is_met_at_its_bound_and_missed_past_it():
@@ -41,6 +43,7 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(T=256, direction="gather_device", pct_of_limit=10.0),                               # no peer, no ceiling
         _row(group="staged", engine="staged", T=256, host_us_per_call=50.0),
         _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1),
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=400.0, call="direct"),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
         _row(group="copy_engine", engine="copy", host_us_per_call=100.0),                        # older record
@@ -53,8 +56,11 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["peers, kernel only"]] == [True]
     assert [c.met for c in found["peers, end to end"]] == [False]
     assert [c.met for c in found["staged host work"]] == [True, False]
+    assert [c.met for c in found["staged host work, new shape"]] == [False]
     assert [c.met for c in found["copy engine run list"]] == [True, False, True]
     assert [c.met for c in found["SM budget"]] == [True, False]
     text = targets.markdown(targets.checks({"results": rows}))
     assert "| host ceiling | 1 of 2 |" in text and "| staged host work | 1 of 2 |" in text
     assert "| staged host work | L32_H8_D128 T=32768 to_host (staged) | 50.1 µs | ≤ 50 µs |" in text
+    assert ("| staged host work, new shape | L32_H8_D128 T=32768 to_host (staged, issued directly) | 400.0 µs "
+            "| ≤ 50 µs |") in text

@@ -261,3 +261,27 @@ def test_program_registry_evicts_unpinned_programs_only(device):
                      src_layers=[0], dst_layers=[0])   # an evicted choice is planned again
     finally:
         ops.set_cache_capacity(programs=saved)
+
+
+def test_staged_graph_capacity_is_a_setting_and_a_variable(monkeypatch):
+    """The staged graph bound: ops.set_cache_capacity(staged_graphs=N) (N >= 0, 0 meaning none) shows in
+    ops.cache_info(); KVLAYOUT_STAGED_GRAPHS sets it at import and accepts 0, unlike the other bounds."""
+    from kvlayout.ops.settings import environment_capacity
+    saved = ops.cache_info()["staged_graphs_capacity"]
+    try:
+        for n in (0, 3):
+            ops.set_cache_capacity(staged_graphs=n)
+            assert ops.cache_info()["staged_graphs_capacity"] == n
+        for bad in (-1, 2.0, True):
+            with pytest.raises(ValueError, match="staged graph capacity must be an int >= 0"):
+                ops.set_cache_capacity(staged_graphs=bad)
+    finally:
+        ops.set_cache_capacity(staged_graphs=saved)
+    monkeypatch.setenv("KVLAYOUT_STAGED_GRAPHS", "0")
+    assert environment_capacity("KVLAYOUT_STAGED_GRAPHS", 8, minimum=0) == 0
+    monkeypatch.setenv("KVLAYOUT_BINDING_CACHE", "0")
+    with pytest.raises(ValueError, match="KVLAYOUT_BINDING_CACHE = '0': it must be a positive integer"):
+        environment_capacity("KVLAYOUT_BINDING_CACHE", 256)
+    monkeypatch.setenv("KVLAYOUT_STAGED_GRAPHS", "-1")
+    with pytest.raises(ValueError, match="it must be an integer >= 0"):
+        environment_capacity("KVLAYOUT_STAGED_GRAPHS", 8, minimum=0)

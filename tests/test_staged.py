@@ -319,7 +319,7 @@ def test_auto_stages_only_where_the_record_shows_staging_no_slower():
     by_key = {r["key"]: r for r in rows}
     picked = []
     for r in rows:
-        if r["engine"] != "staged" or "gbps" not in r:
+        if r["engine"] != "staged" or "gbps" not in r or r.get("call", "transfer") != "transfer":
             continue
         kernel = by_key[r["key"].replace(" staged", "")]
         if staged_mod.auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"]):
@@ -758,6 +758,40 @@ def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
             assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)), T
     kept = _kept_transfer(cache, chunk)
     assert kept.native.kept_graphs == 8 and kept.native.replayed_calls == 20
+
+
+def test_staged_graph_capacity_bounds_the_graphs_and_zero_issues_every_call_directly(cuda_device, ring_bytes,
+                                                                                    monkeypatch):
+    """ops.set_cache_capacity(staged_graphs=N): a transfer keeps at most N graphs (a lowered bound applies at
+    its next call); 0 keeps none and replays nothing, every call issued directly and exact."""
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    ring_bytes(16 << 10)
+    cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
+    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
+    saved = ops.cache_info()["staged_graphs_capacity"]
+
+    def calls(token_counts, kept_graphs, replayed):
+        for T in token_counts:
+            slots = torch.arange(T).flip(0)
+            for _ in range(2):
+                chunk.tensors[0].zero_()
+                cpu_chunk.tensors[0].zero_()
+                ops.transfer(cache, chunk, slots.to(cuda_device))
+                ops.transfer(cpu_cache, cpu_chunk, slots)
+                torch.cuda.synchronize()
+                assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)), T
+        kept = _kept_transfer(cache, chunk)
+        assert (kept.native.kept_graphs, kept.native.replayed_calls) == (kept_graphs, replayed)
+
+    try:
+        calls(range(20, 25), 5, 5)                    # five shapes, each captured on its second call
+        ops.set_cache_capacity(staged_graphs=2)
+        calls([24], 2, 7)                             # the bound applies at the next call: 2 kept, 24 replayed
+        ops.set_cache_capacity(staged_graphs=0)
+        calls([24, 30], 0, 7)                         # none kept, none replayed, every call issued directly
+        assert ops.cache_info()["staged_graphs"] == 0
+    finally:
+        ops.set_cache_capacity(staged_graphs=saved)
 
 
 @pytest.mark.parametrize("engine", ["auto", "staged"])

@@ -525,7 +525,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("replayed_calls", &StagedTransfer::replayed_calls,
                              "Calls replayed from a captured graph so far.")
       .def_property_readonly("kept_graphs", &StagedTransfer::kept_graphs,
-                             "Captured call shapes kept now (at most 8).");
+                             "Captured call shapes kept now (at most the staged graph capacity).");
+  m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
+        "Captured call shapes each staged transfer keeps (0: every call issued directly).");
+  m.def("staged_graph_capacity", &staged_graph_capacity);
   m.def("staged_chunk_tokens", &staged_chunk_tokens, py::arg("capacity"), py::arg("groups"),
         py::arg("tokens"), py::arg("bytes_per_token"), py::arg("max_ctas"),
         "Tokens per chunk of a staged call of `tokens` tokens (past skip_prefix), `bytes_per_token` "

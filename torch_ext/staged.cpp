@@ -3,12 +3,17 @@
 // same for every backend with a copy engine.
 #include "staged.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
+#include <atomic>
 
 namespace kvlayout {
 namespace {
 
 constexpr int64_t kMaxPitch = (int64_t(1) << 31) - 1;
+
+std::atomic<int64_t> graph_capacity{8};
 
 // Whether `next` is the next run of the 2-D copy `c` (one host tensor, one
 // length, the steps `c` already has, or the first step when it has none).
@@ -21,6 +26,13 @@ bool continues(const StagedCopy& c, const StagedCopy& next) {
 }
 
 }  // namespace
+
+void set_staged_graph_capacity(int64_t graphs) {
+  TORCH_CHECK_VALUE(graphs >= 0, "kvlayout: the staged graph capacity must be >= 0, got ", graphs);
+  graph_capacity.store(graphs, std::memory_order_relaxed);
+}
+
+int64_t staged_graph_capacity() { return graph_capacity.load(std::memory_order_relaxed); }
 
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas) {

@@ -89,6 +89,13 @@ constexpr int64_t kStagedChunks = 8;
 constexpr int64_t kStagedChunksBudgeted = 16;
 constexpr int64_t kStagedChunkBytes = int64_t(2) << 20;
 
+// Captured call shapes each staged transfer keeps (least recently used go
+// first; 0: every call is issued directly). Each holds an instantiated graph
+// and device buffers for its slots and token table (a few bytes per token).
+// Process-wide; a lowered bound applies at each transfer's next call.
+void set_staged_graph_capacity(int64_t graphs);
+int64_t staged_graph_capacity();
+
 struct StagedSetup {
   bool host_is_dst = false;
   // Per (group, ring slot), index group * ring_slots.size() + slot: the copy

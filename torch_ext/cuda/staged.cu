@@ -14,8 +14,8 @@
 // engine's own streams, reading the slots from a buffer of the graph) and
 // replayed: per call one copy of the slots into that buffer and one graph
 // launch, whatever the chunk count. Shapes are captured on their second call
-// (a one-off shape costs no capture); at most kReplays graphs are kept per
-// engine, least recently used evicted. No synchronisation either way.
+// (a one-off shape costs no capture); at most staged_graph_capacity() graphs
+// are kept per engine, least recently used evicted. No synchronisation either way.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -122,7 +122,6 @@ struct Replay {
   }
 };
 
-constexpr size_t kReplays = 8;     // graphs kept per engine
 constexpr size_t kSeenShapes = 16;  // shapes remembered as run once
 
 class CudaStaged final : public StagedEngine {
@@ -167,11 +166,13 @@ class CudaStaged final : public StagedEngine {
     // caller's own graph capture becomes part of that graph: both are issued directly.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(main, &capture));
-    if (!a.validate && replays_ok_ && capture == cudaStreamCaptureStatusNone) {
+    const auto graphs = static_cast<size_t>(staged_graph_capacity());
+    while (replays_.size() > graphs) replays_.pop_back();  // (a bound lowered since the last call)
+    if (graphs > 0 && !a.validate && replays_ok_ && capture == cudaStreamCaptureStatusNone) {
       const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas,
                           device_slots.defined() ? int64_t(device_slots.element_size()) : 0};
       Replay* replay = find_replay(key);
-      if (replay == nullptr && seen_before(key)) replay = capture_replay(key);
+      if (replay == nullptr && seen_before(key)) replay = capture_replay(key, graphs);
       if (replay != nullptr) {
         if (device_slots.defined())
           C10_CUDA_CHECK(cudaMemcpyAsync(replay->slots.data_ptr(), device_slots.data_ptr(),
@@ -223,7 +224,7 @@ class CudaStaged final : public StagedEngine {
   // raised (the direct call that follows raises the same). The graph's
   // buffers are allocated for the caller's stream, where the graph runs:
   // freed, they are reused only after the work queued there.
-  Replay* capture_replay(const ReplayKey& key) {
+  Replay* capture_replay(const ReplayKey& key, size_t graphs) {
     auto replay = std::make_unique<Replay>();
     replay->key = key;
     if (key.slot_bytes != 0)
@@ -257,7 +258,7 @@ class CudaStaged final : public StagedEngine {
       return nullptr;
     }
     replays_.push_front(std::move(replay));
-    if (replays_.size() > kReplays) replays_.pop_back();
+    while (replays_.size() > graphs) replays_.pop_back();
     return replays_.front().get();
   }
 
