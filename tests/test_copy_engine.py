@@ -159,3 +159,77 @@ def test_run_list_is_one_copy_per_page_and_layer_plane_and_merges_what_continues
     data["cache_slots"] = torch.arange(256) + 512          # past the cache's 512 slots
     with pytest.raises(IndexError, match="src_slots"):
         C.copy_run_list_fn(chunked, data)()
+
+
+def _model_run_list(src_geom, dst_geom, src_segments, dst_segments, src_slots, dst_slots, row):
+    """The run list by its definition, token by token: a token whose rows start where the previous token's
+    rows end on both sides continues its run; each run gives one copy per segment, in segment order; a copy
+    that continues the one before it on both sides is merged into it. Returns the number of copies."""
+    def offset(g, slot):
+        return slot // g[1] * g[2] + slot % g[1] * g[3]
+
+    runs = []                                   # (src offset, dst offset, tokens)
+    for s, d in zip(src_slots, dst_slots):
+        if s < 0 or d < 0:
+            runs.append(None)
+            continue
+        last = runs[-1] if runs else None
+        so, do = offset(src_geom, s), offset(dst_geom, d)
+        if last is not None and so == last[0] + last[2] * row and do == last[1] + last[2] * row:
+            runs[-1] = (last[0], last[1], last[2] + 1)
+        else:
+            runs.append((so, do, 1))
+    copies = []                                 # (src address, dst address, bytes)
+    for run in filter(None, runs):
+        for g in range(len(src_segments) // 2):
+            src = (src_segments[2 * g], src_segments[2 * g + 1] + run[0])
+            dst = (dst_segments[2 * g], dst_segments[2 * g + 1] + run[1])
+            if copies and copies[-1][0] == (src[0], src[1] - copies[-1][2]) \
+                    and copies[-1][1] == (dst[0], dst[1] - copies[-1][2]):
+                copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + run[2] * row)
+            else:
+                copies.append((src, dst, run[2] * row))
+    return len(copies)
+
+
+def test_run_list_coalesces_exactly_the_rows_that_continue_each_other():
+    """_C.copy_run_list against the definition of the run list (_model_run_list) over random paged geometries
+    (pages back to back or apart, rows back to back or apart within a page) and slots that run across page
+    boundaries, jump and skip (-1)."""
+    from kvlayout import _C
+
+    rng = np.random.default_rng(5)
+    row = 16
+    checked = 0
+    for case in range(300):
+        geoms = []
+        for _ in range(2):
+            page = int(rng.choice([1, 2, 4, 16]))
+            in_page = row * int(rng.choice([1, 1, 2]))
+            stride_page = page * in_page + int(rng.choice([0, 0, row, 3 * row]))
+            geoms.append([64, page, stride_page, in_page, 0])
+        T = int(rng.integers(1, 40))
+        slots = []
+        for _ in range(2):
+            s, out = int(rng.integers(0, 64)), []
+            for _ in range(T):
+                out.append(s if rng.random() > 0.1 else -1)
+                s = s + 1 if rng.random() < 0.8 else int(rng.integers(0, 64))
+                s = s if s < 64 else int(rng.integers(0, 64))
+            slots.append(out)
+        segments = 3
+        span = [max(g[2] * (63 // g[1]) + g[3] * (63 % g[1]), g[2] * (63 // g[1] - 1) + g[3] * (g[1] - 1))
+                + row for g in geoms]
+        src_segments = [x for g in range(segments) for x in (0, g * span[0])]
+        dst_segments = [x for g in range(segments) for x in (0, g * span[1])]
+        dst = [torch.zeros(segments * span[1], dtype=torch.uint8)]
+        src = [torch.zeros(segments * span[0], dtype=torch.uint8)]
+        src_slots, dst_slots = (torch.tensor(x, dtype=torch.int64) for x in slots)
+        if len(set(x for x in slots[1] if x >= 0)) < sum(x >= 0 for x in slots[1]):
+            continue                                       # (the copy engine refuses repeated destinations)
+        got = _C.copy_run_list(src, dst, src_slots, dst_slots, T, 0, src_segments, dst_segments, geoms[0],
+                               geoms[1], 1, row)
+        assert got == _model_run_list(geoms[0], geoms[1], src_segments, dst_segments, slots[0], slots[1], row), \
+            (case, geoms, slots)
+        checked += 1
+    assert checked >= 100, checked

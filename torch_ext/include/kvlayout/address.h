@@ -127,40 +127,48 @@ KVL_HD inline bool pieces_contiguous(const RowGeometry& g, int64_t num_pieces,
   return num_pieces == 1 || g.stride_piece == piece_bytes;
 }
 
-KVL_HD inline bool continues_run_one_side(const RowGeometry& g, int64_t prev_slot,
-                                          int64_t next_slot, int64_t row_bytes) {
-  return row_offset(g, next_slot) == row_offset(g, prev_slot) + row_bytes;
-}
+// A side's position while a run is scanned: its last slot, where that slot
+// sits in its page and its row offset, so that the next slot of the same page
+// (the common case) costs no division.
+struct RunCursor {
+  int64_t slot, in_page, offset;
 
-// Whether token `next` (slots next_src/next_dst, both valid) continues a run
-// whose last token had slots prev_src/prev_dst, on BOTH sides. Only
-// meaningful when both sides' rows are contiguous (num_pieces == 1 after
-// merging); callers with num_pieces > 1 must not coalesce.
-KVL_HD inline bool continues_run(const RowGeometry& src, const RowGeometry& dst,
-                                 int64_t prev_src, int64_t prev_dst,
-                                 int64_t next_src, int64_t next_dst,
-                                 int64_t row_bytes) {
-  return continues_run_one_side(src, prev_src, next_src, row_bytes) &&
-         continues_run_one_side(dst, prev_dst, next_dst, row_bytes);
-}
+  KVL_HD static RunCursor at(const RowGeometry& g, int64_t slot) {
+    int64_t page, in_page;
+    divmod_nonneg(slot, g.page_size, page, in_page);
+    return RunCursor{slot, in_page, page * g.stride_page + in_page * g.stride_in_page};
+  }
+
+  // Whether the row of slot `next` (valid) starts exactly where this slot's
+  // row of `row_bytes` ends; if so, the cursor moves to `next`.
+  KVL_HD bool advance(const RowGeometry& g, int64_t next, int64_t row_bytes) {
+    const RunCursor n = next == slot + 1 && in_page + 1 < g.page_size
+                            ? RunCursor{next, in_page + 1, offset + g.stride_in_page}
+                            : at(g, next);
+    if (n.offset != offset + row_bytes) return false;
+    *this = n;
+    return true;
+  }
+};
 
 // Length of the run starting at token `first` (whose slots s0/d0 are valid)
 // within [first, end): the number of consecutive tokens whose rows continue
-// contiguously on both sides. Stops at a negative or out-of-range slot.
-// Identity slot arrays are handled by SlotArray::load.
+// contiguously on both sides (row_offset(next) == row_offset(last) + row_bytes
+// on each). Stops at a negative or out-of-range slot. Only meaningful when
+// both sides' rows are contiguous (num_pieces == 1 after merging); callers
+// with num_pieces > 1 must not coalesce. Identity slot arrays are handled by
+// SlotArray::load.
 KVL_HD inline int64_t run_length(const SlotArray& src_slots, const SlotArray& dst_slots,
                                  const RowGeometry& src, const RowGeometry& dst,
                                  int64_t first, int64_t end, int64_t s0, int64_t d0,
                                  int64_t row_bytes) {
   int64_t n = 1;
-  int64_t ps = s0, pd = d0;
+  RunCursor a = RunCursor::at(src, s0), b = RunCursor::at(dst, d0);
   while (first + n < end) {
     const int64_t s = src_slots.load(first + n);
     const int64_t d = dst_slots.load(first + n);
     if (!slot_in_range(src, s) || !slot_in_range(dst, d)) break;
-    if (!continues_run(src, dst, ps, pd, s, d, row_bytes)) break;
-    ps = s;
-    pd = d;
+    if (!a.advance(src, s, row_bytes) || !b.advance(dst, d, row_bytes)) break;
     ++n;
   }
   return n;
