@@ -740,22 +740,28 @@ def test_replayed_calls_record_out_of_range_slots_and_validate_on_the_host(cuda_
     assert kept.native.replayed_calls == 2
 
 
+def _twice_each(cache, chunk, token_counts):
+    """For each token count T: ``ops.transfer(cache, chunk, slots T-1..0)`` twice (a shape's second call is
+    captured), each call checked byte for byte against the same call on CPU copies."""
+    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(chunk.geometry.N)
+    for T in token_counts:
+        slots = torch.arange(T).flip(0)
+        for _ in range(2):
+            chunk.tensors[0].zero_()
+            cpu_chunk.tensors[0].zero_()
+            ops.transfer(cache, chunk, slots.to(cache.device))
+            ops.transfer(cpu_cache, cpu_chunk, slots)
+            torch.cuda.synchronize()
+            assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)), T
+
+
 def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
     """Twenty token counts, each called twice: at most eight captured graphs are kept per transfer (the least
     recently used go), and every call is exact."""
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
     ring_bytes(16 << 10)
     cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
-    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
-    for T in range(20, 40):
-        slots = torch.arange(T).flip(0)
-        for _ in range(2):
-            chunk.tensors[0].zero_()
-            cpu_chunk.tensors[0].zero_()
-            ops.transfer(cache, chunk, slots.to(cuda_device))
-            ops.transfer(cpu_cache, cpu_chunk, slots)
-            torch.cuda.synchronize()
-            assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)), T
+    _twice_each(cache, chunk, range(20, 40))
     kept = _kept_transfer(cache, chunk)
     assert kept.native.kept_graphs == 8 and kept.native.replayed_calls == 20
 
@@ -767,19 +773,10 @@ def test_staged_graph_capacity_bounds_the_graphs_and_zero_issues_every_call_dire
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
     ring_bytes(16 << 10)
     cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
-    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
     saved = ops.cache_info()["staged_graphs_capacity"]
 
     def calls(token_counts, kept_graphs, replayed):
-        for T in token_counts:
-            slots = torch.arange(T).flip(0)
-            for _ in range(2):
-                chunk.tensors[0].zero_()
-                cpu_chunk.tensors[0].zero_()
-                ops.transfer(cache, chunk, slots.to(cuda_device))
-                ops.transfer(cpu_cache, cpu_chunk, slots)
-                torch.cuda.synchronize()
-                assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)), T
+        _twice_each(cache, chunk, token_counts)
         kept = _kept_transfer(cache, chunk)
         assert (kept.native.kept_graphs, kept.native.replayed_calls) == (kept_graphs, replayed)
 
