@@ -168,8 +168,9 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine, allocate=False)
     if staged.stageable:
         return {"engine": "staged", "reason": staged.reason, "groups": staged.layer_groups,
-                "chunks": staged.chunks(T, skip_prefix, c.max_ctas), "payload_bytes": staged.payload_bytes,
-                "staging_bytes": _staged.STAGING_BYTES}
+                "chunks": staged.chunks(T, skip_prefix, c.max_ctas),
+                "chunk_tokens": staged.call_chunk_tokens(T, skip_prefix, c.max_ctas),
+                "payload_bytes": staged.payload_bytes, "staging_bytes": _staged.STAGING_BYTES}
     return {"engine": "kernel", "reason": staged.reason}
 
 

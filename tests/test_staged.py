@@ -471,6 +471,7 @@ def test_auto_stages_large_payloads(cuda_device, monkeypatch):
     explained = ops.explain(cache, chunk, slots)
     assert explained["engine"] == "staged" and explained["payload_bytes"] == 2 * L * T * H * D * 2
     assert explained["chunks"] == 1 and explained["staging_bytes"] == staged_mod.STAGING_BYTES
+    assert explained["chunk_tokens"] == T            # one chunk of every token (a slot holds more)
     ops.transfer(cache, chunk, slots, engine="auto")
     torch.cuda.synchronize()
     expected = _chunk(T)
