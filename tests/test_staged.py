@@ -741,6 +741,39 @@ def test_replayed_calls_record_out_of_range_slots_and_validate_on_the_host(cuda_
     assert kept.native.replayed_calls == 2
 
 
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("max_ctas", [0, 2])
+def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_ctas, ring_bytes):
+    """8 MiB through the default ring (every token fits one slot): the call is cut into chunks of fewer tokens
+    than a slot holds (about 8 of at least 2 MiB: 4 of 1,024 tokens here, with or without a budget), issued
+    directly, captured and replayed, each call exact against the CPU, holes and skip_prefix included."""
+    ring_bytes(64 << 20)
+    T, pages = 4101, 300          # past skip_prefix 5: 4,096 tokens of 2 planes x 4 layers x 256 B, 8 MiB
+    g = torch.Generator().manual_seed(3)
+    layers = [torch.randint(-2**15, 2**15, (2, pages, BS, H, D), generator=g, dtype=torch.int16) for _ in range(L)]
+    cpu_cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16) for t in layers])
+    cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16).to(cuda_device) for t in layers])
+    chunk, cpu_chunk = _chunk(T, pin=True), _chunk(T)
+    if direction == "from_host":
+        data = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
+        for c in (chunk, cpu_chunk):
+            c.tensors[0].view(torch.int16).copy_(data)
+    slots = torch.randperm(pages * BS, generator=g)[:T]
+    slots[::97] = -1                              # tokens without a device row
+    src, dst, cpu_src, cpu_dst, args, cpu_args = (
+        (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (slots,)) if direction == "to_host" else
+        (chunk, cache, cpu_chunk, cpu_cache, (None, slots.to(cuda_device)), (None, slots)))
+    explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
+    assert (explained["chunks"], explained["chunk_tokens"]) == (4, 1024), explained
+    ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
+    for _ in range(3):                            # issued directly, captured, replayed
+        ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache))
+    kept = checked_choice(src, dst, None, None, None, None, max_ctas, "staged").staged_kept()
+    assert kept.native.replayed_calls == 1
+
+
 def _twice_each(cache, chunk, token_counts):
     """For each token count T: ``ops.transfer(cache, chunk, slots T-1..0)`` twice (a shape's second call is
     captured), each call checked byte for byte against the same call on CPU copies."""
