@@ -294,11 +294,10 @@ int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::
   for (const auto* slots : {&src_slots, &dst_slots})
     TORCH_CHECK_VALUE(!slots->has_value() || !(*slots)->defined() || (*slots)->device().is_cpu(),
                       "kvlayout: the copy engine reads the slots on the host: pass CPU tensors");
-  const CopyPlan plan =
+  CopyPlan checked =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
-  if (plan.empty()) return 0;
-  CopyPlan checked = plan;
+  if (checked.empty()) return 0;
   HostSlots copies_of_slots;
   read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
   const CopyList copies =

@@ -128,17 +128,17 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
                     c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes) {
   check_host_slots(src_slots, "src_slots");
   check_host_slots(dst_slots, "dst_slots");
-  const CopyPlan plan =
+  // (read_slots_once points its slot arrays at their host copies: checked from then on)
+  CopyPlan checked =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
   const auto cuda_dev = first_device_of_type(c10::DeviceType::CUDA, dst, src);
   TORCH_CHECK(cuda_dev.has_value(), "kvlayout::copy_runs: no CUDA tensor among src and dst");
   const c10::Device dev = *cuda_dev;
   const c10::cuda::CUDAGuard guard(dev);
-  if (plan.empty()) return;
+  if (checked.empty()) return;
   // each slot read once: range and repeated destinations checked on those
   // copies, and the copies are what the runs are built from
-  CopyPlan checked = plan;
   HostSlots copies_of_slots;
   read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
 
