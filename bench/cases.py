@@ -370,8 +370,9 @@ def kvlayout_fn(case: Case, data: dict):
 def _issued_directly(call):
     """``call`` with no staged graph kept while it runs (``staged_graphs=0``), so that a staged transfer is issued
     directly every time, as the call of a shape not seen before is."""
+    kept = ops.cache_info()["staged_graphs_capacity"]   # (read once: cache_info walks every ring)
+
     def direct():
-        kept = ops.cache_info()["staged_graphs_capacity"]
         ops.set_cache_capacity(staged_graphs=0)
         try:
             call()

@@ -88,7 +88,7 @@ class StagedPlan:
     chunk_tokens: int = 0              # a ring slot's capacity in tokens
     layer_groups: int = 0
     host_is_dst: bool = False
-    payload_bytes: int = 0             # of the call (of one token in a static plan)
+    payload_bytes: int = 0             # of the call (0 in a static plan, which knows no call)
     token_bytes: int = 0               # of one token, all layer groups
 
     @property
@@ -231,7 +231,7 @@ def host_segments(host: KVCache, mini: KVCache, slot: torch.Tensor, host_layers:
 
 def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     """What about a transfer's stageability does not change from call to call (pinned memory, layout,
-    chunk shape): a :class:`StagedPlan` with ``payload_bytes`` per token."""
+    chunk shape): a :class:`StagedPlan` with ``token_bytes``, no call's ``payload_bytes``."""
     side = _host_side(src, dst)
     if side is None:
         return StagedPlan("one side must be a CUDA cache and the other a pinned host cache")
@@ -255,7 +255,7 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     groups = -(-len(sides.host_layers) // layers)
     return StagedPlan(f"{groups} group(s) of up to {layers} layer(s), chunks of up to {tokens} tokens through a "
                       f"{STAGING_BYTES}-byte staging ring; copy engine for the host side",
-                      layers, tokens, groups, side == "dst", per_token, per_token)
+                      layers, tokens, groups, side == "dst", token_bytes=per_token)
 
 
 def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
@@ -295,7 +295,7 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
                           "of tokens 0..T-1 back to back (a chunk)")
     if num_tokens > host.geometry.N:
         return StagedPlan(f"{num_tokens} tokens do not fit the host cache's {host.geometry.N} slots")
-    return dataclasses.replace(static, payload_bytes=static.payload_bytes * (num_tokens - skip_prefix))
+    return dataclasses.replace(static, payload_bytes=static.token_bytes * (num_tokens - skip_prefix))
 
 
 class _Ring:

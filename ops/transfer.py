@@ -97,7 +97,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     validate = validating(validate)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
-    if T == 0 or not c.src_layers or not c.src_planes:
+    if _moves_nothing(c, T):
         return
     if engine in ("staged", "auto"):
         staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine)
@@ -110,6 +110,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
                                s_slots, d_slots, T, skip_prefix)
         return
     routes.run_kernel(src, dst, c, s_slots, d_slots, T, skip_prefix, validate)
+
+
+def _moves_nothing(c: CheckedChoice, T: int) -> bool:
+    """Whether a checked call has nothing to move (no tokens, layers or planes): no engine is chosen for it."""
+    return T == 0 or not c.src_layers or not c.src_planes
 
 
 def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int) -> bool:
@@ -125,7 +130,7 @@ def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int)
     slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
-    return not _staged.auto_stages(static.host_is_dst, static.payload_bytes * (slots.shape[0] - skip_prefix),
+    return not _staged.auto_stages(static.host_is_dst, static.token_bytes * (slots.shape[0] - skip_prefix),
                                    c.max_ctas)
 
 
@@ -160,7 +165,7 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
                                                    num_tokens)
-    if T == 0 or not c.src_layers or not c.src_planes:
+    if _moves_nothing(c, T):
         # transfer returns before any engine is chosen (so engine="staged" refuses nothing here either)
         return {"engine": "none", "reason": "nothing to move: no tokens, layers or planes"}
     if engine in ("kernel", "copy"):
