@@ -86,10 +86,10 @@ void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& c
     if (d >= p.dst_geom.num_slots)
       raise_slot_out_of_range("dst_slots", p.dst_slots.identity != 0, t, d, p.dst_geom.num_slots);
     if (p.num_pieces == 1) {
+      const RunCursor a = RunCursor::at(p.src_geom, s), b = RunCursor::at(p.dst_geom, d);
       const int64_t n =
-          run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t, end, s, d, row_bytes);
-      for (int64_t g = 0; g < p.num_segments; ++g)
-        copy(g, row_offset(p.src_geom, s), row_offset(p.dst_geom, d), n * row_bytes);
+          run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t, end, a, b, row_bytes);
+      for (int64_t g = 0; g < p.num_segments; ++g) copy(g, a.offset, b.offset, n * row_bytes);
       t += n;
     } else {
       for (int64_t g = 0; g < p.num_segments; ++g)

@@ -139,31 +139,37 @@ struct RunCursor {
     return RunCursor{slot, in_page, page * g.stride_page + in_page * g.stride_in_page};
   }
 
+  // The cursor at slot + 1, by addition: the next row of this page, or the
+  // first row of the next page.
+  KVL_HD RunCursor successor(const RowGeometry& g) const {
+    return in_page + 1 < g.page_size
+               ? RunCursor{slot + 1, in_page + 1, offset + g.stride_in_page}
+               : RunCursor{slot + 1, 0, offset - in_page * g.stride_in_page + g.stride_page};
+  }
+
   // Whether the row of slot `next` (valid) starts exactly where this slot's
-  // row of `row_bytes` ends; if so, the cursor moves to `next`.
+  // row of `row_bytes` ends; if so, the cursor moves to `next`. Consecutive
+  // slots (the common case) cost no division.
   KVL_HD bool advance(const RowGeometry& g, int64_t next, int64_t row_bytes) {
-    const RunCursor n = next == slot + 1 && in_page + 1 < g.page_size
-                            ? RunCursor{next, in_page + 1, offset + g.stride_in_page}
-                            : at(g, next);
+    const RunCursor n = next == slot + 1 ? successor(g) : at(g, next);
     if (n.offset != offset + row_bytes) return false;
     *this = n;
     return true;
   }
 };
 
-// Length of the run starting at token `first` (whose slots s0/d0 are valid)
-// within [first, end): the number of consecutive tokens whose rows continue
-// contiguously on both sides (row_offset(next) == row_offset(last) + row_bytes
-// on each). Stops at a negative or out-of-range slot. Only meaningful when
-// both sides' rows are contiguous (num_pieces == 1 after merging); callers
-// with num_pieces > 1 must not coalesce. Identity slot arrays are handled by
-// SlotArray::load.
+// Length of the run starting at token `first`, whose valid slots put the
+// cursors at `a` (source) and `b` (destination), within [first, end): the
+// number of consecutive tokens whose rows continue contiguously on both sides
+// (row_offset(next) == row_offset(last) + row_bytes on each). Stops at a
+// negative or out-of-range slot. Only meaningful when both sides' rows are
+// contiguous (num_pieces == 1 after merging); callers with num_pieces > 1
+// must not coalesce. Identity slot arrays are handled by SlotArray::load.
 KVL_HD inline int64_t run_length(const SlotArray& src_slots, const SlotArray& dst_slots,
                                  const RowGeometry& src, const RowGeometry& dst,
-                                 int64_t first, int64_t end, int64_t s0, int64_t d0,
+                                 int64_t first, int64_t end, RunCursor a, RunCursor b,
                                  int64_t row_bytes) {
   int64_t n = 1;
-  RunCursor a = RunCursor::at(src, s0), b = RunCursor::at(dst, d0);
   while (first + n < end) {
     const int64_t s = src_slots.load(first + n);
     const int64_t d = dst_slots.load(first + n);
