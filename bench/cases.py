@@ -381,6 +381,19 @@ def _issued_directly(call):
     return direct
 
 
+def staged_counts(case: Case, data: dict) -> dict:
+    """For an all-layer host transfer that its engine stages: the call's ``chunks`` and the ``graph_nodes``
+    of the graph it replays (0: issued directly), as ``ops.explain`` gives them after the timed calls; {}
+    where the call is not staged. What a staged call's host time grows with."""
+    if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
+        return {}
+    src, ss, dst, ds = endpoints(case, data)
+    explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
+    if explained["engine"] != "staged":
+        return {}
+    return {"chunks": explained["chunks"], "graph_nodes": explained["graph_nodes"]}
+
+
 def copy_run_list_fn(case: Case, data: dict):
     """For a copy-engine case: a callable that builds the run lists its call issues (``_C.copy_run_list``, the
     same C++ as ``kvlayout::copy_runs`` without the driver's part) and returns how many copies they hold."""

@@ -151,6 +151,8 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))
     if case.engine == "copy":
         row.update(time_run_list(case, data))
+    if timer.cuda:
+        row.update(C.staged_counts(case, data))
     return row
 
 

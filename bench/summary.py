@@ -106,12 +106,20 @@ def staged(rows: list[dict]) -> str:
                        direction=r["direction"], max_ctas=r["max_ctas"])
         direction = r["direction"] + (", issued directly" if r.get("call") == "direct" else "")
         out.append([r["shape"], str(r["T"]), direction, str(r["max_ctas"] or "default"), _pct(r),
-                    _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}", peer_cell(r, "kernel"),
-                    peer_cell(r, "end_to_end")])
+                    _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}", _counts(r),
+                    peer_cell(r, "kernel"), peer_cell(r, "end_to_end")])
     return markdown_table(["shape", "T", "direction", "CTAs", "staged GB/s (% ceiling)",
                            "staged kernel only (% ceiling)", "kernel engine, same case (% ceiling)",
-                           "host µs/call (staged)", "staged kernel only vs best peer overlapped",
-                           "staged end to end vs best peer idle"], out)
+                           "host µs/call (staged)", "chunks / graph nodes",
+                           "staged kernel only vs best peer overlapped", "staged end to end vs best peer idle"], out)
+
+
+def _counts(r: dict) -> str:
+    """A staged row's chunks and the nodes of the graph its calls replay ("direct": none, issued directly);
+    "–" in records made before the bench counted them."""
+    if "chunks" not in r:
+        return "–"
+    return f"{r['chunks']} / {r['graph_nodes'] or 'direct'}"
 
 
 def ctas(rows: list[dict]) -> str:

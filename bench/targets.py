@@ -125,7 +125,9 @@ def checks(doc: dict) -> list[Check]:
     for r in rows:
         if r["group"] == "staged" and "gbps" in r:
             target = "staged host work, new shape" if r.get("call") == "direct" else "staged host work"
-            out.append(Check(target, _name(r), f"{r['host_us_per_call']:.1f} µs",
+            counts = f" ({r['chunks']} chunks, graph of {r['graph_nodes']} nodes)" if r.get("graph_nodes") else (
+                f" ({r['chunks']} chunks, issued directly)" if "chunks" in r else "")
+            out.append(Check(target, _name(r), f"{r['host_us_per_call']:.1f} µs{counts}",
                              f"≤ {STAGED_HOST_US:.0f} µs", r["host_us_per_call"] <= STAGED_HOST_US))
         if r["group"] == "copy_engine" and r["engine"] == "copy" and "gbps" in r:
             out.append(_run_list_check(r))

@@ -454,6 +454,22 @@ class _Transfer:
         return self.native.run_kept(slots, skip_prefix, max_ctas, validate)
 
 
+def kept_graph_nodes(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int, skip_prefix: int) -> int:
+    """The nodes of the graph that the current stream's ring keeps for this call's shape, which the call
+    replays (one graph launch, whose host time grows with its nodes) unless it validates; 0 where none is kept:
+    the call is issued directly (a shape's first two calls are, and every call under graph capture)."""
+    if torch.cuda.is_current_stream_capturing():
+        return 0
+    device = choice.device
+    ring = _RINGS.get((device, torch.cuda.current_stream(device).cuda_stream, STAGING_BYTES))
+    transfer = ring.transfers.get(id(choice)) if ring is not None else None
+    if transfer is None or transfer.choice() is not choice:
+        return 0
+    device_slots = src_slots if staged.host_is_dst else dst_slots
+    slot_bytes = 0 if device_slots is None else device_slots.element_size()
+    return transfer.native.graph_nodes(num_tokens, skip_prefix, choice.max_ctas, slot_bytes)
+
+
 def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots, dst_slots, num_tokens: int,
                skip_prefix: int, validate: bool) -> None:
     """Runs a staged transfer (``staged.stageable``) in stream order on the current stream."""

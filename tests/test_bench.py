@@ -460,3 +460,16 @@ def test_copy_engine_rows_time_their_run_list_apart_from_the_call():
     timer = Timer(torch.device("cpu"), warmup=0, reps=1)
     row = measure_case(case, data, timer, timer, {"D2D": 1.0}, None)
     assert row["bit_exact"] and row["runs"] == (64 // 16) * 32 * 2 and row["run_list_us"] > 0
+
+
+def test_staged_rows_show_their_chunks_and_graph_nodes():
+    """The staged table gives each row's chunks and the nodes of the graph its calls replay ("direct" where it
+    was issued directly; "–" for a record made before the bench counted them)."""
+    from kvlayout.bench import summary
+
+    base = {"group": "staged", "shape": "L32_H8_D128", "T": 4096, "direction": "to_host", "max_ctas": 0,
+            "gbps": 50.0, "limit_gbps": 55.0, "kernel_gbps": 51.0, "host_us": 240.0}
+    rows = [dict(base, chunks=16, graph_nodes=49), dict(base, call="direct", chunks=16, graph_nodes=0), dict(base)]
+    table = summary.staged(rows).splitlines()
+    assert "chunks / graph nodes" in table[0]
+    assert [line.split(" | ")[8] for line in table[2:]] == ["16 / 49", "16 / direct", "–"]

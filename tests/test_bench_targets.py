@@ -42,8 +42,9 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
              peer_end_to_end="P"),                                                               # missed, missed
         _row(T=256, direction="gather_device", pct_of_limit=10.0),                               # no peer, no ceiling
         _row(group="staged", engine="staged", T=256, host_us_per_call=50.0),
-        _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1),
-        _row(group="staged", engine="staged", T=32768, host_us_per_call=400.0, call="direct"),
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1, chunks=128, graph_nodes=385),
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=400.0, call="direct", chunks=128,
+             graph_nodes=0),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
         _row(group="copy_engine", engine="copy", host_us_per_call=100.0),                        # older record
@@ -61,6 +62,8 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["SM budget"]] == [True, False]
     text = targets.markdown(targets.checks({"results": rows}))
     assert "| host ceiling | 1 of 2 |" in text and "| staged host work | 1 of 2 |" in text
-    assert "| staged host work | L32_H8_D128 T=32768 to_host (staged) | 50.1 µs | ≤ 50 µs |" in text
+    # a staged miss says what its host time grows with: the chunks, and the nodes of the graph it replays
+    assert ("| staged host work | L32_H8_D128 T=32768 to_host (staged) | 50.1 µs (128 chunks, graph of 385 "
+            "nodes) | ≤ 50 µs |") in text
     assert ("| staged host work, new shape | L32_H8_D128 T=32768 to_host (staged, issued directly) | 400.0 µs "
-            "| ≤ 50 µs |") in text
+            "(128 chunks, issued directly) | ≤ 50 µs |") in text

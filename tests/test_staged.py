@@ -764,7 +764,7 @@ def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_cta
         (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (slots,)) if direction == "to_host" else
         (chunk, cache, cpu_chunk, cpu_cache, (None, slots.to(cuda_device)), (None, slots)))
     explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
-    assert (explained["chunks"], explained["chunk_tokens"]) == (4, 1024), explained
+    assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (4, 1024, 0), explained
     ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
     for _ in range(3):                            # issued directly, captured, replayed
         ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
@@ -772,6 +772,11 @@ def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_cta
         assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache))
     kept = checked_choice(src, dst, None, None, None, None, max_ctas, "staged").staged_kept()
     assert kept.native.replayed_calls == 1
+    # the kept graph: at least a kernel and a copy per chunk (to the host also a kernel keeping rows); a shape
+    # not run before has none
+    nodes = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")["graph_nodes"]
+    assert nodes >= 4 * (3 if direction == "to_host" else 2), nodes
+    assert ops.explain(src, dst, *args, skip_prefix=6, max_ctas=max_ctas, engine="staged")["graph_nodes"] == 0
 
 
 def _twice_each(cache, chunk, token_counts):

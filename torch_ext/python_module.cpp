@@ -424,6 +424,11 @@ class StagedTransfer {
 
   int64_t replayed_calls() const { return engine_->replayed_calls(); }
   int64_t kept_graphs() const { return engine_->kept_graphs(); }
+  int64_t graph_nodes(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas,
+                      int64_t slot_bytes) const {
+    return engine_->graph_nodes(StagedArgs{std::nullopt, num_tokens, skip_prefix, max_ctas, false},
+                                slot_bytes);
+  }
 
  private:
   int64_t host_num_slots_;
@@ -524,7 +529,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("replayed_calls", &StagedTransfer::replayed_calls,
                              "Calls replayed from a captured graph so far.")
       .def_property_readonly("kept_graphs", &StagedTransfer::kept_graphs,
-                             "Captured call shapes kept now (at most the staged graph capacity).");
+                             "Captured call shapes kept now (at most the staged graph capacity).")
+      .def("graph_nodes", &StagedTransfer::graph_nodes, py::arg("num_tokens"), py::arg("skip_prefix"),
+           py::arg("max_ctas"), py::arg("slot_bytes"),
+           "Nodes of the graph kept for this call shape (slot_bytes: the device slots' element "
+           "size, 0 for none), which a call of it that does not validate replays; 0: none kept.");
   m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
         "Captured call shapes each staged transfer keeps (0: every call issued directly).");
   m.def("staged_graph_capacity", &staged_graph_capacity);

@@ -131,6 +131,11 @@ class StagedEngine {
   // Calls replayed from a captured graph so far, and the graphs kept now.
   virtual int64_t replayed_calls() const = 0;
   virtual int64_t kept_graphs() const = 0;
+  // The nodes of the graph kept for the call shape of `args` (slot_bytes: the
+  // device slots' element size, 0 for none), which a call of that shape that
+  // does not validate replays; 0 when none is kept (such a call is issued
+  // directly). A graph launch's host time grows with its nodes.
+  virtual int64_t graph_nodes(const StagedArgs& args, int64_t slot_bytes) const = 0;
 };
 
 using StagedFactory = std::unique_ptr<StagedEngine> (*)(StagedSetup setup);

@@ -114,6 +114,7 @@ struct Replay {
   ReplayKey key{};
   at::Tensor slots, rows;
   cudaGraphExec_t exec = nullptr;
+  int64_t nodes = 0;  // of the captured graph (its launch's host time grows with them)
   Replay() = default;
   Replay(const Replay&) = delete;
   Replay& operator=(const Replay&) = delete;
@@ -153,6 +154,13 @@ class CudaStaged final : public StagedEngine {
   int64_t kept_graphs() const override {
     const std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(replays_.size());
+  }
+  int64_t graph_nodes(const StagedArgs& a, int64_t slot_bytes) const override {
+    const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes};
+    const std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& replay : replays_)
+      if (replay->key == key) return replay->nodes;
+    return 0;
   }
 
   void run(const StagedArgs& a) override {
@@ -250,7 +258,10 @@ class CudaStaged final : public StagedEngine {
       return nullptr;
     }
     cudaError_t err = cudaStreamEndCapture(cap, &graph);
+    size_t nodes = 0;
+    if (err == cudaSuccess) err = cudaGraphGetNodes(graph, nullptr, &nodes);
     if (err == cudaSuccess) err = cudaGraphInstantiateWithFlags(&replay->exec, graph, 0);
+    replay->nodes = static_cast<int64_t>(nodes);
     if (graph != nullptr) (void)cudaGraphDestroy(graph);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
