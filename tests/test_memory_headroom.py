@@ -27,7 +27,7 @@ import pytest
 PAYLOAD_MIB = 64      # bytes moved by one full-size call (K and V, every layer)
 HEADROOM_MIB = 8      # what a call may add to the process's peak resident memory
 
-# The child: one route on one device per run, printed as JSON {"host_mib", "device_mib", "exact"}.
+# The child: one route on one device per run, printed as JSON {"host_mib", "device_mib", "exact", "engine"}.
 _CHILD = r"""
 import json, sys
 import torch
@@ -58,7 +58,10 @@ def cache_rows(s, plane=None):                      # [2, L, n, H*D] (or one pla
     return (got if plane is None else got[0]).cpu()
 
 
-def setup(n):
+picked = {"engine": "kernel"}                       # the engine of the last transfer set up
+
+
+def setup(n, engine="auto"):
     # (run, check) for n tokens; everything run touches is allocated and resident here
     s = slots[:n]
     host = route.endswith("_host")                  # the chunk in pinned host memory (CUDA)
@@ -66,9 +69,11 @@ def setup(n):
     flat = ops.bind("lmcache_kv_2ltd", chunk)
     same = lambda: torch.equal(chunk.cpu(), cache_rows(s))
     if route in ("store", "store_host"):            # paged cache -> chunk
-        return (lambda: ops.transfer(paged, flat, s, None)), same
+        picked["engine"] = ops.explain(paged, flat, s, None, engine=engine)["engine"]
+        return (lambda: ops.transfer(paged, flat, s, None, engine=engine)), same
     if route in ("load", "load_host"):              # chunk -> paged cache
-        return (lambda: ops.transfer(flat, paged, None, s)), same
+        picked["engine"] = ops.explain(flat, paged, None, s, engine=engine)["engine"]
+        return (lambda: ops.transfer(flat, paged, None, s, engine=engine)), same
     if route == "gather":
         out = rand(2, L, n, H, D)
         return (lambda: ops.gather(paged, s, out=out)), (lambda: torch.equal(out.flatten(3).cpu(), cache_rows(s)))
@@ -109,7 +114,9 @@ def status_kib(field):                              # VmRSS (resident now) or Vm
 
 
 cuda = device.type == "cuda"
-run, check = setup(2 * BS)                          # warm-up: code, programs, plans, thread pools, ring
+# warm-up: code, programs, plans, thread pools and (through the host) the staging ring, which a full-size
+# call through the host then uses (auto stages it): a bounded allocation kept per stream, not per call
+run, check = setup(2 * BS, "staged" if route.endswith("_host") else "auto")
 for _ in range(3):
     run()
 assert check()
@@ -127,7 +134,8 @@ if cuda:
     torch.cuda.synchronize()
 host_grown = status_kib("VmHWM") - resident
 device_grown = torch.cuda.max_memory_allocated() - device_before if cuda else 0
-print(json.dumps({"host_mib": max(0, host_grown) / 1024, "device_mib": device_grown / 2**20, "exact": check()}))
+print(json.dumps({"host_mib": max(0, host_grown) / 1024, "device_mib": device_grown / 2**20, "exact": check(),
+                  "engine": picked["engine"]}))
 """
 
 ROUTES = ["store", "load", "gather", "scatter", "move", "prepared", "lmcache", "sglang"]
@@ -148,6 +156,8 @@ def test_a_full_size_call_adds_no_payload_sized_memory(route, device):
     print(f"\n{device} {route}: {PAYLOAD_MIB} MiB moved x3, peak memory +{got['host_mib']:.1f} MiB host, "
           f"+{got['device_mib']:.1f} MiB device")
     assert got["exact"], f"{route}: the rows moved differ from the cache's"
+    if route in CUDA_ROUTES:
+        assert got["engine"] == "staged", got          # the full-size call goes through the staging ring
     buffer_on = "device" if device == "cuda" else "host"    # where move's buffer lives: the cache's memory
     for where, grown in (("host", got["host_mib"]), ("device", got["device_mib"])):
         limit = HEADROOM_MIB + (PAYLOAD_MIB if route == "move" and where == buffer_on else 0)
