@@ -18,10 +18,13 @@
 #   bench-quick  kvlayout bench --device cuda --quick              -> bench-quick/
 #   ncu          kvlayout bench --device cuda --ncu (Nsight Compute
 #                counters of the cases that miss their targets)     -> ncu.txt, bench/<gpu>_ncu.{json,md}
+#   host-profile scripts/host_profile.py on the staged rows over 50 us of host
+#                time per call in this OUTDIR's bench record (else
+#                bench/results/h200.jsonl)                          -> host_profile.txt
 # PYTHON picks the interpreter (default python3); PYTEST_ARGS adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -58,6 +61,9 @@ for step in "${steps[@]}"; do
         bench-quick) run_step bench-quick bench_quick.txt $py -m kvlayout bench --device cuda --quick \
                          --out "$out/bench-quick" ;;
         ncu) run_step ncu ncu.txt $py -m kvlayout bench --device cuda --ncu --out "$out/bench" ;;
+        host-profile) record=$(ls "$out"/bench/*.jsonl 2>/dev/null | grep -v _ncu | head -1)
+                      run_step host-profile host_profile.txt $py scripts/host_profile.py \
+                          --record "${record:-bench/results/h200.jsonl}" --over 50 --rows 6 --calls 30 ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done

@@ -1,14 +1,19 @@
 """Where a bench row's call spends its host time, by runtime call and operator (torch.profiler).
 
-    python scripts/host_profile.py "L32_H8_D128 T=4096 ps=16 ... staged" [--calls 50] [--device cuda]
+    python scripts/host_profile.py "L32_H8_D128 T=4096 ps=16 ... staged" [KEY ...] [--calls 50] [--device cuda]
+    python scripts/host_profile.py --record bench/results/h200.jsonl [--over 50] [--group staged] [--rows 8]
 
-Builds the case as ``kvlayout bench`` does, runs its call a few times first (a staged call of a repeated
+Builds each case as ``kvlayout bench`` does, runs its call a few times first (a staged call of a repeated
 shape is captured on its second call and replayed after), then:
 
 * times ``--calls`` calls on the host, the device idle before each (the bench's end-to-end host time);
+* for a staged call, gives its chunks and the nodes of the graph it replays (``ops.explain``);
 * profiles as many calls and prints, per event (CUDA runtime and driver calls such as ``cudaGraphLaunch``
   or ``cudaMemcpyAsync``, and torch operators), how often it ran per call and its host µs per call (self
   time), largest first.
+
+``--record``: the rows of a bench record (of ``--group``) whose host time per call was over ``--over`` µs,
+slowest first, at most ``--rows`` of them.
 
 A diagnostic, not a measurement of record: the profiler adds its own cost to every event it sees.
 """
@@ -16,6 +21,7 @@ A diagnostic, not a measurement of record: the profiler adds its own cost to eve
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -23,22 +29,22 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("key", help="a bench row's key (kvlayout bench's 'key' field)")
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--top", type=int, default=20, help="events listed")
-    args = parser.parse_args()
+def keys_over(record: str, group: str, over_us: float, rows: int) -> list[str]:
+    """The keys of ``record``'s rows of ``group`` whose host time per call was over ``over_us``, slowest first."""
+    found = []
+    with open(record) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") == "case" and r.get("group") == group and r.get("host_us_per_call", 0) > over_us:
+                found.append((r["host_us_per_call"], r["key"]))
+    return [key for _, key in sorted(found, reverse=True)[:rows]]
 
+
+def profile_case(case, device: torch.device, calls: int, top: int) -> None:
     from kvlayout.bench import cases as C
 
-    device = torch.device(args.device)
-    planned = {c.key: c for c in (C.plan_cases(quick=False) if device.type == "cuda" else C.cpu_cases())}
-    if args.key not in planned:
-        raise SystemExit(f"no bench case {args.key!r} on {device.type}; e.g. {next(iter(planned))!r}")
-    case = planned[args.key]
-    fn = C.kvlayout_fn(case, C.build(case, C.Inputs(device)))
+    data = C.build(case, C.Inputs(device))
+    fn = C.kvlayout_fn(case, data)
 
     def sync():
         if device.type == "cuda":
@@ -48,24 +54,53 @@ def main() -> None:
         fn()
     sync()
     host = []
-    for _ in range(args.calls):
+    for _ in range(calls):
         sync()
         t0 = time.perf_counter()
         fn()
         host.append(time.perf_counter() - t0)
     sync()
+    counts = C.staged_counts(case, data) if device.type == "cuda" else {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(args.calls):
+        for _ in range(calls):
             fn()
         sync()
-    per_call = case.calls * args.calls
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]
-    print(f"{args.key}: host {statistics.median(host) * 1e6 / case.calls:.1f} µs per call (median of "
-          f"{args.calls}, device idle before each)")
+    per_call = case.calls * calls
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    staged = f"; {counts['chunks']} chunks, graph of {counts['graph_nodes']} nodes" if counts else ""
+    print(f"{case.key}: host {statistics.median(host) * 1e6 / case.calls:.1f} µs per call (median of "
+          f"{calls}, device idle before each){staged}")
     print(f"{'event':48} {'per call':>9} {'host µs per call':>17}")
     for e in events:
         print(f"{e.key[:48]:48} {e.count / per_call:9.2f} {e.self_cpu_time_total / per_call:17.2f}")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("keys", nargs="*", help="bench rows' keys (kvlayout bench's 'key' field)")
+    parser.add_argument("--record", help="a bench record (.jsonl): profile its rows over --over µs")
+    parser.add_argument("--over", type=float, default=50.0, help="with --record: host µs per call above which")
+    parser.add_argument("--group", default="staged", help="with --record: the bench group")
+    parser.add_argument("--rows", type=int, default=8, help="with --record: at most this many rows")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--top", type=int, default=20, help="events listed")
+    args = parser.parse_args()
+
+    from kvlayout.bench import cases as C
+
+    device = torch.device(args.device)
+    keys = list(args.keys) + (keys_over(args.record, args.group, args.over, args.rows) if args.record else [])
+    if not keys:
+        raise SystemExit("no rows to profile: give keys, or --record with rows over --over µs")
+    planned = {c.key: c for c in (C.plan_cases(quick=False) if device.type == "cuda" else C.cpu_cases())}
+    for key in keys:
+        if key not in planned:
+            raise SystemExit(f"no bench case {key!r} on {device.type}; e.g. {next(iter(planned))!r}")
+    for key in keys:
+        profile_case(planned[key], device, args.calls, args.top)
 
 
 if __name__ == "__main__":

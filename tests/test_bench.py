@@ -451,6 +451,27 @@ def test_host_profile_script_times_a_bench_row_and_lists_its_events():
     assert bad.returncode != 0 and "no bench case 'no such row' on cpu" in bad.stderr
 
 
+def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
+    """scripts/host_profile.py --record: the rows of the group whose host time per call was over the bound,
+    slowest first, at most --rows of them; nothing else (other groups, rows at the bound, the header)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "host_profile", Path(__file__).resolve().parents[1] / "scripts" / "host_profile.py")
+    host_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_profile)
+    rows = [{"kind": "run"}, {"kind": "case", "group": "staged", "key": "a", "host_us_per_call": 60.0},
+            {"kind": "case", "group": "staged", "key": "b", "host_us_per_call": 50.0},
+            {"kind": "case", "group": "staged", "key": "c", "host_us_per_call": 700.0},
+            {"kind": "case", "group": "headline", "key": "d", "host_us_per_call": 900.0},
+            {"kind": "case", "group": "staged", "key": "e", "host_us_per_call": 80.0}]
+    record = tmp_path / "r.jsonl"
+    record.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert host_profile.keys_over(str(record), "staged", 50.0, 8) == ["c", "e", "a"]
+    assert host_profile.keys_over(str(record), "staged", 50.0, 2) == ["c", "e"]
+
+
 def test_copy_engine_rows_time_their_run_list_apart_from_the_call():
     """A copy-engine row also holds its run list's length and the host time to build it (the C++ the call runs
     before the driver's copy call), which the performance targets judge."""
