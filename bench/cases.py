@@ -110,6 +110,13 @@ def _default_layouts(shape: Shape) -> tuple[str, str]:
     return ("vllm_mla", "lmcache_kv_mla") if shape.mla else ("vllm_flash_attn_nhd", "lmcache_kv_2ltd")
 
 
+def _device_sms() -> int:
+    """The current CUDA device's SMs (0 without one)."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 def plan_cases(quick: bool) -> list[Case]:
     """The case list: a small one with ``quick``, the full one otherwise."""
     cases = []
@@ -148,6 +155,15 @@ def plan_cases(quick: bool) -> list[Case]:
                                                    ("to_host", "from_host"), (1, 2, 4, 8, 16, 0)):
         dev, buf = _default_layouts(SHAPES[name])
         cases.append(Case("ctas", name, dev, buf, 4096, 16, direction, max_ctas=ctas))
+    # the device rows with a budget of every SM (one CTA of 1024 threads per SM, 2 loads in flight per thread:
+    # half an SM's threads) beside the headline rows' default grid (3 CTAs of 256 threads per SM, 4 loads in
+    # flight: 3/8 of its threads): which grid keeps the latency-bound T = 256 rows busier
+    sms = _device_sms()
+    for name, T, direction in itertools.product(shapes[:3], [256] if quick else [256, 4096],
+                                                ("gather_device", "scatter_device")):
+        if sms:
+            dev, buf = _default_layouts(SHAPES[name])
+            cases.append(Case("ctas", name, dev, buf, T, 16, direction, max_ctas=sms))
     # the copy engine on page-granular host transfers (no SMs), against the kernel on the same data
     for name, ps, direction, engine in itertools.product(["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_MLA_D576"],
                                                          [16] if quick else [16, 64], ("to_host", "from_host"),

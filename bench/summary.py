@@ -130,6 +130,23 @@ def ctas(rows: list[dict]) -> str:
     return markdown_table(["shape", "direction", "CTAs", "GB/s (% ceiling)", "kernel only (% ceiling)"], out)
 
 
+def device_grid(rows: list[dict]) -> str:
+    """The on-device rows under a budget of every SM (one 1024-thread CTA per SM) beside the same case on the
+    default grid (the headline row), both timings, and the budgeted row's kernel-only time over the default's."""
+    out = []
+    for r in rows:
+        if r["group"] != "ctas" or r["direction"] not in ("gather_device", "scatter_device") or "gbps" not in r:
+            continue
+        default = _find(rows, group="headline", shape=r["shape"], T=r["T"], direction=r["direction"], max_ctas=0)
+        ratio = (f"{default['kernel_us'] / r['kernel_us']:.2f}×" if default is not None and
+                 default.get("kernel_us") and r.get("kernel_us") else "–")
+        out.append([r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"]), _pct(default),
+                    _pct(default, "kernel_gbps"), _pct(r), _pct(r, "kernel_gbps"), ratio])
+    return markdown_table(["shape", "T", "direction", "CTAs of 1024", "default grid GB/s (% D2D)",
+                           "default kernel only", "one CTA per SM GB/s (% D2D)", "one CTA per SM kernel only",
+                           "kernel only, one CTA per SM vs default"], out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("jsonl")
@@ -138,7 +155,7 @@ def main(argv=None) -> int:
     doc = compared_with_peers(document(args.jsonl))
     rows = doc["results"]
     sections = [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
-                ("Staged", staged(rows)), ("CTA budget", ctas(rows))]
+                ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows))]
     if args.ncu:
         with open(args.ncu) as f:
             sections.append(("ncu", markdown_table(NCU_HEADER, [ncu_cells(r) for r in json.load(f)["results"]])))

@@ -494,3 +494,19 @@ def test_staged_rows_show_their_chunks_and_graph_nodes():
     table = summary.staged(rows).splitlines()
     assert "chunks / graph nodes" in table[0]
     assert [line.split(" | ")[8] for line in table[2:]] == ["16 / 49", "16 / direct", "–"]
+
+
+def test_device_rows_under_every_sm_sit_beside_the_default_grid():
+    """The device-grid table: each on-device ctas row (one 1024-thread CTA per SM) beside the headline row of
+    the same case, the kernel-only ratio default / budgeted (above 1: the budgeted grid is faster); host rows
+    of the ctas group are not in it. Without a CUDA device no such case is planned."""
+    from kvlayout.bench import summary
+
+    base = {"shape": "L32_H8_D128", "T": 256, "direction": "gather_device", "limit_gbps": 3000.0}
+    rows = [dict(base, group="headline", max_ctas=0, gbps=1500.0, kernel_gbps=1600.0, kernel_us=20.0),
+            dict(base, group="ctas", max_ctas=132, gbps=1650.0, kernel_gbps=1760.0, kernel_us=16.0),
+            dict(base, group="ctas", max_ctas=4, direction="to_host", gbps=40.0, kernel_gbps=41.0, kernel_us=9.0)]
+    table = summary.device_grid(rows).splitlines()
+    assert len(table) == 3 and table[2].split(" | ")[3] == "132" and table[2].endswith("| 1.25× |")
+    if not torch.cuda.is_available():
+        assert not [c for c in C.plan_cases(quick=False) if c.group == "ctas" and c.direction.endswith("_device")]
