@@ -23,6 +23,7 @@ The pure-torch baseline does what engines do without kvlayout, in two forms
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -82,8 +83,9 @@ class Case:
     #                         "prepared-serial" (without programmatic dependent launch),
     #                         "prepared-no-launch" (skip_prefix = T: checked, nothing launched) or "graph"
     #                         (the prepared calls captured once, replayed); staged: "transfer" (a repeated
-    #                         shape's call replays its captured graph) or "direct" (every call issued
-    #                         directly, as a new shape's is: no graph kept)
+    #                         shape's call replays its captured graph), "direct" (every call issued
+    #                         directly, as a new shape's is: no graph kept) or "slot-chunks" (replayed, with
+    #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -184,6 +186,11 @@ def plan_cases(quick: bool) -> list[Case]:
         if T == 4096 and name in shapes[:3]:
             for ctas in ((4,) if quick else (1, 2, 4, 8)):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged"))
+            # the chunk count's trade (overlap at a call's start and end against host time per chunk): the
+            # same calls in chunks of a ring slot's capacity, without a budget and under 4 SMs
+            for ctas in (0, 4):
+                cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged",
+                                  call="slot-chunks"))
     return cases + host_cost_cases("to_host")
 
 
@@ -343,6 +350,9 @@ def kvlayout_fn(case: Case, data: dict):
             if case.call == "direct":
                 return _issued_directly(lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
                                                              engine=case.engine))
+            if case.call == "slot-chunks":
+                return _in_slot_chunks(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
+                                                                  engine=case.engine))
             return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
 
         def repeated():   # the call as an engine writes it (engine at its default, "auto"), case.calls times
@@ -404,10 +414,35 @@ def staged_counts(case: Case, data: dict) -> dict:
     if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
         return {}
     src, ss, dst, ds = endpoints(case, data)
-    explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
+    with _staged_chunks(case):
+        explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
     if explained["engine"] != "staged":
         return {}
     return {"chunks": explained["chunks"], "graph_nodes": explained["graph_nodes"]}
+
+
+@contextlib.contextmanager
+def _staged_chunks(case: Case):
+    """The staged chunk setting of ``case`` while the block runs: 1 for a "slot-chunks" row (chunks of a ring
+    slot's capacity; a call shape is captured and replayed under it as under the default), else as it is."""
+    if case.call != "slot-chunks":
+        yield
+        return
+    from kvlayout import _C
+    kept = _C.staged_chunks()
+    ops.set_staged_chunks(1)
+    try:
+        yield
+    finally:
+        ops.set_staged_chunks(kept)
+
+
+def _in_slot_chunks(case: Case, call):
+    """``call`` under ``case``'s staged chunk setting."""
+    def slot_chunks():
+        with _staged_chunks(case):
+            call()
+    return slot_chunks
 
 
 def copy_run_list_fn(case: Case, data: dict):

@@ -28,6 +28,7 @@ from .report import (
     peer_standing,
 )
 from .run import document
+from .targets import CALL_NAMES
 
 
 def _pct(r: dict, key: str = "gbps") -> str:
@@ -104,7 +105,7 @@ def staged(rows: list[dict]) -> str:
             continue
         kernel = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
                        direction=r["direction"], max_ctas=r["max_ctas"])
-        direction = r["direction"] + (", issued directly" if r.get("call") == "direct" else "")
+        direction = r["direction"] + (f", {CALL_NAMES[r['call']]}" if r.get("call") in CALL_NAMES else "")
         out.append([r["shape"], str(r["T"]), direction, str(r["max_ctas"] or "default"), _pct(r),
                     _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}", _counts(r),
                     peer_cell(r, "kernel"), peer_cell(r, "end_to_end")])

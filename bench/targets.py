@@ -79,10 +79,14 @@ def auto_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+# how the staged rows that are not an engine's repeated call are named
+CALL_NAMES = {"direct": "issued directly", "slot-chunks": "in slot-sized chunks"}
+
+
 def _name(r: dict) -> str:
     engine = " (staged)" if r["engine"] == "staged" else ""
-    if r.get("call") == "direct":
-        engine = " (staged, issued directly)"
+    if r.get("call") in CALL_NAMES:
+        engine = f" (staged, {CALL_NAMES[r['call']]})"
     ctas = f" ctas={r['max_ctas']}" if r["max_ctas"] else ""
     return f"{r['shape']} T={r['T']} {r['direction']}{ctas}{engine}"
 
@@ -123,7 +127,7 @@ def checks(doc: dict) -> list[Check]:
             out.append(Check("host ceiling", _name(r), f"{r['pct_of_limit']:.1f} %", f"≥ {HOST_CEILING_PCT:.0f} %",
                              r["pct_of_limit"] >= HOST_CEILING_PCT))
     for r in rows:
-        if r["group"] == "staged" and "gbps" in r:
+        if r["group"] == "staged" and "gbps" in r and r.get("call") != "slot-chunks":   # (not a default call)
             target = "staged host work, new shape" if r.get("call") == "direct" else "staged host work"
             counts = f" ({r['chunks']} chunks, graph of {r['graph_nodes']} nodes)" if r.get("graph_nodes") else (
                 f" ({r['chunks']} chunks, issued directly)" if "chunks" in r else "")

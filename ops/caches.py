@@ -42,6 +42,7 @@ def cache_info() -> dict:
     info["staging"] = len(staged._RINGS)
     info["staging_capacity"] = staged.KEPT_RINGS
     info["staging_bytes"] = staged.STAGING_BYTES
+    info["staged_chunks"] = _C.staged_chunks()
     info["staged_transfers"] = sum(len(r.transfers) for r in staged._RINGS.values())
     info["staged_graphs"] = sum(t.native.kept_graphs for r in staged._RINGS.values() for t in r.transfers.values())
     info["staged_graphs_capacity"] = _C.staged_graph_capacity()

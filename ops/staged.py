@@ -62,6 +62,7 @@ from .settings import environment_capacity
 from .views import KVCache
 
 STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
+CHUNKS = 8                  # the default of set_staged_chunks (the C++ engine's kStagedChunks)
 RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the copy engine
 # engine="auto" (the default) stages a stageable transfer from AUTO_MIN_BYTES on (both directions), without an
 # SM budget or, from the host, under a budget of at most AUTO_MAX_BUDGET_FROM_HOST SMs; every other call runs
@@ -77,6 +78,21 @@ AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
 _ALIGN = 256                # bytes: every mini-cache tensor starts at a multiple
+
+
+def set_staged_chunks(chunks: int) -> None:
+    """The chunks a staged call aims at without an SM budget, twice as many under one (``CHUNKS`` unless set,
+    or ``KVLAYOUT_STAGED_CHUNKS``): each still at least 2 MiB and at most a ring slot. More chunks overlap the
+    kernel and the copy engine better at a call's start and end; fewer cost less host time (driver calls
+    issued directly, nodes of a captured graph). 1: chunks of a ring slot's capacity. Process-wide (in
+    :func:`~kvlayout.ops.cache_info`); a call reads it once, and a repeated call shape is captured again under a
+    new count."""
+    if type(chunks) is not int or not 1 <= chunks <= 1024:
+        raise ValueError(f"a staged call's chunks must be an int in [1, 1024], got {chunks!r}")
+    _C.set_staged_chunks(chunks)
+
+
+set_staged_chunks(environment_capacity("KVLAYOUT_STAGED_CHUNKS", CHUNKS))
 
 
 @dataclasses.dataclass

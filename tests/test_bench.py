@@ -510,3 +510,20 @@ def test_device_rows_under_every_sm_sit_beside_the_default_grid():
     assert len(table) == 3 and table[2].split(" | ")[3] == "132" and table[2].endswith("| 1.25× |")
     if not torch.cuda.is_available():
         assert not [c for c in C.plan_cases(quick=False) if c.group == "ctas" and c.direction.endswith("_device")]
+
+
+def test_slot_chunk_rows_run_their_calls_in_slot_sized_chunks():
+    """The staged rows in slot-sized chunks ("slot-chunks": L32 shapes, T = 4096, both directions, without a
+    budget and under 4 SMs) run their call, and ops.explain's counts, under ops.set_staged_chunks(1), and
+    leave the setting as it was; no peer is matched to them."""
+    from kvlayout.bench import peers as P
+
+    planned = [c for c in C.plan_cases(quick=False) if c.call == "slot-chunks"]
+    assert len(planned) == 12 and {(c.T, c.max_ctas, c.engine) for c in planned} == {(4096, 0, "staged"),
+                                                                                       (4096, 4, "staged")}
+    assert all(c.key.endswith(" staged slot-chunks") for c in planned)
+    seen = []
+    call = C._in_slot_chunks(planned[0], lambda: seen.append(ops.cache_info()["staged_chunks"]))
+    call()
+    assert seen == [1] and ops.cache_info()["staged_chunks"] == 8
+    assert P.load_peers().matching(planned[0]) == []

@@ -45,6 +45,7 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1, chunks=128, graph_nodes=385),
         _row(group="staged", engine="staged", T=32768, host_us_per_call=400.0, call="direct", chunks=128,
              graph_nodes=0),
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=900.0, call="slot-chunks"),  # not judged
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
         _row(group="copy_engine", engine="copy", host_us_per_call=100.0),                        # older record

@@ -14,6 +14,9 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,6 +141,36 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_two_mib():
             assert n * token_bytes // groups >= MiB or n == 16, case
         if tokens * token_bytes < 2 * MiB:
             assert n == min(capacity, -(-tokens // 16) * 16), case    # small: one chunk per group
+
+
+def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
+    """ops.set_staged_chunks(n): the chunks a call aims at (2n under an SM budget; in ops.cache_info()); 1 gives
+    chunks of a ring slot's capacity (the fewest graph nodes and driver calls), 8 is the default; ops.explain
+    counts with it; refused outside [1, 1024]; KVLAYOUT_STAGED_CHUNKS sets it at import."""
+    rule = _C.staged_chunk_tokens
+    plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
+    assert ops.cache_info()["staged_chunks"] == staged_mod.CHUNKS == 8
+    try:
+        ops.set_staged_chunks(1)                     # 64 MiB through slots of 8,192 tokens: one chunk
+        assert rule(8192, 1, 4096, 16384, 0) == 4096 and plan.chunks(4096, 0, 0) == 1
+        assert plan.chunks(4096, 0, 4) == 2           # (under a budget: twice as many)
+        ops.set_staged_chunks(4)
+        assert rule(8192, 1, 4096, 16384, 0) == 1024 and plan.chunks(4096, 0, 0) == 4
+        for bad in (0, 1025, 2.0, True):
+            with pytest.raises(ValueError, match=r"chunks must be an int in \[1, 1024\]"):
+                ops.set_staged_chunks(bad)
+        with pytest.raises(ValueError, match=r"must lie in \[1, 1024\], got 0"):
+            _C.set_staged_chunks(0)
+        assert ops.cache_info()["staged_chunks"] == 4
+    finally:
+        ops.set_staged_chunks(staged_mod.CHUNKS)
+    code = "import torch; from kvlayout import ops; print(ops.cache_info()['staged_chunks'])"
+    env = {**os.environ, "KVLAYOUT_STAGED_CHUNKS": "3"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "3"
+    env["KVLAYOUT_STAGED_CHUNKS"] = "0"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "KVLAYOUT_STAGED_CHUNKS = '0'" in bad.stderr
 
 
 def _pool(mla=False, fill=0x5A5A):
@@ -777,6 +810,20 @@ def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_cta
     nodes = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")["graph_nodes"]
     assert nodes >= 4 * (3 if direction == "to_host" else 2), nodes
     assert ops.explain(src, dst, *args, skip_prefix=6, max_ctas=max_ctas, engine="staged")["graph_nodes"] == 0
+    # one chunk of a slot's capacity per call: the same shape is a new graph (captured on its second call),
+    # fewer nodes, the same bytes
+    try:
+        ops.set_staged_chunks(1)
+        explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
+        assert (explained["chunks"], explained["graph_nodes"]) == (1 if max_ctas == 0 else 2, 0), explained
+        for _ in range(3):
+            ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
+            torch.cuda.synchronize()
+            assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache))
+        fewer = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")["graph_nodes"]
+        assert 0 < fewer < nodes and kept.native.replayed_calls == 2, (fewer, nodes)
+    finally:
+        ops.set_staged_chunks(staged_mod.CHUNKS)
 
 
 def _twice_each(cache, chunk, token_counts):

@@ -537,6 +537,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
         "Captured call shapes each staged transfer keeps (0: every call issued directly).");
   m.def("staged_graph_capacity", &staged_graph_capacity);
+  m.def("set_staged_chunks", &set_staged_chunks, py::arg("chunks"),
+        "The chunks a staged call aims at without an SM budget (twice as many under one; 1: chunks of "
+        "a ring slot's capacity).");
+  m.def("staged_chunks", &staged_chunks);
   m.def("staged_chunk_tokens", &staged_chunk_tokens, py::arg("capacity"), py::arg("groups"),
         py::arg("tokens"), py::arg("bytes_per_token"), py::arg("max_ctas"),
         "Tokens per chunk of a staged call of `tokens` tokens (past skip_prefix), `bytes_per_token` "

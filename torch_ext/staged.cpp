@@ -14,6 +14,7 @@ namespace {
 constexpr int64_t kMaxPitch = (int64_t(1) << 31) - 1;
 
 std::atomic<int64_t> graph_capacity{8};
+std::atomic<int64_t> target_chunks{kStagedChunks};
 
 // Whether `next` is the next run of the 2-D copy `c` (one host tensor, one
 // length, the steps `c` already has, or the first step when it has none).
@@ -34,12 +35,20 @@ void set_staged_graph_capacity(int64_t graphs) {
 
 int64_t staged_graph_capacity() { return graph_capacity.load(std::memory_order_relaxed); }
 
+void set_staged_chunks(int64_t chunks) {
+  TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 1024, "kvlayout: a staged call's chunks must lie in [1, 1024], got ",
+                    chunks);
+  target_chunks.store(chunks, std::memory_order_relaxed);
+}
+
+int64_t staged_chunks() { return target_chunks.load(std::memory_order_relaxed); }
+
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas) {
   if (tokens <= 0 || capacity <= 0) return std::max<int64_t>(capacity, 1);
   const int64_t total = tokens * std::max<int64_t>(bytes_per_token, 0);
-  const int64_t wanted = std::clamp<int64_t>(total / kStagedChunkBytes, 1,
-                                             max_ctas > 0 ? kStagedChunksBudgeted : kStagedChunks);
+  const int64_t chunks = staged_chunks();
+  const int64_t wanted = std::clamp<int64_t>(total / kStagedChunkBytes, 1, max_ctas > 0 ? 2 * chunks : chunks);
   const int64_t per_group = (wanted + std::max<int64_t>(groups, 1) - 1) / std::max<int64_t>(groups, 1);
   const int64_t n = (tokens + per_group - 1) / per_group;
   return std::min(capacity, (n + 15) / 16 * 16);

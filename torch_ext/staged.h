@@ -72,7 +72,7 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // carry `bytes_per_token` bytes in all layer groups, cut in `groups` layer
 // groups, through ring slots of `capacity` tokens, under an SM budget of
 // `max_ctas` (0: none). The capacity, or fewer tokens (a multiple of 16) so
-// that the call has about kStagedChunks chunks in all (kStagedChunksBudgeted
+// that the call has about staged_chunks() chunks in all (twice as many
 // under a budget), each still moving at least about kStagedChunkBytes. A
 // pipeline of two stages idles one stage for one chunk at its start and its
 // end (the first chunk's kernel before the copy engine has work; the last
@@ -82,12 +82,21 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // 97.9-99.5 %, and a 64 MiB load under an SM budget of 4 (a slow kernel
 // behind the copy engine) 79 %. More chunks cost host work where a call is
 // issued directly (a few driver calls each), hence fewer without a budget,
-// where the kernel of a chunk is short.
+// where the kernel of a chunk is short, and more nodes in a captured graph,
+// whose launch's host time grows with them. Reads staged_chunks() once: a
+// call computes its chunk once and passes it on.
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas);
 constexpr int64_t kStagedChunks = 8;
-constexpr int64_t kStagedChunksBudgeted = 16;
 constexpr int64_t kStagedChunkBytes = int64_t(2) << 20;
+
+// The chunks a staged call aims at without an SM budget (twice as many under
+// one; 1: chunks of a ring slot's capacity). Process-wide, kStagedChunks
+// unless set; a call reads it once (a captured call keeps the chunks it was
+// captured with, and a call shape captured under another count is captured
+// again).
+void set_staged_chunks(int64_t chunks);
+int64_t staged_chunks();
 
 // Captured call shapes each staged transfer keeps (least recently used go
 // first; 0: every call is issued directly). Each holds an instantiated graph

@@ -102,9 +102,10 @@ class OwnStream {
 struct ReplayKey {
   int64_t num_tokens, skip_prefix, max_ctas;
   int64_t slot_bytes;  // 0: no device slots; else 4 or 8
+  int64_t per_chunk;   // the call's chunk tokens (staged_chunk_tokens when it was made)
   bool operator==(const ReplayKey& o) const {
     return num_tokens == o.num_tokens && skip_prefix == o.skip_prefix && max_ctas == o.max_ctas &&
-           slot_bytes == o.slot_bytes;
+           slot_bytes == o.slot_bytes && per_chunk == o.per_chunk;
   }
 };
 
@@ -156,7 +157,8 @@ class CudaStaged final : public StagedEngine {
     return static_cast<int64_t>(replays_.size());
   }
   int64_t graph_nodes(const StagedArgs& a, int64_t slot_bytes) const override {
-    const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes};
+    const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes,
+                        chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas)};
     const std::lock_guard<std::mutex> lock(mu_);
     for (const auto& replay : replays_)
       if (replay->key == key) return replay->nodes;
@@ -176,9 +178,11 @@ class CudaStaged final : public StagedEngine {
     C10_CUDA_CHECK(cudaStreamIsCapturing(main, &capture));
     const auto graphs = static_cast<size_t>(staged_graph_capacity());
     while (replays_.size() > graphs) replays_.pop_back();  // (a bound lowered since the last call)
+    // the call's chunk, once (the chunk setting may change meanwhile on another thread)
+    const int64_t per_chunk = chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas);
     if (graphs > 0 && !a.validate && replays_ok_ && capture == cudaStreamCaptureStatusNone) {
       const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas,
-                          device_slots.defined() ? int64_t(device_slots.element_size()) : 0};
+                          device_slots.defined() ? int64_t(device_slots.element_size()) : 0, per_chunk};
       Replay* replay = find_replay(key);
       if (replay == nullptr && seen_before(key)) replay = capture_replay(key, graphs);
       if (replay != nullptr) {
@@ -192,8 +196,8 @@ class CudaStaged final : public StagedEngine {
       }
     }
     const at::Tensor rows = new_token_rows(a.num_tokens);
-    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, rows, main);
-    issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, a.validate, rows, main,
+    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, per_chunk, rows, main);
+    issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, per_chunk, a.validate, rows, main,
           reinterpret_cast<cudaStream_t>(s_.side_stream));
   }
 
@@ -201,8 +205,8 @@ class CudaStaged final : public StagedEngine {
   bool keeps() const { return s_.host_is_dst && !s_.keeps.empty(); }
 
   // Tokens per chunk of a call of num_tokens tokens from skip_prefix on under
-  // a budget of max_ctas (the same for a replay as for the call it captured:
-  // a function of its key).
+  // a budget of max_ctas, by the chunk setting of now (a call computes it
+  // once; a replay's is part of its key).
   int64_t chunk_tokens(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas) const {
     return staged_chunk_tokens(s_.tokens_per_chunk, static_cast<int64_t>(s_.groups.size()),
                                num_tokens - skip_prefix, bytes_per_token_, max_ctas);
@@ -248,9 +252,9 @@ class CudaStaged final : public StagedEngine {
     }
     cudaGraph_t graph = nullptr;
     try {
-      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, replay->rows, cap);
-      issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, false, replay->rows, cap,
-            side);
+      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, key.per_chunk, replay->rows, cap);
+      issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, key.per_chunk, false,
+            replay->rows, cap, side);
     } catch (...) {
       (void)cudaStreamEndCapture(cap, &graph);
       if (graph != nullptr) (void)cudaGraphDestroy(graph);
@@ -273,11 +277,12 @@ class CudaStaged final : public StagedEngine {
     return replays_.front().get();
   }
 
-  // The transfer's work in stream order: `main` runs the kernels, `side` the
-  // copy engine's copies; `rows` is the token table fill_token_rows wrote.
+  // The transfer's work in stream order, in chunks of per_chunk tokens:
+  // `main` runs the kernels, `side` the copy engine's copies; `rows` is the
+  // token table fill_token_rows wrote for the same per_chunk.
   void issue(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
-             int64_t max_ctas, bool validate, const at::Tensor& rows, cudaStream_t main,
-             cudaStream_t side) {
+             int64_t max_ctas, int64_t per_chunk, bool validate, const at::Tensor& rows,
+             cudaStream_t main, cudaStream_t side) {
     const size_t R = ring_.size();
     const bool keep = keeps();
     // The token table's rows, each read by every chunk as a prefix (RunArgs::slot_prefixes): one view
@@ -287,7 +292,6 @@ class CudaStaged final : public StagedEngine {
     const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
     // what the caller queued before (the caches, the host chunk) comes first on the side stream
     join(events_[0], main, side);
-    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix, max_ctas);
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
       for (int64_t t0 = skip_prefix; t0 < num_tokens; t0 += per_chunk, ++c) {
@@ -340,11 +344,10 @@ class CudaStaged final : public StagedEngine {
   }
 
   void fill_token_rows(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
-                       int64_t max_ctas, const at::Tensor& rows, cudaStream_t stream) const {
+                       int64_t per_chunk, const at::Tensor& rows, cudaStream_t stream) const {
     const int threads = 256;
     const int blocks =
         static_cast<int>(std::min<int64_t>((num_tokens + threads - 1) / threads, 1024));
-    const int64_t per_chunk = chunk_tokens(num_tokens, skip_prefix, max_ctas);
     if (device_slots.defined() && device_slots.scalar_type() == at::kInt) {
       staged_rows_kernel<int32_t><<<blocks, threads, 0, stream>>>(
           device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, per_chunk,
