@@ -36,8 +36,8 @@ void set_staged_graph_capacity(int64_t graphs) {
 int64_t staged_graph_capacity() { return graph_capacity.load(std::memory_order_relaxed); }
 
 void set_staged_chunks(int64_t chunks) {
-  TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 1024, "kvlayout: a staged call's chunks must lie in [1, 1024], got ",
-                    chunks);
+  TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 1024,
+                    "kvlayout: a staged call's chunks must lie in [1, 1024], got ", chunks);
   target_chunks.store(chunks, std::memory_order_relaxed);
 }
 
@@ -48,7 +48,8 @@ int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, in
   if (tokens <= 0 || capacity <= 0) return std::max<int64_t>(capacity, 1);
   const int64_t total = tokens * std::max<int64_t>(bytes_per_token, 0);
   const int64_t chunks = staged_chunks();
-  const int64_t wanted = std::clamp<int64_t>(total / kStagedChunkBytes, 1, max_ctas > 0 ? 2 * chunks : chunks);
+  const int64_t wanted =
+      std::clamp<int64_t>(total / kStagedChunkBytes, 1, max_ctas > 0 ? 2 * chunks : chunks);
   const int64_t per_group = (wanted + std::max<int64_t>(groups, 1) - 1) / std::max<int64_t>(groups, 1);
   const int64_t n = (tokens + per_group - 1) / per_group;
   return std::min(capacity, (n + 15) / 16 * 16);
