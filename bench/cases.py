@@ -68,7 +68,7 @@ DIRECTIONS = ("to_host", "from_host", "gather_device", "scatter_device")
 class Case:
     """One measured configuration."""
 
-    group: str            # headline | layouts | layerwise | ctas | copy_engine | staged | host_cost
+    group: str            # headline | layouts | layerwise | ctas | host_hints | copy_engine | staged | host_cost
     shape: str
     device_layout: str    # the engine cache
     buffer_layout: str    # the chunk / host pool / device buffer
@@ -85,7 +85,8 @@ class Case:
     #                         (the prepared calls captured once, replayed); staged: "transfer" (a repeated
     #                         shape's call replays its captured graph), "direct" (every call issued
     #                         directly, as a new shape's is: no graph kept) or "slot-chunks" (replayed, with
-    #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes)
+    #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes);
+    #                         host_hints: "default-hints" (ops.set_host_cache_hints("default"))
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -166,6 +167,12 @@ def plan_cases(quick: bool) -> list[Case]:
         if sms:
             dev, buf = _default_layouts(SHAPES[name])
             cases.append(Case("ctas", name, dev, buf, T, 16, direction, max_ctas=sms))
+    # the kernel's host transfers with the default cache operators instead of streaming hints (what LMCache's
+    # and sgl-kernel's copy kernels use), beside the same cases of the headline and ctas groups
+    for name, direction in itertools.product(shapes[:3], ("to_host", "from_host")):
+        dev, buf = _default_layouts(SHAPES[name])
+        for T, ctas in ((256, 0), (4096, 0), (4096, 4)) if quick else ((256, 0), (4096, 0), (4096, 1), (4096, 4)):
+            cases.append(Case("host_hints", name, dev, buf, T, 16, direction, max_ctas=ctas, call="default-hints"))
     # the copy engine on page-granular host transfers (no SMs), against the kernel on the same data
     for name, ps, direction, engine in itertools.product(["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_MLA_D576"],
                                                          [16] if quick else [16, 64], ("to_host", "from_host"),
@@ -350,9 +357,9 @@ def kvlayout_fn(case: Case, data: dict):
             if case.call == "direct":
                 return _issued_directly(lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
                                                              engine=case.engine))
-            if case.call == "slot-chunks":
-                return _in_slot_chunks(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
-                                                                  engine=case.engine))
+            if case.call in ("slot-chunks", "default-hints"):
+                return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
+                                                                engine=case.engine))
             return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
 
         def repeated():   # the call as an engine writes it (engine at its default, "auto"), case.calls times
@@ -414,7 +421,7 @@ def staged_counts(case: Case, data: dict) -> dict:
     if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
         return {}
     src, ss, dst, ds = endpoints(case, data)
-    with _staged_chunks(case):
+    with _setting(case):
         explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
     if explained["engine"] != "staged":
         return {}
@@ -422,27 +429,35 @@ def staged_counts(case: Case, data: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _staged_chunks(case: Case):
-    """The staged chunk setting of ``case`` while the block runs: 1 for a "slot-chunks" row (chunks of a ring
-    slot's capacity; a call shape is captured and replayed under it as under the default), else as it is."""
-    if case.call != "slot-chunks":
-        yield
-        return
+def _setting(case: Case):
+    """The setting ``case`` runs under while the block runs: ``ops.set_staged_chunks(1)`` for a "slot-chunks"
+    row (chunks of a ring slot's capacity; a call shape is captured and replayed under it as under the
+    default), ``ops.set_host_cache_hints("default")`` for a "default-hints" row; else none."""
     from kvlayout import _C
-    kept = _C.staged_chunks()
-    ops.set_staged_chunks(1)
+    from kvlayout.ops import _native
+    if case.call == "slot-chunks":
+        kept = _C.staged_chunks()
+        ops.set_staged_chunks(1)
+        restore = functools.partial(ops.set_staged_chunks, kept)
+    elif case.call == "default-hints":
+        kept = _native.host_cache_hints()
+        ops.set_host_cache_hints("default")
+        restore = functools.partial(ops.set_host_cache_hints, kept)
+    else:
+        restore = None
     try:
         yield
     finally:
-        ops.set_staged_chunks(kept)
+        if restore is not None:
+            restore()
 
 
-def _in_slot_chunks(case: Case, call):
-    """``call`` under ``case``'s staged chunk setting."""
-    def slot_chunks():
-        with _staged_chunks(case):
+def _with_setting(case: Case, call):
+    """``call`` under ``case``'s setting (:func:`_setting`)."""
+    def under_setting():
+        with _setting(case):
             call()
-    return slot_chunks
+    return under_setting
 
 
 def copy_run_list_fn(case: Case, data: dict):

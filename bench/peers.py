@@ -51,8 +51,9 @@ class Peers:
         """Peer rows doing the same job as ``case`` (a :class:`kvlayout.bench.cases.Case` or a result row)."""
         get = case.get if isinstance(case, dict) else lambda k, default=None: getattr(case, k, default)
         if (get("engine", "kernel") not in ("kernel", "staged") or get("empty", False)
-                or get("call") in ("direct", "slot-chunks")):
-            return []    # (a staged call issued directly, or in slot-sized chunks: diagnostics beside the default)
+                or get("call") in ("direct", "slot-chunks", "default-hints")):
+            return []    # (diagnostics beside the default call: staged issued directly or in slot-sized chunks, the
+            #              kernel with other cache hints)
         return [r for r in self.rows
                 if (r["shape"], r["T"], r["direction"], r["layerwise"], r["max_ctas"])
                 == (get("shape"), get("T"), get("direction"), get("layerwise"), get("max_ctas") or 0)

@@ -74,7 +74,7 @@ def check_untouched(case: C.Case, data: dict, timer: Timer) -> bool:
                for a, b in zip(start, dst.tensors))
 
 
-GROUPS = ("headline", "layouts", "layerwise", "ctas", "copy_engine", "staged", "host_cost")
+GROUPS = ("headline", "layouts", "layerwise", "ctas", "host_hints", "copy_engine", "staged", "host_cost")
 
 
 def selected(case: C.Case, only: str | None) -> bool:
@@ -147,8 +147,8 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
     if host and same_size is not None:
         row["same_size_gbps"] = same_size.gbps(case.direction, nbytes)
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
-    if case.max_ctas == 0 and case.engine == "kernel" and not case.empty:
-        row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))
+    if case.max_ctas == 0 and case.engine == "kernel" and not case.empty and case.group != "host_hints":
+        row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))   # (host_hints: its twin's)
     if case.engine == "copy":
         row.update(time_run_list(case, data))
     if timer.cuda:
@@ -299,7 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="file stem of the outputs (default: the device kind)")
     parser.add_argument("--only", default=None,
                         help="comma-separated: run only cases of these groups (headline, layouts, layerwise, ctas, "
-                             "copy_engine, staged, host_cost) or whose description contains one of these texts")
+                             "host_hints, copy_engine, staged, host_cost) or whose description contains one of "
+                             "these texts")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run recorded in <out>/<name>.jsonl (skips the cases it holds)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the cache contents and slots (default 0)")

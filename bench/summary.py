@@ -148,6 +148,25 @@ def device_grid(rows: list[dict]) -> str:
                            "kernel only, one CTA per SM vs default"], out)
 
 
+def host_hints(rows: list[dict]) -> str:
+    """The kernel's host transfers with the default cache operators (host_hints rows) beside the same case
+    with streaming hints (its headline or ctas row), both timings, and the kernel-only ratio (above 1: the
+    default operators are faster)."""
+    out = []
+    for r in rows:
+        if r["group"] != "host_hints" or "gbps" not in r:
+            continue
+        twin = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
+                     direction=r["direction"], max_ctas=r["max_ctas"])
+        ratio = (f"{twin['kernel_us'] / r['kernel_us']:.2f}×" if twin is not None and twin.get("kernel_us")
+                 and r.get("kernel_us") else "–")
+        out.append([r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"] or "default"), _pct(twin),
+                    _pct(twin, "kernel_gbps"), _pct(r), _pct(r, "kernel_gbps"), ratio])
+    return markdown_table(["shape", "T", "direction", "CTAs", "streaming GB/s (% ceiling)", "streaming kernel only",
+                           "default operators GB/s (% ceiling)", "default operators kernel only",
+                           "kernel only, default vs streaming"], out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("jsonl")
@@ -156,7 +175,8 @@ def main(argv=None) -> int:
     doc = compared_with_peers(document(args.jsonl))
     rows = doc["results"]
     sections = [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
-                ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows))]
+                ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows)),
+                ("Host cache hints", host_hints(rows))]
     if args.ncu:
         with open(args.ncu) as f:
             sections.append(("ncu", markdown_table(NCU_HEADER, [ncu_cells(r) for r in json.load(f)["results"]])))

@@ -16,6 +16,7 @@ kernels raise directly, before writing anything.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional, Sequence
 
@@ -114,6 +115,36 @@ def xpu_available() -> bool:
     xpu = getattr(torch, "xpu", None)
     return "xpu" in built_backends() and xpu is not None and xpu.is_available()
 
+
+# The cache operators of kernel launches that read or write pinned host memory (CUDA): "streaming"
+# (evict-first loads and stores, the default) or "default" (the hardware's default operators, as LMCache's and
+# sgl-kernel's copy kernels use). Bench rows of both say which is faster where (the "host-hints" rows).
+HOST_CACHE_HINTS = ("streaming", "default")
+
+
+def set_host_cache_hints(hints: str) -> None:
+    """The cache operators of copy-kernel launches that touch pinned host memory: ``"streaming"`` (evict-first
+    loads and stores: the default, ``KVLAYOUT_HOST_CACHE_HINTS``) or ``"default"`` (the hardware's default
+    operators). Process-wide (:func:`host_cache_hints` reads it), read by every run of a launch; a launch
+    captured in a CUDA graph keeps the hints it was captured with. Results are the same bytes either way."""
+    if hints not in HOST_CACHE_HINTS:
+        raise ValueError(f"host cache hints must be one of {HOST_CACHE_HINTS}, got {hints!r}")
+    _C.set_host_cache_hints(HOST_CACHE_HINTS.index(hints))
+
+
+def host_cache_hints() -> str:
+    """The setting of :func:`set_host_cache_hints`."""
+    return HOST_CACHE_HINTS[_C.host_cache_hints()]
+
+
+def _environment_hints() -> str:
+    raw = os.environ.get("KVLAYOUT_HOST_CACHE_HINTS", "").strip() or HOST_CACHE_HINTS[0]
+    if raw not in HOST_CACHE_HINTS:
+        raise ValueError(f"KVLAYOUT_HOST_CACHE_HINTS = {raw!r}: it must be one of {HOST_CACHE_HINTS}")
+    return raw
+
+
+set_host_cache_hints(_environment_hints())
 
 _status_lock = threading.Lock()
 _status: dict[torch.device, torch.Tensor] = {}

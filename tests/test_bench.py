@@ -523,7 +523,30 @@ def test_slot_chunk_rows_run_their_calls_in_slot_sized_chunks():
                                                                                        (4096, 4, "staged")}
     assert all(c.key.endswith(" staged slot-chunks") for c in planned)
     seen = []
-    call = C._in_slot_chunks(planned[0], lambda: seen.append(ops.cache_info()["staged_chunks"]))
+    call = C._with_setting(planned[0], lambda: seen.append(ops.cache_info()["staged_chunks"]))
     call()
     assert seen == [1] and ops.cache_info()["staged_chunks"] == 8
     assert P.load_peers().matching(planned[0]) == []
+
+
+def test_host_hint_rows_run_the_kernel_with_the_default_cache_operators():
+    """The host_hints rows (L32 shapes, both host directions, T = 256 and 4096, without a budget and under 1 and
+    4 SMs) run their call under ops.set_host_cache_hints("default") and restore the setting; no peer is
+    matched to them, no torch baseline timed (their twins have it); the summary sets each beside its twin
+    with streaming hints (the headline row, or the ctas row under a budget)."""
+    from kvlayout.bench import peers as P
+    from kvlayout.bench import summary
+    from kvlayout.ops import _native
+
+    planned = [c for c in C.plan_cases(quick=False) if c.group == "host_hints"]
+    assert len(planned) == 24 and all(c.call == "default-hints" and c.engine == "kernel" for c in planned)
+    seen = []
+    C._with_setting(planned[0], lambda: seen.append(_native.host_cache_hints()))()
+    assert seen == ["default"] and _native.host_cache_hints() == "streaming"
+    assert P.load_peers().matching(planned[0]) == []
+    base = {"shape": "L32_H8_D128", "T": 4096, "direction": "to_host", "limit_gbps": 55.0}
+    rows = [dict(base, group="ctas", max_ctas=4, gbps=44.0, kernel_gbps=45.0, kernel_us=120.0),
+            dict(base, group="host_hints", max_ctas=4, gbps=48.0, kernel_gbps=50.0, kernel_us=100.0),
+            dict(base, group="host_hints", max_ctas=0, gbps=52.0, kernel_gbps=52.0, kernel_us=90.0)]
+    table = summary.host_hints(rows).splitlines()
+    assert len(table) == 4 and table[2].endswith("| 1.20× |") and table[3].endswith("| – |")

@@ -285,3 +285,32 @@ def test_staged_graph_capacity_is_a_setting_and_a_variable(monkeypatch):
     monkeypatch.setenv("KVLAYOUT_STAGED_GRAPHS", "-1")
     with pytest.raises(ValueError, match="it must be an integer >= 0"):
         environment_capacity("KVLAYOUT_STAGED_GRAPHS", 8, minimum=0)
+
+
+def test_host_cache_hints_are_a_setting_and_a_variable():
+    """ops.set_host_cache_hints: "streaming" (the default) or "default"; anything else refused, by the Python
+    setter and by the native one; KVLAYOUT_HOST_CACHE_HINTS sets it at import."""
+    import subprocess
+    import sys
+
+    from kvlayout import _C
+    from kvlayout.ops import _native
+    assert _native.host_cache_hints() == "streaming"
+    try:
+        ops.set_host_cache_hints("default")
+        assert _native.host_cache_hints() == "default" and _C.host_cache_hints() == 1
+        for bad in ("cached", None, 1):
+            with pytest.raises(ValueError, match="host cache hints must be one of"):
+                ops.set_host_cache_hints(bad)
+        with pytest.raises(ValueError, match="host cache hints must be 0 .streaming. or 1 .default., got 2"):
+            _C.set_host_cache_hints(2)
+        assert _native.host_cache_hints() == "default"
+    finally:
+        ops.set_host_cache_hints("streaming")
+    code = "import torch; from kvlayout.ops import _native; print(_native.host_cache_hints())"
+    env = {**os.environ, "KVLAYOUT_HOST_CACHE_HINTS": "default"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "default"
+    env["KVLAYOUT_HOST_CACHE_HINTS"] = "fast"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "KVLAYOUT_HOST_CACHE_HINTS = 'fast'" in bad.stderr

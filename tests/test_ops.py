@@ -295,6 +295,17 @@ def test_vector_widths(device, dtype, width, heads, src_off, dst_off, vec):
 # CUDA: pinned host memory on either side, slots on the device or in pinned memory
 # ---------------------------------------------------------------------------------------
 
+@pytest.fixture(params=["streaming", "default"])
+def host_cache_hints(request):
+    """Each cache-operator setting of launches that touch pinned memory (ops.set_host_cache_hints), restored
+    after the test."""
+    from kvlayout.ops import _native
+    kept = _native.host_cache_hints()
+    ops.set_host_cache_hints(request.param)
+    yield request.param
+    ops.set_host_cache_hints(kept)
+
+
 @pytest.mark.parametrize("direction", ["device_to_pinned", "pinned_to_device"])
 @pytest.mark.parametrize("slot_place", ["device", "pinned"])
 @pytest.mark.parametrize("pair", [("vllm_flash_attn_hnd", "hicache_page_first"),
@@ -303,7 +314,8 @@ def test_vector_widths(device, dtype, width, heads, src_off, dst_off, vec):
                                   ("vllm_packed_nhd", "lmcache_kv_2ltd")], ids=lambda p: f"{p[0]}-{p[1]}")
 @settings(max_examples=TC.examples(3))
 @given(data=st.data())
-def test_pinned_host_transfers(cuda_device, direction, slot_place, pair, data):
+def test_pinned_host_transfers(cuda_device, direction, slot_place, pair, host_cache_hints, data):
+    """Either side in pinned memory, under both cache-operator settings: every byte as the reference says."""
     device_layout, host_layout = pair
     if direction == "device_to_pinned":
         case = data.draw(S.transfer_cases(src_layout=device_layout, dst_layout=host_layout))

@@ -48,8 +48,10 @@
 //                          segments (its parameter block costs less host time
 //                          per launch); 0: one table size only
 //   kMaxParamBytes         the kernel parameter limit the largest table obeys
-//   Mem<VEC>               the vector load/store its kernel hands copy_rows_walk
-//                          (VecOf<VEC, ...> with the backend's instructions)
+//   (its kernel hands copy_rows_walk a vector load/store: VecOf<VEC, ...> with
+//   the backend's instructions, picked by params.a.cache_hints where the
+//   backend has a choice; run() sets the hints: host_cache_hints() for a
+//   launch that touches host memory)
 //   launch<VEC, UNROLL>(params, max_ctas, host, dependent, early_loads, stream)
 //                          one kernel launch of CopyRowsParams<N>, N one of
 //                          the table sizes: the grid from max_ctas (0: the
@@ -165,6 +167,7 @@ class RowsLaunch final : public BoundLaunch {
       a.dst_slots = ds;
       a.skip_prefix = args.skip_prefix;
       a.tokens = args.num_tokens - args.skip_prefix;
+      a.cache_hints = touches_host_ ? host_cache_hints() : kStreamingHints;
       // only the first launch of a split call records (the others read the same slots)
       a.src_recorded_from = chunk.first == 0 ? before.src_from : 0;
       a.dst_recorded_from = chunk.first == 0 ? before.dst_from : 0;

@@ -515,6 +515,19 @@ int64_t binding_cache_capacity() {
   return static_cast<int64_t>(cache.capacity);
 }
 
+namespace {
+std::atomic<int32_t> host_hints{kStreamingHints};
+}  // namespace
+
+void set_host_cache_hints(int32_t hints) {
+  TORCH_CHECK_VALUE(hints == kStreamingHints || hints == kDefaultHints,
+                    "kvlayout: host cache hints must be ", int(kStreamingHints), " (streaming) or ",
+                    int(kDefaultHints), " (default), got ", hints);
+  host_hints.store(hints, std::memory_order_relaxed);
+}
+
+int32_t host_cache_hints() { return host_hints.load(std::memory_order_relaxed); }
+
 int64_t binding_cache_size() {
   BindingCache& cache = binding_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);

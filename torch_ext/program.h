@@ -281,6 +281,12 @@ std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList
                                                   const at::Tensor& status);
 void set_binding_cache_capacity(int64_t capacity);
 int64_t binding_cache_capacity();
+
+// The CacheHints (copy_rows_kernel.h) of launches that read or write pinned
+// host memory: kStreamingHints unless set. Process-wide, read by every run
+// of a launch (a captured launch keeps the hints it was captured with).
+void set_host_cache_hints(int32_t hints);
+int32_t host_cache_hints();
 int64_t binding_cache_size();
 
 // The launch device of a program's tensors: the first non-CPU tensor among

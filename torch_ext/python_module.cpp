@@ -537,6 +537,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
         "Captured call shapes each staged transfer keeps (0: every call issued directly).");
   m.def("staged_graph_capacity", &staged_graph_capacity);
+  m.def("set_host_cache_hints", &set_host_cache_hints, py::arg("hints"),
+        "The CacheHints of launches that touch pinned host memory (0: streaming, 1: default).");
+  m.def("host_cache_hints", &host_cache_hints);
   m.def("set_staged_chunks", &set_staged_chunks, py::arg("chunks"),
         "The chunks a staged call aims at without an SM budget (twice as many under one; 1: chunks of "
         "a ring slot's capacity).");

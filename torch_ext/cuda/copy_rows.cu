@@ -48,13 +48,20 @@ constexpr int budget_unroll() {
   return UNROLL == kHostUnroll ? 4 : 2;
 }
 
-// Vector loads/stores with streaming (evict-first) cache hints.
+// Vector loads/stores with streaming (evict-first) cache hints
+// (kStreamingHints), or with the default cache operators (kDefaultHints).
 template <int VEC>
 struct StreamingMem {
   using vec_type = VecOf<VEC, uint4, uint2>;
   static_assert(sizeof(vec_type) == VEC, "vector type of the wrong width");
   __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
   __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
+};
+template <int VEC>
+struct DefaultMem {
+  using vec_type = VecOf<VEC, uint4, uint2>;
+  __device__ static vec_type load(const vec_type* p) { return *p; }
+  __device__ static void store(vec_type* p, vec_type v) { *p = v; }
 };
 
 // The CUDA backend of copy_rows_launch.h.
@@ -68,8 +75,6 @@ struct CudaRows : cuda::Backend {
   static constexpr int kMaxSegmentsPerLaunch = 128;
   static constexpr size_t kMaxParamBytes = 4096;
 
-  template <int VEC>
-  using Mem = StreamingMem<VEC>;
 
   // Programmatic dependent launch needs compute capability 9.0 or later.
   static bool supports_dependent_launch(c10::Device dev) {
@@ -142,16 +147,23 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
   __syncthreads();
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  if constexpr (EARLY_LOADS) {
-    WaitOnce before_write{true, p.a.next_start == kNextAfterWait};
-    copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
-                                                    cuda::StatusRecorder{p.a.status},
-                                                    before_write);
-    before_write();
-  } else {
-    copy_rows_walk<VEC, UNROLL, CudaRows::Mem<VEC>>(p.a, src_base, dst_base, thread, num_threads,
-                                                    cuda::StatusRecorder{p.a.status});
-  }
+  // the launch's cache hints: one walk or the other, chosen once per thread (a uniform branch)
+  const auto walk = [&](auto mem) {
+    using Mem = decltype(mem);
+    if constexpr (EARLY_LOADS) {
+      WaitOnce before_write{true, p.a.next_start == kNextAfterWait};
+      copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
+                                       cuda::StatusRecorder{p.a.status}, before_write);
+      before_write();
+    } else {
+      copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
+                                       cuda::StatusRecorder{p.a.status});
+    }
+  };
+  if (p.a.cache_hints == kDefaultHints)
+    walk(DefaultMem<VEC>{});
+  else
+    walk(StreamingMem<VEC>{});
 }
 
 // CTAs of one kernel instance resident on one SM at once, from the compiled

@@ -141,6 +141,17 @@ enum NextStart : int32_t {
   kNextAtOnce = 2,     // at once (early-loads launches of a layer pipeline)
 };
 
+// The cache operators of a launch's loads and stores, where its backend can
+// choose them (CUDA; other backends ignore the field): streaming hints
+// (evict-first, ld/st.global.cs) by default; a host launch (either side in
+// pinned host memory) takes host_cache_hints() (program.h), which may pick
+// the default operators instead, as LMCache's and sgl-kernel's copy kernels
+// use them.
+enum CacheHints : int32_t {
+  kStreamingHints = 0,
+  kDefaultHints = 1,
+};
+
 // Everything of one launch except its segment table.
 struct CopyRowsArgs {
   RowGeometry src_geom;
@@ -158,7 +169,7 @@ struct CopyRowsArgs {
   int64_t* status;         // device-visible int64[kStatusNumel]
   int64_t src_recorded_from;  // which out-of-range slots are recorded (see kRecordEverything)
   int64_t dst_recorded_from;
-  int32_t unused_;         // (keeps the layout that the kernels' register counts were measured with)
+  int32_t cache_hints;     // CacheHints (in the slot that kept the layout the kernels' registers were measured with)
   int32_t next_start;      // NextStart: when the next kernel of the stream may start (CUDA)
 };
 
