@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from kvlayout import ops
+from kvlayout import _C, ops
+from kvlayout.ops import _native
 from kvlayout.ops.views import KVCache
 
 
@@ -354,10 +355,7 @@ def kvlayout_fn(case: Case, data: dict):
     src, ss, dst, ds = endpoints(case, data)
     if not case.layerwise:
         if case.group != "host_cost":
-            if case.call == "direct":
-                return _issued_directly(lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
-                                                             engine=case.engine))
-            if case.call in ("slot-chunks", "default-hints"):
+            if case.call in SETTING_CALLS:
                 return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
                                                                 engine=case.engine))
             return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
@@ -400,20 +398,6 @@ def kvlayout_fn(case: Case, data: dict):
     return graph.replay
 
 
-def _issued_directly(call):
-    """``call`` with no staged graph kept while it runs (``staged_graphs=0``), so that a staged transfer is issued
-    directly every time, as the call of a shape not seen before is."""
-    kept = ops.cache_info()["staged_graphs_capacity"]   # (read once: cache_info walks every ring)
-
-    def direct():
-        ops.set_cache_capacity(staged_graphs=0)
-        try:
-            call()
-        finally:
-            ops.set_cache_capacity(staged_graphs=kept)
-    return direct
-
-
 def staged_counts(case: Case, data: dict) -> dict:
     """For an all-layer host transfer that its engine stages: the call's ``chunks`` and the ``graph_nodes``
     of the graph it replays (0: issued directly), as ``ops.explain`` gives them after the timed calls; {}
@@ -428,21 +412,27 @@ def staged_counts(case: Case, data: dict) -> dict:
     return {"chunks": explained["chunks"], "graph_nodes": explained["graph_nodes"]}
 
 
+# the calls that run under a setting of their own (_setting)
+SETTING_CALLS = ("direct", "slot-chunks", "default-hints")
+
+
 @contextlib.contextmanager
 def _setting(case: Case):
-    """The setting ``case`` runs under while the block runs: ``ops.set_staged_chunks(1)`` for a "slot-chunks"
-    row (chunks of a ring slot's capacity; a call shape is captured and replayed under it as under the
-    default), ``ops.set_host_cache_hints("default")`` for a "default-hints" row; else none."""
-    from kvlayout import _C
-    from kvlayout.ops import _native
-    if case.call == "slot-chunks":
-        kept = _C.staged_chunks()
+    """The setting ``case`` runs under while the block runs (restored after, also when the call raises): no
+    staged graph kept for a "direct" row (``ops.set_cache_capacity(staged_graphs=0)``: every call issued
+    directly, as a new shape's is), ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
+    slot's capacity; a call shape is captured and replayed under it as under the default),
+    ``ops.set_host_cache_hints("default")`` for a "default-hints" row; else none. (Each reads the setting it
+    restores directly, not through ``ops.cache_info``, which walks every ring.)"""
+    if case.call == "direct":
+        restore = functools.partial(ops.set_cache_capacity, staged_graphs=_C.staged_graph_capacity())
+        ops.set_cache_capacity(staged_graphs=0)
+    elif case.call == "slot-chunks":
+        restore = functools.partial(ops.set_staged_chunks, _C.staged_chunks())
         ops.set_staged_chunks(1)
-        restore = functools.partial(ops.set_staged_chunks, kept)
     elif case.call == "default-hints":
-        kept = _native.host_cache_hints()
+        restore = functools.partial(ops.set_host_cache_hints, _native.host_cache_hints())
         ops.set_host_cache_hints("default")
-        restore = functools.partial(ops.set_host_cache_hints, kept)
     else:
         restore = None
     try:
@@ -463,7 +453,6 @@ def _with_setting(case: Case, call):
 def copy_run_list_fn(case: Case, data: dict):
     """For a copy-engine case: a callable that builds the run lists its call issues (``_C.copy_run_list``, the
     same C++ as ``kvlayout::copy_runs`` without the driver's part) and returns how many copies they hold."""
-    from kvlayout import _C
     from kvlayout.ops.programs import plan
 
     src, ss, dst, ds = endpoints(case, data)

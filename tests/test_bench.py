@@ -104,13 +104,14 @@ def test_staged_rows_issued_directly_keep_no_graph_while_they_run():
     the bound is back after it, also when the call raises."""
     seen = []
     saved = ops.cache_info()["staged_graphs_capacity"]
-    C._issued_directly(lambda: seen.append(ops.cache_info()["staged_graphs_capacity"]))()
+    direct = next(c for c in C.plan_cases(quick=False) if c.call == "direct")
+    C._with_setting(direct, lambda: seen.append(ops.cache_info()["staged_graphs_capacity"]))()
     assert seen == [0] and ops.cache_info()["staged_graphs_capacity"] == saved
 
     def fails():
         raise RuntimeError("a failed call")
     with pytest.raises(RuntimeError, match="a failed call"):
-        C._issued_directly(fails)()
+        C._with_setting(direct, fails)()
     assert ops.cache_info()["staged_graphs_capacity"] == saved
     keys = [c.key for c in C.plan_cases(quick=False) if c.call == "direct"]
     assert len(keys) == 12 and all(k.endswith(" staged direct") for k in keys) and len(set(keys)) == 12

@@ -290,9 +290,6 @@ def test_staged_graph_capacity_is_a_setting_and_a_variable(monkeypatch):
 def test_host_cache_hints_are_a_setting_and_a_variable():
     """ops.set_host_cache_hints: "streaming" (the default) or "default"; anything else refused, by the Python
     setter and by the native one; KVLAYOUT_HOST_CACHE_HINTS sets it at import."""
-    import subprocess
-    import sys
-
     from kvlayout import _C
     from kvlayout.ops import _native
     assert _native.host_cache_hints() == "streaming"
@@ -307,10 +304,7 @@ def test_host_cache_hints_are_a_setting_and_a_variable():
         assert _native.host_cache_hints() == "default"
     finally:
         ops.set_host_cache_hints("streaming")
-    code = "import torch; from kvlayout.ops import _native; print(_native.host_cache_hints())"
-    env = {**os.environ, "KVLAYOUT_HOST_CACHE_HINTS": "default"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "default"
-    env["KVLAYOUT_HOST_CACHE_HINTS"] = "fast"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    read = "_native.host_cache_hints()"
+    assert TC.read_at_import("KVLAYOUT_HOST_CACHE_HINTS", "default", read).stdout.strip() == "default"
+    bad = TC.read_at_import("KVLAYOUT_HOST_CACHE_HINTS", "fast", read)
     assert bad.returncode != 0 and "KVLAYOUT_HOST_CACHE_HINTS = 'fast'" in bad.stderr

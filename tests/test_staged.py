@@ -14,9 +14,6 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,8 @@ import torch
 from kvlayout import _C, ops
 from kvlayout.ops import staged as staged_mod
 from kvlayout.ops.arguments import checked_choice
+
+import torch_cases as TC
 
 L, NB, BS, H, D = 4, 6, 16, 2, 64
 
@@ -164,12 +163,9 @@ def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
         assert ops.cache_info()["staged_chunks"] == 4
     finally:
         ops.set_staged_chunks(staged_mod.CHUNKS)
-    code = "import torch; from kvlayout import ops; print(ops.cache_info()['staged_chunks'])"
-    env = {**os.environ, "KVLAYOUT_STAGED_CHUNKS": "3"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "3"
-    env["KVLAYOUT_STAGED_CHUNKS"] = "0"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    read = "ops.cache_info()['staged_chunks']"
+    assert TC.read_at_import("KVLAYOUT_STAGED_CHUNKS", "3", read).stdout.strip() == "3"
+    bad = TC.read_at_import("KVLAYOUT_STAGED_CHUNKS", "0", read)
     assert bad.returncode != 0 and "KVLAYOUT_STAGED_CHUNKS = '0'" in bad.stderr
 
 

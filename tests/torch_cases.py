@@ -12,6 +12,8 @@ and ``kvlayout conformance`` share these, so they compare the same way.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -30,7 +32,7 @@ from kvlayout.conformance.families.core import (
 from kvlayout.conformance.families.core import reference as jitted_reference
 
 __all__ = ["assert_same_bytes", "assert_unchanged", "bits", "examples", "flat", "jitted_reference", "random_array",
-           "slots", "snapshot", "sync", "tensor", "to_torch", "torch_dtype"]
+           "read_at_import", "slots", "snapshot", "sync", "tensor", "to_torch", "torch_dtype"]
 
 
 def examples(default: int) -> int:
@@ -46,3 +48,11 @@ def examples(default: int) -> int:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a strategies dtype name."""
     return getattr(torch, name)
+
+
+def read_at_import(variable: str, value: str, expression: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter, environment variable ``variable`` set to ``value``, that imports kvlayout's ops and
+    prints ``expression`` (a setting read at import); its stdout, stderr and return code."""
+    code = f"import torch; from kvlayout import ops; from kvlayout.ops import _native; print({expression})"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, variable: value}, capture_output=True,
+                          text=True)
