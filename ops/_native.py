@@ -118,7 +118,7 @@ def xpu_available() -> bool:
 
 # The cache operators of kernel launches that read or write pinned host memory (CUDA): "streaming"
 # (evict-first loads and stores, the default) or "default" (the hardware's default operators, as LMCache's and
-# sgl-kernel's copy kernels use). Bench rows of both say which is faster where (the "host-hints" rows).
+# sgl-kernel's copy kernels use). The bench's host_hints rows measure both beside each other.
 HOST_CACHE_HINTS = ("streaming", "default")
 
 
