@@ -244,6 +244,25 @@ def test_cuda_bench_row_is_compared_with_the_peers_in_both_timings(cuda_device, 
     assert (out["peer_kernel_gbps"], out["peer_end_to_end_gbps"]) == (1700, 1116)
 
 
+def test_cuda_bench_rows_under_a_setting_are_exact_and_leave_it_as_it_was(cuda_device):
+    """A host_hints row, a device-grid row (every SM's one 1024-thread CTA) and a slot-chunks staged row, run by
+    the bench on the device: bit-exact, measured, the staged row with its chunks and the nodes of the graph it
+    replayed; the settings are back to their defaults after."""
+    from kvlayout.ops import _native
+    head = "L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd"
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    keys = [f"{head} to_host all layers ctas=default default-hints", f"{head} gather_device all layers ctas={sms}",
+            "L32_H1_D128 T=4096 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd to_host all layers ctas=default staged "
+            "slot-chunks"]
+    doc = run(torch.device(cuda_device), quick=True, only=",".join(keys))
+    rows = {r["key"]: r for r in doc["results"]}
+    assert sorted(rows) == sorted(keys)
+    assert all(r["bit_exact"] and r["gbps"] > 0 and r["kernel_gbps"] > 0 for r in rows.values())
+    staged = rows[keys[2]]
+    assert staged["chunks"] == 2 and staged["graph_nodes"] > 0, staged     # 64 MiB in slot-sized chunks of 32 MiB
+    assert ops.cache_info()["staged_chunks"] == 8 and _native.host_cache_hints() == "streaming"
+
+
 class _FixedTimer:
     """Stands in for a Timer: each callable's median is the seconds it was registered with."""
 
