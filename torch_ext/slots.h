@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -61,6 +62,53 @@ void validate_slots_on_host(const CopyPlan& plan, const std::optional<at::Tensor
 [[noreturn]] void raise_slot_out_of_range(const char* name, bool identity, int64_t t,
                                           int64_t value, int64_t bound);
 
+namespace detail {
+
+// A side's slots as read_slots_once leaves them (identity, or int64 values
+// with stride 1 in memory of the op's own), or nullopt for anything else.
+// (Values in private memory need no volatile load: nothing else writes them.)
+inline std::optional<const int64_t*> plain_slots(const SlotArray& a) {
+  if (a.identity) return static_cast<const int64_t*>(nullptr);
+  if (a.elem_bytes == 8 && a.stride == 1) return static_cast<const int64_t*>(a.data);
+  return std::nullopt;
+}
+
+// How many tokens from a slot at `in_page` a side's layout lets consecutive
+// slots run on: without end where rows follow each other within a page and
+// pages follow each other, to the page's end where only rows within a page
+// do, 1 where rows of a page do not (other slots may still be adjacent:
+// run_length asks the geometry).
+inline int64_t consecutive_limit(const RowGeometry& g, int64_t in_page, int64_t row_bytes) {
+  if (g.page_size > 1 && g.stride_in_page != row_bytes) return 1;
+  if (g.stride_page == (g.page_size - 1) * g.stride_in_page + row_bytes) return INT64_MAX;
+  return g.page_size - in_page;
+}
+
+// The length of the run from token t (slots s, d valid, at cursors a, b) of
+// consecutive slots on both sides (S[t+k] = s+k, D[t+k] = d+k; nullptr:
+// identity), in range, within what both layouts let run on: every token of it
+// continues the previous one. One compare per side and token.
+inline int64_t consecutive_run(const int64_t* S, const int64_t* D, const CopyPlan& p, int64_t t,
+                               int64_t end, int64_t s, int64_t d, const RunCursor& a,
+                               const RunCursor& b, int64_t row_bytes) {
+  int64_t lim = std::min({end - t, p.src_geom.num_slots - s, p.dst_geom.num_slots - d,
+                          consecutive_limit(p.src_geom, a.in_page, row_bytes),
+                          consecutive_limit(p.dst_geom, b.in_page, row_bytes)});
+  int64_t k = 1;
+  if (S != nullptr && D != nullptr) {
+    while (k < lim && S[t + k] == s + k && D[t + k] == d + k) ++k;
+  } else if (S != nullptr) {
+    while (k < lim && S[t + k] == s + k) ++k;  // (D identity: d = t)
+  } else if (D != nullptr) {
+    while (k < lim && D[t + k] == d + k) ++k;
+  } else {
+    k = lim;
+  }
+  return k;
+}
+
+}  // namespace detail
+
 // Walks tokens [begin, end) of a plan and calls copy(segment, src_offset,
 // dst_offset, bytes) for each contiguous block to move, offsets from the
 // segment's base. Contiguous rows (num_pieces == 1) of consecutive tokens that
@@ -73,6 +121,9 @@ void validate_slots_on_host(const CopyPlan& plan, const std::optional<at::Tensor
 template <class Copy>
 void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& copy) {
   const int64_t row_bytes = p.row_bytes();
+  const std::optional<const int64_t*> S = detail::plain_slots(p.src_slots);
+  const std::optional<const int64_t*> D = detail::plain_slots(p.dst_slots);
+  const bool plain = S.has_value() && D.has_value();
   int64_t t = begin;
   while (t < end) {
     const int64_t s = p.src_slots.load(t);
@@ -86,10 +137,21 @@ void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& c
     if (d >= p.dst_geom.num_slots)
       raise_slot_out_of_range("dst_slots", p.dst_slots.identity != 0, t, d, p.dst_geom.num_slots);
     if (p.num_pieces == 1) {
-      const RunCursor a = RunCursor::at(p.src_geom, s), b = RunCursor::at(p.dst_geom, d);
-      const int64_t n =
-          run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t, end, a, b, row_bytes);
-      for (int64_t g = 0; g < p.num_segments; ++g) copy(g, a.offset, b.offset, n * row_bytes);
+      RunCursor a = RunCursor::at(p.src_geom, s), b = RunCursor::at(p.dst_geom, d);
+      const int64_t src_offset = a.offset, dst_offset = b.offset;
+      // consecutive slots first (one compare per token), then the geometry's own test from the
+      // run's last token on (rows adjacent without consecutive slots)
+      int64_t n = 1;
+      if (plain) {
+        n = detail::consecutive_run(*S, *D, p, t, end, s, d, a, b, row_bytes);
+        if (n > 1) {
+          a = RunCursor::at(p.src_geom, s + n - 1);
+          b = RunCursor::at(p.dst_geom, d + n - 1);
+        }
+      }
+      n += run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t + n - 1, end, a, b,
+                      row_bytes) - 1;
+      for (int64_t g = 0; g < p.num_segments; ++g) copy(g, src_offset, dst_offset, n * row_bytes);
       t += n;
     } else {
       for (int64_t g = 0; g < p.num_segments; ++g)

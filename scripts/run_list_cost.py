@@ -1,0 +1,53 @@
+"""Host time of the copy engine's run list (``_C.copy_run_list``) on the bench's copy-engine geometry, on the CPU.
+
+    python scripts/run_list_cost.py [--reps 30] [--out FILE]
+
+For each copy-engine case of ``kvlayout bench`` (L32 H8 and MLA, T = 4096, page sizes 16 and 64, both
+directions), builds the case's tensors on the CPU (the run list is host work: the slots are read on the host
+and host addresses keep every adjacency a pinned tensor's device alias has) and times ``--reps`` builds of its
+run list, as the bench's ``run_list_us`` does on a CUDA machine. Prints one line per case: the copies, the
+median µs and the µs per 8,192 copies (the performance target's unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=None, help="also write the lines to this file")
+    args = parser.parse_args()
+
+    from kvlayout.bench import cases as C
+
+    torch.set_num_threads(1)
+    lines = [f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread, torch "
+             f"{torch.__version__}; median of {args.reps} builds"]
+    for case in C.plan_cases(quick=False):
+        if case.group != "copy_engine" or case.engine != "copy":
+            continue
+        data = C.build(case, C.Inputs(torch.device("cpu")), min_cache_slots=2 * case.T)
+        build = C.copy_run_list_fn(case, data)
+        copies = build()
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            build()
+            times.append(time.perf_counter() - t0)
+        us = statistics.median(times) * 1e6
+        lines.append(f"{case.key}: {copies} copies, {us:.1f} us, {us * 8192 / copies:.1f} us per 8,192 copies")
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
