@@ -396,6 +396,34 @@ def test_compiled_calls_reject_what_eager_rejects(device):
     TC.assert_unchanged(cache.tensors, snap)
 
 
+def test_cpu_duplicate_check_of_page_runs_reports_the_first_repeat():
+    """Destination slots in runs of consecutive values (whole pages, the common engine call) are checked by their
+    runs; a repeat among them (a page twice, runs that overlap in part, a repeat inside a run after a skipped
+    token) raises the same error, naming the first repeat in token order, as slots checked one by one; pages in
+    any order, holes and runs that only touch pass and move every row."""
+    src = make_cache("vllm_flash_attn_nhd", "cpu")
+    N = src.geometry.N
+    page = list(range(4))                                  # (4-slot runs stand for pages here)
+    src_slots = slots(list(range(12)))
+    for dst, repeat in ((page + [8 + i for i in page] + page, r"slot 0 \(dst_slots\[0\] and dst_slots\[8\]\)"),
+                        ([4, 5, 6, 7, 0, 1, 2, 3, 6, 7, 8, 9], r"slot 6 \(dst_slots\[2\] and dst_slots\[8\]\)"),
+                        ([0, 1, -1, 3, 4, 5, 1, 2, 9, 10, 11, 12], r"slot 1 \(dst_slots\[1\] and dst_slots\[6\]\)")):
+        dst_cache = make_cache("vllm_flashinfer_hnd", "cpu", seed=3)
+        snap = TC.snapshot(dst_cache.tensors)
+        with pytest.raises(ValueError, match=r"dst_slots repeats " + repeat):
+            ops.transfer(src, dst_cache, src_slots, slots(dst))
+        TC.assert_unchanged(dst_cache.tensors, snap)
+    for dst in ([8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, -1, 7, 12, 13, 14, 15],
+                [N - 12 + i for i in range(12)]):
+        dst_cache = make_cache("vllm_flashinfer_hnd", "cpu", seed=3)
+        ops.transfer(src, dst_cache, src_slots, slots(dst))
+        want = make_cache("vllm_flashinfer_hnd", "cpu", seed=3)
+        for t, d in enumerate(dst):                        # token by token, one row each
+            if d >= 0:
+                ops.transfer(src, want, slots([t]), slots([d]))
+        assert all(np.array_equal(TC.bits(a), TC.bits(b)) for a, b in zip(dst_cache.tensors, want.tensors)), dst
+
+
 def test_cpu_duplicate_check_allows_what_it_should():
     src = make_cache("vllm_flash_attn_nhd", "cpu")
     dst = make_cache("vllm_flashinfer_hnd", "cpu", seed=3)

@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kvlayout {
 namespace {
@@ -125,14 +128,59 @@ void copy_slots(const SlotArray& a, int64_t begin, int64_t end, int64_t* out) {
   }
 }
 
+// The tokens with a row to move, where the copies show at once that every
+// slot is in range and no destination slot repeats: the destination slots
+// fall into few runs of consecutive values (page-granular slots: a run per
+// page), and the runs, sorted by their first slot, do not overlap. nullopt
+// where that is not shown (a slot out of range, a repeat, or more runs than
+// sorting them beats hashing every slot): the token-by-token check decides,
+// and raises for the first bad token in token order.
+template <int S>
+std::optional<TokenRange> unique_by_runs(const CopyPlan& p, const int64_t* src_copy,
+                                         const int64_t* dst_copy) {
+  thread_local std::vector<std::pair<int64_t, int64_t>> scratch;  // (first slot, end slot) per run
+  std::vector<std::pair<int64_t, int64_t>>& runs = scratch;        // (one thread-local lookup)
+  runs.clear();
+  const size_t most = static_cast<size_t>((p.num_tokens - p.skip_prefix) / 4 + 16);
+  TokenRange active{p.num_tokens, p.num_tokens};
+  int64_t first = -1, next = -1;  // the current run: [first, next)
+  for (int64_t t = p.skip_prefix; t < p.num_tokens; ++t) {
+    const int64_t s = S == kIdentity ? t : src_copy[t];
+    const int64_t d = dst_copy[t];
+    if (s < 0 || d < 0) continue;
+    if (s >= p.src_geom.num_slots || d >= p.dst_geom.num_slots) return std::nullopt;
+    if (d != next) {
+      if (first >= 0) {
+        if (runs.size() == most) return std::nullopt;
+        runs.emplace_back(first, next);
+      }
+      first = d;
+    }
+    next = d + 1;
+    if (active.first == p.num_tokens) active.first = t;
+    active.end = t + 1;
+  }
+  if (first >= 0) runs.emplace_back(first, next);
+  std::sort(runs.begin(), runs.end());
+  for (size_t i = 1; i < runs.size(); ++i)  // (sorted: an overlap shows between neighbours)
+    if (runs[i].first < runs[i - 1].second) return std::nullopt;
+  return active;
+}
+
 template <int S, int D>
 TokenRange read_loop(CopyPlan& p, HostSlots& copy, bool check_unique) {
   TokenRange active{p.num_tokens, p.num_tokens};
-  SlotSet seen(check_unique ? p.num_tokens - p.skip_prefix : 0);
   int64_t* src_copy = S == kIdentity ? nullptr : copy.src.data();
   int64_t* dst_copy = D == kIdentity ? nullptr : copy.dst.data();
   if constexpr (S != kIdentity) copy_slots<S>(p.src_slots, p.skip_prefix, p.num_tokens, src_copy);
   if constexpr (D != kIdentity) copy_slots<D>(p.dst_slots, p.skip_prefix, p.num_tokens, dst_copy);
+  if constexpr (D != kIdentity) {
+    if (check_unique) {
+      if (const std::optional<TokenRange> shown = unique_by_runs<S>(p, src_copy, dst_copy))
+        return *shown;
+    }
+  }
+  SlotSet seen(check_unique ? p.num_tokens - p.skip_prefix : 0);
   for (int64_t t = p.skip_prefix; t < p.num_tokens; ++t) {
     const int64_t s = S == kIdentity ? t : src_copy[t];
     const int64_t d = D == kIdentity ? t : dst_copy[t];
