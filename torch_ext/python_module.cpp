@@ -300,7 +300,7 @@ int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::
   if (checked.empty()) return 0;
   HostSlots copies_of_slots;
   read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
-  const CopyList copies =
+  const CopyList& copies =
       copy_list_at(checked, src, dst, [](const at::Tensor& t, const char*, int64_t) {
         return static_cast<char*>(t.data_ptr());
       });

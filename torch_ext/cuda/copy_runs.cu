@@ -149,7 +149,7 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
               "kvlayout: the copy engine cannot be captured in a CUDA graph; use the kernel "
               "(engine='kernel') inside graphs");
 
-  CopyList copies =
+  CopyList& copies =
       copy_list_at(checked, src, dst, [&](const at::Tensor& t, const char* name, int64_t i) {
         return cuda::device_address(t, dev, name, i);
       });
