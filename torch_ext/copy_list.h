@@ -16,8 +16,11 @@ namespace kvlayout {
 // The copies of one call, in issue order; add() extends the previous copy when
 // the new one continues it on both sides. A thread keeps one and refills it
 // call after call (thread_list()): its vectors keep their capacity, so it
-// allocates only when a list outgrows the largest before it.
+// allocates only when a list outgrows the ones before it; trim() after a
+// call gives back what a list longer than kKeptCopies took (a one-off call of
+// millions of copies must not hold its memory for the life of the thread).
 struct CopyList {
+  static constexpr size_t kKeptCopies = size_t(1) << 16;  // 1.5 MiB of vectors
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
@@ -31,6 +34,13 @@ struct CopyList {
     dsts.clear();
     srcs.clear();
     sizes.clear();
+  }
+
+  void trim() {
+    if (sizes.capacity() <= kKeptCopies) return;
+    std::vector<void*>().swap(dsts);
+    std::vector<const void*>().swap(srcs);
+    std::vector<size_t>().swap(sizes);
   }
 
   void add(char* dst, const char* src, size_t bytes) {
@@ -61,7 +71,8 @@ inline void build_copy_list(const CopyPlan& checked, const std::vector<const cha
 // build_copy_list with segment g's bases at address(side tensor, "src" or
 // "dst", index) + the segment's offset: where a copy reaches the tensor (its
 // data pointer, or on CUDA a pinned host tensor's device alias). The list is
-// this thread's (CopyList::thread_list()), valid until its next call.
+// this thread's (CopyList::thread_list()), valid until its next call; the
+// caller trims it when done.
 template <class Address>
 CopyList& copy_list_at(const CopyPlan& checked, at::TensorList src, at::TensorList dst,
                        const Address& address) {

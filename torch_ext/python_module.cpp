@@ -300,11 +300,13 @@ int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::
   if (checked.empty()) return 0;
   HostSlots copies_of_slots;
   read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
-  const CopyList& copies =
+  CopyList& copies =
       copy_list_at(checked, src, dst, [](const at::Tensor& t, const char*, int64_t) {
         return static_cast<char*>(t.data_ptr());
       });
-  return static_cast<int64_t>(copies.sizes.size());
+  const auto length = static_cast<int64_t>(copies.sizes.size());
+  copies.trim();
+  return length;
 }
 
 // A staged host transfer (staged.h) built from bound programs: Python plans

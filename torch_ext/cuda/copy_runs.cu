@@ -154,6 +154,7 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
         return cuda::device_address(t, dev, name, i);
       });
   issue(copies, dev);
+  copies.trim();
 }
 
 }  // namespace
