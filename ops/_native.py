@@ -16,7 +16,6 @@ kernels raise directly, before writing anything.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional, Sequence
 
@@ -31,6 +30,8 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "`pip install --no-build-isolation -e .` (needs a C++ compiler; CUDA "
         "kernels are built when torch has CUDA and nvcc is found)."
     ) from exc
+
+from .settings import environment_choice  # noqa: E402  (after the extension's clear import error)
 
 __all__ = [
     "copy_rows",
@@ -137,14 +138,7 @@ def host_cache_hints() -> str:
     return HOST_CACHE_HINTS[_C.host_cache_hints()]
 
 
-def _environment_hints() -> str:
-    raw = os.environ.get("KVLAYOUT_HOST_CACHE_HINTS", "").strip() or HOST_CACHE_HINTS[0]
-    if raw not in HOST_CACHE_HINTS:
-        raise ValueError(f"KVLAYOUT_HOST_CACHE_HINTS = {raw!r}: it must be one of {HOST_CACHE_HINTS}")
-    return raw
-
-
-set_host_cache_hints(_environment_hints())
+set_host_cache_hints(environment_choice("KVLAYOUT_HOST_CACHE_HINTS", HOST_CACHE_HINTS))
 
 _status_lock = threading.Lock()
 _status: dict[torch.device, torch.Tensor] = {}

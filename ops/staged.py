@@ -330,7 +330,12 @@ class _Ring:
         return self.stream is None
 
 
-_RINGS: collections.OrderedDict = collections.OrderedDict()   # (device, stream) -> _Ring, least recent first
+_RINGS: collections.OrderedDict = collections.OrderedDict()   # _ring_key -> _Ring, least recent first
+
+
+def _ring_key(device: torch.device, stream: torch.cuda.Stream) -> tuple:
+    """The key of ``stream``'s kept ring in ``_RINGS`` (a ring of another staging size is another ring)."""
+    return device, stream.cuda_stream, STAGING_BYTES
 
 
 def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
@@ -338,7 +343,7 @@ def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
     memory comes from the graph's own pool)."""
     if torch.cuda.is_current_stream_capturing():
         return _Ring(device, stream=None)
-    key = (device, stream.cuda_stream, STAGING_BYTES)
+    key = _ring_key(device, stream)
     ring = _RINGS.pop(key, None)
     if ring is None:
         while len(_RINGS) >= KEPT_RINGS:
@@ -367,7 +372,7 @@ def ring_refusal(device: torch.device, allocate: bool = True) -> str | None:
     if torch.cuda.is_current_stream_capturing():
         return None
     stream = torch.cuda.current_stream(device)
-    if (device, stream.cuda_stream, STAGING_BYTES) not in _RINGS and len(_RINGS) >= KEPT_RINGS:
+    if _ring_key(device, stream) not in _RINGS and len(_RINGS) >= KEPT_RINGS:
         return f"the {KEPT_RINGS} staging rings kept belong to other streams"
     if not allocate:
         return None
@@ -477,7 +482,7 @@ def kept_graph_nodes(choice, staged: StagedPlan, src_slots, dst_slots, num_token
     if torch.cuda.is_current_stream_capturing():
         return 0
     device = choice.device
-    ring = _RINGS.get((device, torch.cuda.current_stream(device).cuda_stream, STAGING_BYTES))
+    ring = _RINGS.get(_ring_key(device, torch.cuda.current_stream(device)))
     transfer = ring.transfers.get(id(choice)) if ring is not None else None
     if transfer is None or transfer.choice() is not choice:
         return 0
