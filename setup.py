@@ -15,6 +15,11 @@ fingerprint of the sources under torch_ext/, this file, the torch version and
 the build choices (CUDA/SYCL, compilers, architectures) is stored next to the
 built library (kvlayout/_C.build-stamp) and compared on the next build.
 KVLAYOUT_REBUILD=1 rebuilds anyway.  A wheel (not in place) is always built.
+
+KVLAYOUT_SANITIZE=address,undefined (any -fsanitize= list) builds the host
+C++ with those sanitizers (and -O1 -g, frame pointers kept) for
+scripts/sanitize_cpu.sh; the choice is part of the fingerprint, so the next
+plain build replaces that library.
 """
 
 import glob
@@ -79,7 +84,7 @@ def native_fingerprint() -> str:
     choices = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
                "suffix": sysconfig.get_config_var("EXT_SUFFIX"), "cuda": bool(_want_cuda()), "sycl": bool(_want_sycl()),
                **{k: os.environ.get(k, "") for k in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CXX", "CC",
-                                                      "KVLAYOUT_FORCE_CPU_ONLY")}}
+                                                      "KVLAYOUT_FORCE_CPU_ONLY", "KVLAYOUT_SANITIZE")}}
     h.update(json.dumps(choices, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -105,6 +110,14 @@ def _extension():
     sources = _sources("registration.cpp", "python_module.cpp", "program.cpp", "copy_plan.cpp", "slots.cpp",
                        "rope_plan.cpp", "device_args.cpp", "staged.cpp", "cpu/*.cpp")
     cxx_flags = ["-O3", "-std=c++17"]
+    link_flags = []
+    sanitize = os.environ.get("KVLAYOUT_SANITIZE", "")
+    if sanitize:
+        # the host code as the sanitizers see it: -O1 keeps the reports' stacks readable, and a report stops
+        # the process (no recovery) so that a test cannot pass over one
+        cxx_flags = ["-O1", "-g", "-std=c++17", f"-fsanitize={sanitize}", "-fno-omit-frame-pointer",
+                     "-fno-sanitize-recover=all"]
+        link_flags = [f"-fsanitize={sanitize}"]
     define_macros = []
 
     if _want_cuda():
@@ -122,6 +135,7 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
         )
 
     if _want_sycl():
@@ -133,6 +147,7 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags, "sycl": ["-O3"]},
+            extra_link_args=link_flags,
         )
 
     return cpp_extension.CppExtension(
@@ -141,6 +156,7 @@ def _extension():
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 

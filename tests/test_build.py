@@ -35,8 +35,9 @@ def test_device_sources_share_the_kernel_headers_and_register_their_key(backend,
         assert "vllm" not in text and "hicache" not in text and "sglang" not in text
 
 
-def _run_setup(monkeypatch, *, xpu: bool, icpx: bool):
-    """Execute setup.py with setuptools.setup and the extension classes recorded instead of built."""
+def _run_setup(monkeypatch, *, xpu: bool, icpx: bool, sanitize: str = ""):
+    """Execute setup.py with setuptools.setup and the extension classes recorded instead of built (its module
+    namespace under ``made["setup_py"]``)."""
     made = {}
 
     def record(kind):
@@ -52,9 +53,11 @@ def _run_setup(monkeypatch, *, xpu: bool, icpx: bool):
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda cmd: "/opt/icpx" if cmd == "icpx" and icpx else real_which(cmd))
     monkeypatch.setenv("KVLAYOUT_FORCE_CPU_ONLY", "1")
+    monkeypatch.setenv("KVLAYOUT_SANITIZE", sanitize)
     monkeypatch.chdir(ROOT)
     code = compile((ROOT / "setup.py").read_text(), str(ROOT / "setup.py"), "exec")
-    exec(code, {"__name__": "__main__", "__file__": str(ROOT / "setup.py")})
+    made["setup_py"] = {"__name__": "__main__", "__file__": str(ROOT / "setup.py")}
+    exec(code, made["setup_py"])
     return made
 
 
@@ -69,3 +72,17 @@ def test_setup_builds_the_cpu_extension_without_accelerator_toolchains(monkeypat
     assert made["kind"] == "CppExtension"
     names = {pathlib.Path(s).name for s in made["sources"]}
     assert "copy_rows.cpp" in names and not any(n.endswith((".cu", ".sycl")) for n in names)
+
+
+def test_a_sanitizer_build_instruments_compile_and_link_and_is_its_own_fingerprint(monkeypatch):
+    """scripts/sanitize_cpu.sh builds with KVLAYOUT_SANITIZE: the flags reach the compiler and the linker, and
+    the next plain build sees a different fingerprint (so it replaces the instrumented library)."""
+    plain = _run_setup(monkeypatch, xpu=False, icpx=False)
+    assert not any("sanitize" in f for f in plain["kwargs"]["extra_compile_args"]["cxx"])
+    assert plain["kwargs"]["extra_link_args"] == []
+    plain_fingerprint = plain["setup_py"]["native_fingerprint"]()
+    made = _run_setup(monkeypatch, xpu=False, icpx=False, sanitize="address,undefined")
+    cxx = made["kwargs"]["extra_compile_args"]["cxx"]
+    assert "-fsanitize=address,undefined" in cxx and "-fno-sanitize-recover=all" in cxx and "-O3" not in cxx
+    assert made["kwargs"]["extra_link_args"] == ["-fsanitize=address,undefined"]
+    assert made["setup_py"]["native_fingerprint"]() != plain_fingerprint
