@@ -7,13 +7,17 @@ exception naming the argument, and never touch memory it was not given.
 
 from __future__ import annotations
 
+import copy
 import gc
+import re
 import threading
 import weakref
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlayout import ops
 from kvlayout import reference as R
@@ -21,6 +25,7 @@ from kvlayout.conformance import strategies as S
 from kvlayout.ops import _native
 from kvlayout.reference import Geometry
 
+import reference_oracles as O
 import torch_cases as TC
 
 G = Geometry(P=2, L=2, NB=4, BS=4, H=2, E=8)        # 16 slots, rows of 16 elements
@@ -422,6 +427,92 @@ def test_cpu_duplicate_check_of_page_runs_reports_the_first_repeat():
             if d >= 0:
                 ops.transfer(src, want, slots([t]), slots([d]))
         assert all(np.array_equal(TC.bits(a), TC.bits(b)) for a, b in zip(dst_cache.tensors, want.tensors)), dst
+
+
+GR = Geometry(P=2, L=2, NB=8, BS=4, H=1, E=8)       # 32 slots of 8-element rows (a chunk row is H*E = 8 too)
+
+
+@st.composite
+def run_structured_slots(draw, T: int, num_slots: int, page: int) -> list[int]:
+    """Destination slots as engines pass them, and worse: whole pages in any order (runs of consecutive slots),
+    runs of any length that may overlap one another or end past the cache, holes (-1) and lone slots out of
+    range, so that both the check by sorted runs and the token-by-token check it falls back to are reached."""
+    if draw(st.booleans()):                          # distinct pages, shuffled, some tokens dropped: no repeat
+        pages = draw(st.permutations(range(num_slots // page)))
+        out = [p * page + i for p in pages for i in range(page)]
+        holes = draw(st.sets(st.integers(0, len(out) - 1), max_size=3))
+        return [-1 if i in holes else v for i, v in enumerate(out)][:T]
+    out: list[int] = []
+    while len(out) < T:
+        kind = draw(st.sampled_from(("run", "run", "run", "hole", "out of range")))
+        if kind == "run":
+            start = draw(st.integers(0, num_slots - 1))
+            out += range(start, start + draw(st.integers(1, 2 * page)))
+        else:
+            out.append(-1 if kind == "hole" else draw(st.integers(num_slots, num_slots + 3)))
+    return out[:T]
+
+
+def first_bad_token(src, dst, skip: int, src_slots: int, dst_slots: int):
+    """The rule the native check implements, token by token: (exception, message pattern) of the first bad token
+    at or after ``skip`` (a source or destination slot out of range, or a destination slot seen before), else
+    None. A token with a negative slot on either side moves nothing and is not checked further."""
+    seen: dict[int, int] = {}
+    for t in range(skip, len(dst)):
+        s, d = src[t], dst[t]
+        if s < 0 or d < 0:
+            continue
+        if s >= src_slots:
+            return IndexError, re.escape(f"src_slots[{t}] = {s} is out of range")
+        if d >= dst_slots:
+            return IndexError, re.escape(f"dst_slots[{t}] = {d} is out of range")
+        if d in seen:
+            return ValueError, re.escape(f"dst_slots repeats slot {d} (dst_slots[{seen[d]}] and dst_slots[{t}])")
+        seen[d] = t
+    return None
+
+
+@settings(max_examples=TC.examples(60))
+@given(data=st.data())
+def test_cpu_slot_checks_follow_the_token_by_token_rule(data):
+    """Random slots of every structure: the CPU op raises exactly the error of the first bad token (which side,
+    which token, which earlier token a repeat repeats), touching nothing, or moves exactly the rows that the
+    rule moves (an independent row oracle, tests/reference_oracles.py), whichever check decided."""
+    N = GR.NB * GR.BS
+    T = data.draw(st.integers(1, 40), label="T")
+    dst_slots = data.draw(run_structured_slots(T, N, GR.BS), label="dst_slots")
+    T = len(dst_slots)
+    from_chunk = data.draw(st.booleans(), label="from a chunk (src_slots None)")
+    if from_chunk:
+        src_layout, src_geom, src_slots = "lmcache_kv_2ltd", Geometry(P=2, L=2, NB=T, BS=1, H=1, E=8), None
+        src_values = list(range(T))
+    else:
+        src_layout, src_geom = "vllm_flash_attn_nhd", GR
+        src_values = data.draw(st.lists(st.integers(-1, N), min_size=T, max_size=T), label="src_slots")
+        src_slots = slots(src_values, dtype=data.draw(st.sampled_from((torch.int32, torch.int64))))
+    skip = data.draw(st.integers(0, T), label="skip_prefix")
+    dst_layout = "vllm_flashinfer_hnd"
+    src_np = S.random_cache(src_layout, src_geom, "float16", np.random.default_rng(1))
+    dst_np = S.random_cache(dst_layout, GR, "float16", np.random.default_rng(2))
+    src = ops.bind(src_layout, TC.to_torch(src_layout, src_np), page_size=None if from_chunk else GR.BS)
+    dst = ops.bind(dst_layout, TC.to_torch(dst_layout, dst_np), page_size=GR.BS)
+    d_slots = slots(dst_slots, dtype=data.draw(st.sampled_from((torch.int32, torch.int64))))
+    bad = first_bad_token(src_values, dst_slots, skip, src_geom.NB * src_geom.BS, N)
+    if bad is not None:
+        snap = TC.snapshot(dst.tensors)
+        with pytest.raises(bad[0], match=bad[1]):
+            ops.transfer(src, dst, src_slots, d_slots, skip_prefix=skip)
+        TC.assert_unchanged(dst.tensors, snap)
+        return
+    ops.transfer(src, dst, src_slots, d_slots, skip_prefix=skip)
+    want = copy.deepcopy(dst_np)
+    for t in range(skip, T):
+        if src_values[t] >= 0 and dst_slots[t] >= 0:
+            for p in range(GR.P):
+                for layer in range(GR.L):
+                    O.set_row(dst_layout, GR, want, p, layer, dst_slots[t],
+                              O.get_row(src_layout, src_geom, src_np, p, layer, src_values[t]))
+    TC.assert_same_bytes(dst.tensors, TC.flat(dst_layout, want))
 
 
 def test_cpu_duplicate_check_allows_what_it_should():
