@@ -91,8 +91,11 @@ for run in "${runs[@]}"; do
     else
         echo "canary: the planted $canary was NOT reported: the sanitizer is not active" | tee -a "$log"; status=1; continue
     fi
-    echo "\$ LD_PRELOAD=\"$runtime\" $py -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} ${tests[*]}" >> "$log"
-    LD_PRELOAD="$runtime" $py -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "${tests[@]}" >> "$log" 2>&1
+    echo "\$ LD_PRELOAD=\"$runtime\" KVLAYOUT_TEST_SANITIZE=$flags $py -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} ${tests[*]}" >> "$log"
+    # (KVLAYOUT_TEST_SANITIZE: tests that compile C++ of their own instrument it alike, e.g. the device
+    # kernel's walk run on the host, tests/test_kernel_walk.py)
+    LD_PRELOAD="$runtime" KVLAYOUT_TEST_SANITIZE=$flags $py -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+        "${tests[@]}" >> "$log" 2>&1
     rc=$?
     if [ "$run" = address ]; then   # and every CPU conformance case (the hostile and fuzzed-index families too)
         echo "\$ LD_PRELOAD=\"$runtime\" $py -m kvlayout conformance --device cpu --no-progress --out $out/address-conformance" >> "$log"

@@ -64,7 +64,11 @@ def walk_lib(tmp_path_factory):
         pytest.skip("no host C++ compiler")
     root = Path(__file__).resolve().parents[1]
     out = tmp_path_factory.mktemp("walk") / "walk_emulator.so"
-    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{root / 'torch_ext' / 'include'}",
+    # under scripts/sanitize_cpu.sh the device walk is instrumented too: a load or store of the emulated
+    # kernel outside its buffers is then a report, not only a wrong byte
+    sanitize = os.environ.get("KVLAYOUT_TEST_SANITIZE", "")
+    flags = [f"-fsanitize={sanitize}", "-fno-sanitize-recover=all", "-g"] if sanitize else []
+    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", *flags, f"-I{root / 'torch_ext' / 'include'}",
                     str(root / "tests" / "native" / "walk_emulator.cpp"), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
