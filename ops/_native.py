@@ -31,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "kernels are built when torch has CUDA and nvcc is found)."
     ) from exc
 
+from .locks import fork_safe  # noqa: E402  (after the extension's clear import error)
 from .settings import environment_choice  # noqa: E402  (after the extension's clear import error)
 
 __all__ = [
@@ -140,7 +141,7 @@ def host_cache_hints() -> str:
 
 set_host_cache_hints(environment_choice("KVLAYOUT_HOST_CACHE_HINTS", HOST_CACHE_HINTS))
 
-_status_lock = threading.Lock()
+_status_lock = fork_safe(threading.Lock())
 _status: dict[torch.device, torch.Tensor] = {}
 
 

@@ -23,13 +23,14 @@ import torch
 
 from kvlayout import _C
 
+from .locks import fork_safe
 from .planner import cache_spec, program_steps
 from .settings import environment_capacity
 from .views import KVCache
 
 # reentrant: a prepared transfer's finalizer unpins its program, and the garbage collector may run it on this
 # thread while the lock is held (an allocation inside program_handle or _evict)
-_lock = threading.RLock()
+_lock = fork_safe(threading.RLock())
 _handles: collections.OrderedDict = collections.OrderedDict()   # program key -> handle, least recent first
 _pins: dict[int, int] = {}                                       # handle -> pin count
 _capacity = environment_capacity("KVLAYOUT_PROGRAM_CACHE", 512)

@@ -5,7 +5,9 @@
   write destination slots 0..T-1).
 * Threads: ``set_slots`` on one thread while others run ``layer(i)`` and
   ``ops.transfer`` with fresh slot tensors: a running call owns the slot
-  tensors it reads; every row lands where its slots say.
+  tensors it reads; every row lands where its slots say. A process forked
+  while other threads transfer (an engine starting its workers) transfers
+  right in the child.
 * Long runs: many calls with ever new token counts, layer subsets and tensors
   keep every cache (and the process's memory) bounded.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -42,6 +45,20 @@ def _kv(device, layers=L, dtype=torch.float32):
 
 def _row_code(plane, layer, slot):
     return plane * 1_000_000 + layer * 10_000 + slot * 100 + torch.arange(H * E, dtype=torch.float64)
+
+
+def _checked_transfer(kv, rng: random.Random, device: str = "cpu") -> None:
+    """One ops.transfer of random slots and layers of ``kv`` (:func:`_kv`) into a fresh chunk, every row checked."""
+    T = rng.randint(1, 64)
+    s = rng.sample(range(NB * BS), T)
+    layers = sorted(rng.sample(range(L), rng.randint(1, L)))
+    chunk = torch.empty(2, len(layers), T, H * E, device=device)
+    ops.transfer(kv, ops.bind(CHUNK, chunk), torch.tensor(s, device=device), src_layers=layers)
+    TC.sync(device)
+    want = torch.stack([torch.stack([torch.stack([_row_code(p, layer, slot) for slot in s])
+                                     for layer in layers]) for p in range(2)])
+    if not torch.equal(chunk.cpu().double(), want):
+        raise AssertionError(f"rows of {T} tokens, layers {layers} are not the cache's")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,16 +170,7 @@ def test_threads_set_slots_layer_calls_and_transfers(device):
         t.layer(rng.randrange(L))
 
     def transfers(rng):
-        T = rng.randint(1, 64)
-        s = rng.sample(range(NB * BS), T)
-        layers = sorted(rng.sample(range(L), rng.randint(1, L)))
-        chunk = torch.empty(2, len(layers), T, H * E, device=device)
-        ops.transfer(kv, ops.bind(CHUNK, chunk), torch.tensor(s, device=device), src_layers=layers)
-        TC.sync(device)
-        want = torch.stack([torch.stack([torch.stack([_row_code(p, layer, slot) for slot in s])
-                                         for layer in layers]) for p in range(2)])
-        if not torch.equal(chunk.cpu().double(), want):
-            raise AssertionError(f"rows of {T} tokens, layers {layers} are not the cache's")
+        _checked_transfer(kv, rng, device)
 
     bodies = [set_slots] + [layer_calls] * 3 + [transfers] * 4
     threads = [threading.Thread(target=guarded(body), args=(i,)) for i, body in enumerate(bodies)]
@@ -180,6 +188,97 @@ def test_threads_set_slots_layer_calls_and_transfers(device):
             want = torch.stack([_row_code(p, layer, slot) for slot in range(NB * BS)])
             assert torch.equal(got[written], want[written]), (p, layer)
             assert bool(written.any())
+
+
+FORKS = 12
+fork_test = pytest.mark.skipif(not hasattr(os, "fork") or "thread" in os.environ.get("KVLAYOUT_TEST_SANITIZE", ""),
+                               reason="needs os.fork (and ThreadSanitizer does not follow a fork of a threaded "
+                                      "process)")
+
+
+def _in_a_child(kv, seed: int, deadline_s: float = 60.0):
+    """Forks; the child runs 20 checked transfers of ``kv`` and exits 0 (3 on any error); the parent waits at most
+    ``deadline_s`` and returns the child's exit code, or "hung" (the child is then killed)."""
+    pid = os.fork()
+    if pid == 0:                                        # the child: no pytest, no return
+        code = 0
+        try:
+            rng = random.Random(seed)
+            for _ in range(20):
+                _checked_transfer(kv, rng)
+        except BaseException:  # noqa: BLE001 - the exit code says it
+            code = 3
+        os._exit(code)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return "hung"
+        time.sleep(0.002)
+
+
+@fork_test
+def test_children_forked_while_threads_transfer_can_transfer():
+    """An engine that forks its workers after kvlayout has run (fork is vLLM's start method where CUDA is not
+    yet initialized), here while two threads keep transferring: each child, forked at a random moment of
+    those calls, runs transfers of its own and gets every row right within a deadline (a lock held by another
+    thread at the fork would hang it; state shared with the parent would corrupt it)."""
+    kv = _kv("cpu")
+    stop = threading.Event()
+    errors: list = []
+
+    def keep_transferring(seed):
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                _checked_transfer(kv, rng)
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=keep_transferring, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    try:
+        outcomes = []
+        for i in range(FORKS):
+            time.sleep(random.Random(i).random() * 0.01)
+            outcomes.append(_in_a_child(kv, 1000 + i))
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors, errors[0]
+    assert outcomes == [0] * FORKS, outcomes
+
+
+@fork_test
+def test_a_fork_while_another_thread_holds_the_program_lock_waits_for_it():
+    """The moment the test above can only hit by chance, made certain: another thread holds the program
+    registry's lock (as while it plans a program) when the main thread forks. The fork waits until it is
+    released, and the child, whose first transfer of a new pair needs that lock, transfers right; a child
+    that inherited the lock held would wait for it forever."""
+    kv = _kv("cpu")
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock():
+        with programs._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    held.wait(10)
+    threading.Timer(0.2, release.set).start()
+    try:
+        outcome = _in_a_child(kv, 7, deadline_s=20)
+    finally:
+        release.set()
+        holder.join()
+    assert outcome == 0, outcome
 
 
 # ---------------------------------------------------------------------------------------------

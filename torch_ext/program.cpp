@@ -18,6 +18,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include <pthread.h>
+
 namespace kvlayout {
 namespace {
 
@@ -197,6 +199,19 @@ BindingCache& binding_cache() {
   static BindingCache cache;
   return cache;
 }
+
+// A process may fork while another thread holds one of the two locks above
+// (a torch.ops call runs the op with the GIL released, and takes them); the
+// child would inherit it held by a thread it does not have, and its first
+// call would wait forever. The forking thread takes both around fork(), so
+// the child starts with them free and the tables whole. (Never nested
+// elsewhere, so the order here is the only order.)
+const bool fork_handlers_registered = [] {
+  pthread_atfork([] { registry_mutex().lock(); binding_cache().mutex.lock(); },
+                 [] { binding_cache().mutex.unlock(); registry_mutex().unlock(); },
+                 [] { binding_cache().mutex.unlock(); registry_mutex().unlock(); });
+  return true;
+}();
 
 }  // namespace
 
