@@ -16,7 +16,6 @@ kernels raise directly, before writing anything.
 
 from __future__ import annotations
 
-import threading
 from typing import Optional, Sequence
 
 import torch
@@ -31,7 +30,6 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "kernels are built when torch has CUDA and nvcc is found)."
     ) from exc
 
-from .locks import fork_safe  # noqa: E402  (after the extension's clear import error)
 from .settings import environment_choice  # noqa: E402  (after the extension's clear import error)
 
 __all__ = [
@@ -141,7 +139,6 @@ def host_cache_hints() -> str:
 
 set_host_cache_hints(environment_choice("KVLAYOUT_HOST_CACHE_HINTS", HOST_CACHE_HINTS))
 
-_status_lock = fork_safe(threading.Lock())
 _status: dict[torch.device, torch.Tensor] = {}
 
 
@@ -163,13 +160,14 @@ def status_tensor(device) -> torch.Tensor:
     if t is None:
         # made outside inference mode even when first asked for inside it: the ops write it
         # in place, which an inference tensor refuses outside inference mode
-        with _status_lock, torch.inference_mode(False):
-            t = _status.get(device)
-            if t is None:
-                t = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
-                # static to compiled code: its size (5) is no symbol a token count of 5 could be tied to
-                torch._dynamo.mark_static(t)
-                _status[device] = t
+        with torch.inference_mode(False):
+            made = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
+        # static to compiled code: its size (5) is no symbol a token count of 5 could be tied to
+        torch._dynamo.mark_static(made)
+        # threads asking at once each make one and all keep the first stored (dict.setdefault is atomic): no
+        # lock, so none that a fork could leave held, and none held while allocating (where the garbage
+        # collector may run a finalizer that takes the program registry's lock)
+        t = _status.setdefault(device, made)
     return t
 
 

@@ -51,6 +51,7 @@ restore() {   # the in-place library and stamp as they were
     rm -rf "$kept"
 }
 trap restore EXIT
+trap "exit 130" INT TERM   # (so that an interrupted run puts the library back too)
 
 status=0
 for run in "${runs[@]}"; do
