@@ -68,12 +68,14 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # SM budget or, from the host, under a budget of at most AUTO_MAX_BUDGET_FROM_HOST SMs; every other call runs
 # the direct kernel. From the H200 record (bench/results/h200.jsonl, the staged group against the kernel rows of
 # the same cases, both timings, staged calls replayed from their captured graphs): without a budget staging was
-# at least as fast from 64 MiB on in both directions (1.00-1.09x; H1 to the host at 64 MiB: 1.011x end to end,
-# 1.000x kernel only) and slower at 32 MiB and below in at least one timing (down to 0.91x). Under a budget of 1,
+# at least as fast from 144 MiB on in both directions (1.02-1.10x) and slower at 80 MiB and below in at least one
+# timing (L80 H8 T=256 to the host, 80 MiB: 0.96x end to end; L32 H1 T=4096, 64 MiB: 0.99x to the host in both
+# timings, 0.98x from it end to end), so auto stages from 128 MiB on (the record committed at 4072f60; an earlier
+# record had staging as fast from 64 MiB on). Under a budget of 1,
 # 2 or 4 SMs it was 1.29-3.41x as fast from the host (the copy engine crosses PCIe, the budget's SMs only move
 # rows inside device memory); at 8 SMs slower for 256-byte rows (0.95x). To the host under a budget it was
 # slower end to end for rows under 2 KiB at every budget (0.73-0.98x), and for 2 KiB rows at 1 SM.
-AUTO_MIN_BYTES = {"from_host": 64 << 20, "to_host": 64 << 20}
+AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
