@@ -21,6 +21,10 @@ cache                  holds                                       bound (settin
 ``staged_graphs``      per staged transfer, the CUDA graphs of     ``staged_graphs`` /
                        repeated call shapes (C++; each with        ``KVLAYOUT_STAGED_GRAPHS`` (8);
                        buffers of a few bytes per token)           0: every call issued directly
+``thread_scratch``     per thread, the host's slot checks, its     1 MiB per vector
+                       copies of the slots, the copy engine's      (``thread_scratch_kept_bytes``);
+                       run list (C++), reused call after call      a larger call's given back at its
+                                                                   end
 =====================  ==========================================  ==============================
 
 Least recently used entries go first (``choices`` are cleared when full).
@@ -46,6 +50,8 @@ def cache_info() -> dict:
     info["staged_transfers"] = sum(len(r.transfers) for r in staged._RINGS.values())
     info["staged_graphs"] = sum(t.native.kept_graphs for r in staged._RINGS.values() for t in r.transfers.values())
     info["staged_graphs_capacity"] = _C.staged_graph_capacity()
+    info["thread_scratch_bytes"] = _C.thread_scratch_bytes()   # the calling thread's
+    info["thread_scratch_kept_bytes"] = _C.thread_scratch_kept_bytes
     return info
 
 

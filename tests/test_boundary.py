@@ -339,6 +339,38 @@ def test_many_calls_keep_memory_and_caches_bounded(device):
     assert grown < 64 << 20
 
 
+def test_a_large_call_gives_its_host_scratch_back():
+    """A call of 2**20 tokens with scattered destination slots grows the calling thread's host scratch (its
+    copy of the slots, the repeated-destination table, the destination runs) and a copy engine run list of as
+    many copies grows the list, each to several MiB; when each call ends the thread keeps at most the bound
+    per vector (``ops.cache_info()["thread_scratch_bytes"]``). A small call's scratch is kept for the next."""
+    from kvlayout import _C
+
+    T = 1 << 20
+    kept = ops.cache_info()["thread_scratch_kept_bytes"]
+    cache = ops.bind(CACHE, [torch.zeros(2, T // 16, 16, 1, 2, dtype=torch.int32)])
+    chunk = torch.arange(2 * T * 2, dtype=torch.int32).view(2, 1, T, 2)
+    slots = torch.randperm(T, generator=torch.Generator().manual_seed(0))
+    ops.transfer(ops.bind(CHUNK, chunk), cache, None, slots)
+    assert torch.equal(cache.tensors[0].view(2, T, 2)[:, slots], chunk[:, 0])
+    after_transfer = ops.cache_info()["thread_scratch_bytes"]
+
+    row = 16
+    flat = [torch.zeros(T * row, dtype=torch.uint8)]
+    geometry = [T, 1, row, row, 0]
+    copies = _C.copy_run_list(flat, [torch.zeros_like(flat[0])], None, slots, T, 0, [0, 0], [0, 0], geometry,
+                              geometry, 1, row)
+    assert copies > T * 0.99                      # (a random permutation continues itself only by chance)
+    after_run_list = ops.cache_info()["thread_scratch_bytes"]
+    print(f"\nthread scratch after a {T}-token transfer: {after_transfer} bytes, after a run list of {copies} "
+          f"copies: {after_run_list} (kept at most {kept} per vector)")
+    assert after_transfer <= 8 * kept and after_run_list <= 8 * kept
+
+    ops.transfer(ops.bind(CHUNK, chunk[:, :, :4096]), cache, None, slots[:4096])
+    small = ops.cache_info()["thread_scratch_bytes"]
+    assert 4096 * 8 <= small <= 8 * kept          # (the slot copy alone: 4096 int64)
+
+
 def test_program_registry_evicts_unpinned_programs_only(device):
     """Past its capacity the registry drops the least recently used programs that nothing pins;
     a prepared transfer's program survives, and a dropped handle raises instead of running."""

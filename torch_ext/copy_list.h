@@ -14,33 +14,17 @@
 namespace kvlayout {
 
 // The copies of one call, in issue order; add() extends the previous copy when
-// the new one continues it on both sides. A thread keeps one and refills it
-// call after call (thread_list()): its vectors keep their capacity, so it
-// allocates only when a list outgrows the ones before it; trim() after a
-// call gives back what a list longer than kKeptCopies took (a one-off call of
-// millions of copies must not hold its memory for the life of the thread).
+// the new one continues it on both sides. A thread keeps one in its scratch
+// (ThreadScratch::copies, thread_scratch.h) and refills it call after call.
 struct CopyList {
-  static constexpr size_t kKeptCopies = size_t(1) << 16;  // 1.5 MiB of vectors
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
-
-  static CopyList& thread_list() {
-    thread_local CopyList list;
-    return list;
-  }
 
   void clear() {
     dsts.clear();
     srcs.clear();
     sizes.clear();
-  }
-
-  void trim() {
-    if (sizes.capacity() <= kKeptCopies) return;
-    std::vector<void*>().swap(dsts);
-    std::vector<const void*>().swap(srcs);
-    std::vector<size_t>().swap(sizes);
   }
 
   void add(char* dst, const char* src, size_t bytes) {
@@ -68,14 +52,13 @@ inline void build_copy_list(const CopyPlan& checked, const std::vector<const cha
                  });
 }
 
-// build_copy_list with segment g's bases at address(side tensor, "src" or
-// "dst", index) + the segment's offset: where a copy reaches the tensor (its
-// data pointer, or on CUDA a pinned host tensor's device alias). The list is
-// this thread's (CopyList::thread_list()), valid until its next call; the
-// caller trims it when done.
+// build_copy_list into `copies` with segment g's bases at address(side
+// tensor, "src" or "dst", index) + the segment's offset: where a copy reaches
+// the tensor (its data pointer, or on CUDA a pinned host tensor's device
+// alias).
 template <class Address>
-CopyList& copy_list_at(const CopyPlan& checked, at::TensorList src, at::TensorList dst,
-                       const Address& address) {
+void copy_list_at(const CopyPlan& checked, at::TensorList src, at::TensorList dst,
+                  const Address& address, CopyList& copies) {
   std::vector<const char*> src_base(checked.num_segments);
   std::vector<char*> dst_base(checked.num_segments);
   for (int64_t g = 0; g < checked.num_segments; ++g) {
@@ -83,9 +66,7 @@ CopyList& copy_list_at(const CopyPlan& checked, at::TensorList src, at::TensorLi
     src_base[g] = address(src[i], "src", i) + checked.src_offset[g];
     dst_base[g] = address(dst[j], "dst", j) + checked.dst_offset[g];
   }
-  CopyList& copies = CopyList::thread_list();
   build_copy_list(checked, src_base, dst_base, copies);
-  return copies;
 }
 
 }  // namespace kvlayout

@@ -26,6 +26,7 @@
 #include "program.h"
 #include "slots.h"
 #include "staged.h"
+#include "thread_scratch.h"
 
 namespace py = pybind11;
 
@@ -298,15 +299,14 @@ int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
   if (checked.empty()) return 0;
-  HostSlots copies_of_slots;
-  read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
-  CopyList& copies =
-      copy_list_at(checked, src, dst, [](const at::Tensor& t, const char*, int64_t) {
-        return static_cast<char*>(t.data_ptr());
-      });
-  const auto length = static_cast<int64_t>(copies.sizes.size());
-  copies.trim();
-  return length;
+  const ScratchScope scope;
+  ThreadScratch& scratch = ThreadScratch::mine();
+  read_slots_once(checked, scratch.slots, /*unique_dst=*/true);
+  copy_list_at(
+      checked, src, dst,
+      [](const at::Tensor& t, const char*, int64_t) { return static_cast<char*>(t.data_ptr()); },
+      scratch.copies);
+  return static_cast<int64_t>(scratch.copies.sizes.size());
 }
 
 // A staged host transfer (staged.h) built from bound programs: Python plans
@@ -476,6 +476,11 @@ PYBIND11_MODULE(_C, m) {
         "How many bindings (programs bound to tensor addresses) the native cache keeps.");
   m.def("binding_cache_capacity", &binding_cache_capacity);
   m.def("binding_cache_size", &binding_cache_size);
+  m.def(
+      "thread_scratch_bytes", [] { return static_cast<int64_t>(ThreadScratch::mine().bytes()); },
+      "Bytes the calling thread's scratch (slot checks, slot copies, copy lists) holds between "
+      "calls: at most ThreadScratch::kKeptBytes per vector.");
+  m.attr("thread_scratch_kept_bytes") = static_cast<int64_t>(ThreadScratch::kKeptBytes);
 
   py::class_<PreparedCopy>(m, "PreparedCopy",
                            "A copy program bound to tensors (checked once, kept alive).")

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "thread_scratch.h"
+
 namespace kvlayout {
 namespace {
 
@@ -17,9 +19,10 @@ namespace {
 // a slot first.
 class SlotSet {
  public:
-  // The table lives in this thread's scratch memory (reused call after call:
-  // a layer call must not pay for allocations); one SlotSet per thread at a time.
-  explicit SlotSet(int64_t n) : slot_(scratch().slot), token_(scratch().token) {
+  // The table lives in this thread's scratch memory (thread_scratch.h); one
+  // SlotSet per thread at a time.
+  explicit SlotSet(int64_t n)
+      : slot_(ThreadScratch::mine().seen_slot), token_(ThreadScratch::mine().seen_token) {
     size_t cap = 16;
     while (cap < static_cast<size_t>(2 * n)) cap <<= 1;
     mask_ = cap - 1;
@@ -39,13 +42,6 @@ class SlotSet {
   }
 
  private:
-  struct Scratch {
-    std::vector<int64_t> slot, token;
-  };
-  static Scratch& scratch() {
-    thread_local Scratch s;
-    return s;
-  }
   size_t mask_;
   std::vector<int64_t>& slot_;
   std::vector<int64_t>& token_;
@@ -138,8 +134,7 @@ void copy_slots(const SlotArray& a, int64_t begin, int64_t end, int64_t* out) {
 template <int S>
 std::optional<TokenRange> unique_by_runs(const CopyPlan& p, const int64_t* src_copy,
                                          const int64_t* dst_copy) {
-  thread_local std::vector<std::pair<int64_t, int64_t>> scratch;  // (first slot, end slot) per run
-  std::vector<std::pair<int64_t, int64_t>>& runs = scratch;        // (one thread-local lookup)
+  std::vector<std::pair<int64_t, int64_t>>& runs = ThreadScratch::mine().runs;
   runs.clear();
   const size_t most = static_cast<size_t>((p.num_tokens - p.skip_prefix) / 4 + 16);
   TokenRange active{p.num_tokens, p.num_tokens};
@@ -246,6 +241,7 @@ void validate_slots_on_host(const CopyPlan& p, const std::optional<at::Tensor>& 
     hd = dst_slots->to(at::kCPU, at::kLong).contiguous();
     q.dst_slots = SlotArray{hd.data_ptr(), 1, 8, 0};
   }
+  const ScratchScope scope;
   HostSlots copy;
   read_slots_once(q, copy, /*unique_dst=*/true);
 }

@@ -15,8 +15,9 @@
 
 #include "../copy_plan.h"
 #include "../device_args.h"
-#include "../slots.h"
 #include "../program.h"
+#include "../slots.h"
+#include "../thread_scratch.h"
 #include "kvlayout/address.h"
 
 namespace kvlayout {
@@ -57,12 +58,12 @@ class CpuLaunch final : public BoundLaunch {
 
   // Each slot is read once into the op's own copy, checked there (range, and
   // no destination slot twice: two tokens writing one row would race), and
-  // the copy is what the walk uses. The copy is this thread's scratch memory,
-  // reused from call to call.
+  // the copy is what the walk uses. The copy is this thread's scratch memory
+  // (thread_scratch.h), reused from call to call.
   void run_plan(CopyPlan& p) const {
     if (p.empty()) return;
-    thread_local HostSlots slots;
-    const TokenRange active = read_slots_once(p, slots, /*unique_dst=*/true);
+    const ScratchScope scope;
+    const TokenRange active = read_slots_once(p, ThreadScratch::mine().slots, /*unique_dst=*/true);
     if (active.first >= active.end) return;  // no token has a row to move
     const int64_t bytes_per_token = std::max<int64_t>(1, p.num_segments * p.row_bytes());
     const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / bytes_per_token);

@@ -36,6 +36,7 @@
 #include "../copy_plan.h"
 #include "../device_args.h"
 #include "../slots.h"
+#include "../thread_scratch.h"
 #include "cuda_common.h"
 
 namespace kvlayout {
@@ -139,8 +140,9 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
   if (checked.empty()) return;
   // each slot read once: range and repeated destinations checked on those
   // copies, and the copies are what the runs are built from
-  HostSlots copies_of_slots;
-  read_slots_once(checked, copies_of_slots, /*unique_dst=*/true);
+  const ScratchScope scope;
+  ThreadScratch& scratch = ThreadScratch::mine();
+  read_slots_once(checked, scratch.slots, /*unique_dst=*/true);
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(
@@ -149,12 +151,13 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
               "kvlayout: the copy engine cannot be captured in a CUDA graph; use the kernel "
               "(engine='kernel') inside graphs");
 
-  CopyList& copies =
-      copy_list_at(checked, src, dst, [&](const at::Tensor& t, const char* name, int64_t i) {
+  copy_list_at(
+      checked, src, dst,
+      [&](const at::Tensor& t, const char* name, int64_t i) {
         return cuda::device_address(t, dev, name, i);
-      });
-  issue(copies, dev);
-  copies.trim();
+      },
+      scratch.copies);
+  issue(scratch.copies, dev);
 }
 
 }  // namespace

@@ -1,0 +1,74 @@
+// Each thread's scratch memory for the host's slot checks, its copies of the
+// slots and the copy engine's run list: reused call after call (a layer call
+// must not pay for allocations) and bounded. A vector that one large call grew
+// past kKeptBytes is given back when that call ends (a ScratchScope's end),
+// so what a thread keeps between calls is at most kKeptBytes per vector,
+// whatever the largest call of a weeks-long process was.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "copy_list.h"
+#include "slots.h"
+
+namespace kvlayout {
+
+struct ThreadScratch {
+  static constexpr size_t kKeptBytes = size_t(1) << 20;
+
+  std::vector<int64_t> seen_slot, seen_token;     // the repeated-destination table
+  std::vector<std::pair<int64_t, int64_t>> runs;  // destination runs (first slot, end slot)
+  HostSlots slots;                                // the slots of a CPU run, read once
+  CopyList copies;                                // the copy engine's list
+
+  static ThreadScratch& mine() {
+    thread_local ThreadScratch scratch;
+    return scratch;
+  }
+
+  // Bytes this thread's scratch holds now (its vectors' capacities).
+  size_t bytes() const {
+    return capacity_bytes(seen_slot) + capacity_bytes(seen_token) + capacity_bytes(runs) +
+           capacity_bytes(slots.src) + capacity_bytes(slots.dst) + capacity_bytes(copies.dsts) +
+           capacity_bytes(copies.srcs) + capacity_bytes(copies.sizes);
+  }
+
+  // Gives back every vector holding more than kKeptBytes.
+  void trim() {
+    give_back_if_large(seen_slot);
+    give_back_if_large(seen_token);
+    give_back_if_large(runs);
+    give_back_if_large(slots.src);
+    give_back_if_large(slots.dst);
+    give_back_if_large(copies.dsts);
+    give_back_if_large(copies.srcs);
+    give_back_if_large(copies.sizes);
+  }
+
+ private:
+  template <class T>
+  static size_t capacity_bytes(const std::vector<T>& v) {
+    return v.capacity() * sizeof(T);
+  }
+  template <class T>
+  static void give_back_if_large(std::vector<T>& v) {
+    if (capacity_bytes(v) > kKeptBytes) std::vector<T>().swap(v);
+  }
+};
+
+// One call's use of this thread's scratch: whatever the call grew past the
+// bound is given back when it ends, by a return or an exception. Opened once
+// by each op that reaches the scratch, around everything that points into it
+// (never deeper: its end frees what the op may still be reading).
+class ScratchScope {
+ public:
+  ScratchScope() = default;
+  ScratchScope(const ScratchScope&) = delete;
+  ScratchScope& operator=(const ScratchScope&) = delete;
+  ~ScratchScope() { ThreadScratch::mine().trim(); }
+};
+
+}  // namespace kvlayout
