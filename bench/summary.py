@@ -167,20 +167,25 @@ def host_hints(rows: list[dict]) -> str:
                            "kernel only, default vs streaming"], out)
 
 
+def sections(jsonl: str) -> list[tuple[str, str]]:
+    """(name, markdown) of every table of a bench record (a ``kvlayout bench`` .jsonl), peers compared."""
+    doc = compared_with_peers(document(jsonl))
+    rows = doc["results"]
+    return [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
+            ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows)),
+            ("Host cache hints", host_hints(rows))]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("jsonl")
     parser.add_argument("--ncu", default=None, help="the <stem>_ncu.json of `kvlayout bench --ncu`")
     args = parser.parse_args(argv)
-    doc = compared_with_peers(document(args.jsonl))
-    rows = doc["results"]
-    sections = [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
-                ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows)),
-                ("Host cache hints", host_hints(rows))]
+    parts = sections(args.jsonl)
     if args.ncu:
         with open(args.ncu) as f:
-            sections.append(("ncu", markdown_table(NCU_HEADER, [ncu_cells(r) for r in json.load(f)["results"]])))
-    for name, text in sections:
+            parts.append(("ncu", markdown_table(NCU_HEADER, [ncu_cells(r) for r in json.load(f)["results"]])))
+    for name, text in parts:
         sys.stdout.write(f"<!-- {name} -->\n{text}\n\n")
     return 0
 

@@ -9,12 +9,13 @@
 # OLD     a git revision (archived with `git archive`) or a .tar.gz of a tree
 # OUTDIR  gets old-tree/ (the older tree, built in place), old_N/ and new_N/
 #         (`kvlayout bench --out` of round N) and compare.txt
-# ROUNDS  rounds of (old, new), default 2
+# ROUNDS  rounds of (old, new), default 2; 0 only builds the older tree (it
+#         needs nothing of this tree, so it may run beside this tree's build)
 # ONLY    the bench's --only selection, default "T=256"
 #
-# This tree must be built already (scripts/cuda_record.sh OUT build). The
-# older tree runs from a package folder that maps its directories as
-# pyproject.toml's package-dir does, put first on PYTHONPATH.
+# This tree must be built already (scripts/cuda_record.sh OUT build) for
+# ROUNDS > 0. The older tree runs from a package folder that maps its
+# directories as pyproject.toml's package-dir does, put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 old=${1:?usage: ab_record.sh OLD OUTDIR [ROUNDS] [ONLY]}
@@ -27,14 +28,22 @@ mkdir -p "$out/old-tree"
 out=$(cd "$out" && pwd)
 tree="$out/old-tree"
 
-if [ -f "$old" ]; then
-    tar xzf "$old" -C "$tree"
+# An older tree of the same OLD already built in OUTDIR (an earlier run, or
+# ROUNDS=0 run beside this tree's build) is used as it is.
+if [ "$(cat "$tree/.ab_built" 2>/dev/null)" = "$old" ] && ls "$tree"/kvlayout/_C*.so >/dev/null 2>&1; then
+    echo "ab_record.sh: the older tree in $tree is $old, built"
 else
-    git archive "$old" | tar x -C "$tree" || { echo "ab_record.sh: cannot archive $old" >&2; exit 2; }
+    if [ -f "$old" ]; then
+        tar xzf "$old" -C "$tree"
+    else
+        git archive "$old" | tar x -C "$tree" || { echo "ab_record.sh: cannot archive $old" >&2; exit 2; }
+    fi
+    if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+    (cd "$tree" && $py setup.py build_ext --inplace -j "$(nproc)") > "$out/old_build.txt" 2>&1 \
+        || { echo "ab_record.sh: the older tree does not build (see $out/old_build.txt)" >&2; exit 1; }
+    echo "$old" > "$tree/.ab_built"
 fi
-if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
-(cd "$tree" && $py setup.py build_ext --inplace -j "$(nproc)") > "$out/old_build.txt" 2>&1 \
-    || { echo "ab_record.sh: the older tree does not build (see $out/old_build.txt)" >&2; exit 1; }
+[ "$rounds" -gt 0 ] || exit 0
 
 # The older tree's package: kvlayout/ with its subpackages linked in.
 pkg="$out/old-package/kvlayout"

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from kvlayout.bench import targets
+from kvlayout.bench import summary, targets
 from kvlayout.bench.report import compared_with_peers, peer_standing
 from kvlayout.bench.run import document, read_jsonl
 
@@ -188,11 +188,18 @@ def targets_section() -> str:
     return targets.markdown(targets.checks(compared_with_peers(document(str(BENCH / "h200.jsonl")))))
 
 
+def record_tables() -> dict[str, str]:
+    """The H200 record's tables as `kvlayout.bench.summary` prints them, by name ("record Staged", ...)."""
+    return {f"record {name}": text for name, text in summary.sections(str(BENCH / "h200.jsonl"))}
+
+
 def test_performance_doc_figures_are_the_records():
     doc = fold((ROOT / "docs" / "performance.md").read_text(encoding="utf-8"))
     assert fold(host_cost_table()) in doc
     assert fold(headline_table()) in doc
     assert fold(targets_section()) in doc
+    for name, table in record_tables().items():
+        assert fold(table) in doc, name
     for path in sorted(BENCH.glob("*.jsonl")):
         assert fold(limits_note(path.stem)) in doc, path.stem
 
@@ -209,7 +216,7 @@ DOCUMENTS = ("README.md", "docs/performance.md", "docs/conformance.md")
 def rendered_parts() -> dict[str, str]:
     """Every part the documents hold, rendered from the records under BENCH and REPORTS, by name."""
     parts = {"headline": headline_table(), "host cost": host_cost_table(), "main job": main_job_sentence(),
-             "peers": peer_sentence(), "targets": targets_section()}
+             "peers": peer_sentence(), "targets": targets_section(), **record_tables()}
     parts.update({f"limits {p.stem}": limits_note(p.stem) for p in sorted(BENCH.glob("*.jsonl"))})
     parts.update({f"conformance {n}": conformance_record(n) for n in ("cpu", "h200")})
     return parts
