@@ -8,7 +8,8 @@
 #
 # OLD     a git revision (archived with `git archive`) or a .tar.gz of a tree
 # OUTDIR  gets old-tree/ (the older tree, built in place), old_N/ and new_N/
-#         (`kvlayout bench --out` of round N) and compare.txt
+#         (`kvlayout bench --out` of round N), compare.txt and runs.tgz (every
+#         old_N/new_N in one file)
 # ROUNDS  rounds of (old, new), default 2; 0 only builds the older tree (it
 #         needs nothing of this tree, so it may run beside this tree's build)
 # ONLY    the bench's --only selection, default "T=256"
@@ -66,3 +67,5 @@ stem=$(basename "$(ls "$out"/new_1/*.jsonl | head -1)" .jsonl)
         $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out"/new_*/"$stem.jsonl"
     done
 } | tee "$out/compare.txt"
+# every run's record in one file, beside compare.txt
+(cd "$out" && tar czf runs.tgz old_[0-9]* new_[0-9]*)
