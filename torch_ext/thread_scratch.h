@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -31,31 +32,34 @@ struct ThreadScratch {
 
   // Bytes this thread's scratch holds now (its vectors' capacities).
   size_t bytes() const {
-    return capacity_bytes(seen_slot) + capacity_bytes(seen_token) + capacity_bytes(runs) +
-           capacity_bytes(slots.src) + capacity_bytes(slots.dst) + capacity_bytes(copies.dsts) +
-           capacity_bytes(copies.srcs) + capacity_bytes(copies.sizes);
+    size_t total = 0;
+    each_vector(*this, [&](const auto& v) { total += capacity_bytes(v); });
+    return total;
   }
 
   // Gives back every vector holding more than kKeptBytes.
   void trim() {
-    give_back_if_large(seen_slot);
-    give_back_if_large(seen_token);
-    give_back_if_large(runs);
-    give_back_if_large(slots.src);
-    give_back_if_large(slots.dst);
-    give_back_if_large(copies.dsts);
-    give_back_if_large(copies.srcs);
-    give_back_if_large(copies.sizes);
+    each_vector(*this, [](auto& v) {
+      if (capacity_bytes(v) > kKeptBytes) std::decay_t<decltype(v)>().swap(v);
+    });
   }
 
  private:
+  // f(v) for every vector of `scratch` (the one list of them, for bytes() and trim())
+  template <class Self, class F>
+  static void each_vector(Self& scratch, F&& f) {
+    f(scratch.seen_slot);
+    f(scratch.seen_token);
+    f(scratch.runs);
+    f(scratch.slots.src);
+    f(scratch.slots.dst);
+    f(scratch.copies.dsts);
+    f(scratch.copies.srcs);
+    f(scratch.copies.sizes);
+  }
   template <class T>
   static size_t capacity_bytes(const std::vector<T>& v) {
     return v.capacity() * sizeof(T);
-  }
-  template <class T>
-  static void give_back_if_large(std::vector<T>& v) {
-    if (capacity_bytes(v) > kKeptBytes) std::vector<T>().swap(v);
   }
 };
 
