@@ -43,9 +43,12 @@ constexpr int kDefaultCtasPerSmHost = 1;
 // 1024 x 4 x 16 B = 64 KiB in flight per SM, what the 256-thread host
 // variant keeps).
 constexpr int kBudgetThreads = 1024;
+// The host variant is the one launch_variant instantiates with kHostUnroll.
+template <int UNROLL>
+constexpr bool kIsHostVariant = UNROLL == kHostUnroll;
 template <int UNROLL>
 constexpr int budget_unroll() {
-  return UNROLL == kHostUnroll ? 4 : 2;
+  return kIsHostVariant<UNROLL> ? 4 : 2;
 }
 
 // Vector loads/stores with streaming (evict-first) cache hints
@@ -179,7 +182,7 @@ int64_t resident_ctas_per_sm() {
   static const int64_t ctas = [] {
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, copy_rows_kernel<VEC, UNROLL, P, false, UNROLL == kHostUnroll>, kCopyThreadsPerBlock,
+        &n, copy_rows_kernel<VEC, UNROLL, P, false, kIsHostVariant<UNROLL>>, kCopyThreadsPerBlock,
         0));
     return std::max(n, 1);
   }();
@@ -199,7 +202,7 @@ int64_t resident_ctas_per_sm() {
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
-  constexpr bool kHost = UNROLL == kHostUnroll;  // (the variant launch_variant picked for `host`)
+  constexpr bool kHost = kIsHostVariant<UNROLL>;
   const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
   int threads = kCopyThreadsPerBlock;
   int64_t budget;
