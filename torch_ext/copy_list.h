@@ -69,4 +69,14 @@ void copy_list_at(const CopyPlan& checked, at::TensorList src, at::TensorList ds
   build_copy_list(checked, src_base, dst_base, copies);
 }
 
+// The copy engine's run list for `checked` into `copies`: each slot read once
+// into `slot_copies` (range and repeated destinations checked on those copies,
+// which the runs are then built from), then copy_list_at.
+template <class Address>
+void run_list_at(CopyPlan& checked, at::TensorList src, at::TensorList dst,
+                 const Address& address, HostSlots& slot_copies, CopyList& copies) {
+  read_slots_once(checked, slot_copies, /*unique_dst=*/true);
+  copy_list_at(checked, src, dst, address, copies);
+}
+
 }  // namespace kvlayout

@@ -301,11 +301,10 @@ int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::
   if (checked.empty()) return 0;
   const ScratchScope scope;
   ThreadScratch& scratch = ThreadScratch::mine();
-  read_slots_once(checked, scratch.slots, /*unique_dst=*/true);
-  copy_list_at(
+  run_list_at(
       checked, src, dst,
       [](const at::Tensor& t, const char*, int64_t) { return static_cast<char*>(t.data_ptr()); },
-      scratch.copies);
+      scratch.slots, scratch.copies);
   return static_cast<int64_t>(scratch.copies.sizes.size());
 }
 

@@ -129,7 +129,6 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
                     c10::IntArrayRef dst_geometry, int64_t num_pieces, int64_t piece_bytes) {
   check_host_slots(src_slots, "src_slots");
   check_host_slots(dst_slots, "dst_slots");
-  // (read_slots_once points its slot arrays at their host copies: checked from then on)
   CopyPlan checked =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
@@ -138,25 +137,20 @@ void copy_runs_cuda(at::TensorList src, at::TensorList dst,
   const c10::Device dev = *cuda_dev;
   const c10::cuda::CUDAGuard guard(dev);
   if (checked.empty()) return;
-  // each slot read once: range and repeated destinations checked on those
-  // copies, and the copies are what the runs are built from
-  const ScratchScope scope;
-  ThreadScratch& scratch = ThreadScratch::mine();
-  read_slots_once(checked, scratch.slots, /*unique_dst=*/true);
-
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(
       cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(dev.index()).stream(), &capture));
   TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
               "kvlayout: the copy engine cannot be captured in a CUDA graph; use the kernel "
               "(engine='kernel') inside graphs");
-
-  copy_list_at(
+  const ScratchScope scope;
+  ThreadScratch& scratch = ThreadScratch::mine();
+  run_list_at(
       checked, src, dst,
       [&](const at::Tensor& t, const char* name, int64_t i) {
         return cuda::device_address(t, dev, name, i);
       },
-      scratch.copies);
+      scratch.slots, scratch.copies);
   issue(scratch.copies, dev);
 }
 
