@@ -279,6 +279,17 @@ class Inputs:
         return pinned
 
 
+class AddressInputs(Inputs):
+    """CPU tensors left unfilled (their pages never touched): for host work that reads addresses and slots and
+    no data, such as the copy engine's run list, at sizes the machine need not hold."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(torch.device("cpu"), seed)
+
+    def random(self, shape, dtype, *, host: bool) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+
 def _physical(layout: str, shape: Shape, n_slots: int, page_size: int, L: int, dtype, inputs: Inputs,
               host: bool) -> KVCache:
     """Random tensors in ``layout`` (slots ``n_slots``) bound as a KVCache."""
@@ -448,6 +459,10 @@ def _with_setting(case: Case, call):
         with _setting(case):
             call()
     return under_setting
+
+
+# the copy engine's run-list target is stated per this many copies (kvlayout.bench.targets)
+COPY_ENGINE_RUNS = 8192
 
 
 def copy_run_list_fn(case: Case, data: dict):

@@ -19,7 +19,9 @@ kernel row), since that is what a caller gets by default:
   ``direct`` call: no graph kept, as for a shape not seen before);
 * ``copy engine run list``: the copy engine's run list built in C++ in at most 100 µs of host time per
   8,192 copies (the bench's ``run_list_us``: the list built as the call builds it, not issued; the rest of
-  the call is the driver's batched copy call; a record without it is judged by the whole call's host time);
+  the call is the driver's batched copy call; a record without it is judged by the whole call's host time).
+  A row whose list is shorter is judged by the list of the same case at enough tokens for 8,192 copies
+  (``run_list_at_target_us``), where the record has it;
 * ``SM budget``: host transfers under ``max_ctas = 4`` at 90 % of the pinned
   copy or more end to end, and at least as fast as the best peer under the
   same budget in each timing.
@@ -34,6 +36,7 @@ import argparse
 import dataclasses
 import sys
 
+from .cases import COPY_ENGINE_RUNS
 from .report import compared_with_peers, markdown_table
 from .run import document
 
@@ -42,7 +45,6 @@ HEADLINE_TOKENS = (256, 4096, 32768)
 HOST_CEILING_PCT = 97.0
 STAGED_HOST_US = 50.0
 COPY_ENGINE_RUN_LIST_US = 100.0   # per COPY_ENGINE_RUNS copies
-COPY_ENGINE_RUNS = 8192
 BUDGET_CTAS = 4
 BUDGET_PCT = 90.0
 TIMINGS = (("kernel", "kernel only"), ("end_to_end", "end to end"))
@@ -108,9 +110,11 @@ def _run_list_check(r: dict) -> Check:
     if "run_list_us" not in r:         # (an older record: the whole call)
         return Check("copy engine run list", name, f"whole call {r['host_us_per_call']:.1f} µs", goal,
                      r["host_us_per_call"] <= COPY_ENGINE_RUN_LIST_US)
-    scaled = r["run_list_us"] * COPY_ENGINE_RUNS / max(r["runs"], 1)
-    return Check("copy engine run list", name,
-                 f"{scaled:.1f} µs ({r['runs']:,} copies in {r['run_list_us']:.1f} µs)", goal,
+    # the list of at least COPY_ENGINE_RUNS copies where the record timed one (the row's own list is shorter)
+    runs, us = (r["runs_at_target"], r["run_list_at_target_us"]) if "runs_at_target" in r else (
+        r["runs"], r["run_list_us"])
+    scaled = us * COPY_ENGINE_RUNS / max(runs, 1)
+    return Check("copy engine run list", name, f"{scaled:.1f} µs ({runs:,} copies in {us:.1f} µs)", goal,
                  scaled <= COPY_ENGINE_RUN_LIST_US)
 
 

@@ -3,7 +3,7 @@
     python scripts/run_list_cost.py [--reps 30] [--tokens T] [--out FILE]
 
 For each copy-engine case of ``kvlayout bench`` (L32 H8 and MLA, T = 4096, page sizes 16 and 64, both
-directions), builds the case's tensors on the CPU (the run list is host work: the slots are read on the host
+directions), builds the case's tensors on the CPU, unfilled (the run list is host work: the slots are read on the host
 and host addresses keep every adjacency a pinned tensor's device alias has) and times ``--reps`` builds of its
 run list, as the bench's ``run_list_us`` does on a CUDA machine. Prints one line per case: the copies, the
 median µs and the µs per 8,192 copies (the performance target's unit). ``--tokens`` builds the cases with
@@ -39,7 +39,7 @@ def main() -> None:
             continue
         if args.tokens:
             case = dataclasses.replace(case, T=args.tokens)
-        data = C.build(case, C.Inputs(torch.device("cpu")), min_cache_slots=2 * case.T)
+        data = C.build(case, C.AddressInputs(), min_cache_slots=2 * case.T)
         build = C.copy_run_list_fn(case, data)
         copies = build()
         times = []

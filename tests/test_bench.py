@@ -494,13 +494,16 @@ def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
 
 def test_copy_engine_rows_time_their_run_list_apart_from_the_call():
     """A copy-engine row also holds its run list's length and the host time to build it (the C++ the call runs
-    before the driver's copy call), which the performance targets judge."""
+    before the driver's copy call), which the performance targets judge, and, where that list is shorter than
+    the target's unit, the same for a list of at least 8,192 copies."""
     case = C.Case("copy_engine", "L32_H1_D128", "vllm_flash_attn_nhd", "hicache_page_first_direct", 64, 16,
                   "to_host", engine="copy")
     data = C.build(case, C.Inputs(torch.device("cpu")), min_cache_slots=256)
     timer = Timer(torch.device("cpu"), warmup=0, reps=1)
     row = measure_case(case, data, timer, timer, {"D2D": 1.0}, None)
     assert row["bit_exact"] and row["runs"] == (64 // 16) * 32 * 2 and row["run_list_us"] > 0
+    # the row's list (256 copies) is shorter than the target's 8,192: the same case at 32x the tokens is timed
+    assert row["runs_at_target"] == 8192 and row["run_list_at_target_us"] > 0
 
 
 def test_staged_rows_show_their_chunks_and_graph_nodes():

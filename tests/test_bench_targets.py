@@ -48,6 +48,10 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(group="staged", engine="staged", T=32768, host_us_per_call=900.0, call="slot-chunks"),  # not judged
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
+        _row(group="copy_engine", engine="copy", host_us_per_call=90.0, runs=2048, run_list_us=30.0,   # 120 scaled
+             runs_at_target=8192, run_list_at_target_us=100.0),                                  # judged: 100
+        _row(group="copy_engine", engine="copy", host_us_per_call=90.0, runs=2048, run_list_us=20.0,   # 80 scaled
+             runs_at_target=8192, run_list_at_target_us=100.5),                                  # judged: 100.5
         _row(group="copy_engine", engine="copy", host_us_per_call=100.0),                        # older record
         _row(group="copy_engine", engine="kernel", host_us_per_call=1e6),                        # not the copy engine
         _row(group="ctas", max_ctas=4, pct_of_limit=90.0),
@@ -59,7 +63,7 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["peers, end to end"]] == [False]
     assert [c.met for c in found["staged host work"]] == [True, False]
     assert [c.met for c in found["staged host work, new shape"]] == [False]
-    assert [c.met for c in found["copy engine run list"]] == [True, False, True]
+    assert [c.met for c in found["copy engine run list"]] == [True, False, True, False, True]
     assert [c.met for c in found["SM budget"]] == [True, False]
     text = targets.markdown(targets.checks({"results": rows}))
     assert "| host ceiling | 1 of 2 |" in text and "| staged host work | 1 of 2 |" in text
