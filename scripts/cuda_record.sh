@@ -13,15 +13,17 @@
 #                formatted error message)
 #   fast         pytest -m "not slow" (every CUDA code path)        -> tests_fast.txt
 #   tests        the full test suite                               -> tests.txt
-#   conformance  kvlayout conformance --device cpu,cuda --sanitize  -> conformance.txt, conformance/
-#   bench        kvlayout bench --device cuda (full)               -> bench/<gpu>.{jsonl,json,md,png}
-#   bench-quick  kvlayout bench --device cuda --quick              -> bench-quick/
+#   conformance  kvlayout conformance --device cpu,cuda --sanitize  -> conformance.txt, conformance.tgz
+#   bench        kvlayout bench --device cuda (full)               -> bench.txt, bench.tgz (<gpu>.{jsonl,json,md,png})
+#   bench-quick  kvlayout bench --device cuda --quick              -> bench_quick.txt, bench-quick.tgz
 #   ncu          kvlayout bench --device cuda --ncu (Nsight Compute
-#                counters of the cases that miss their targets)     -> ncu.txt, bench/<gpu>_ncu.{json,md}
+#                counters of the cases that miss their targets)     -> ncu.txt, ncu.tgz (<gpu>_ncu.{json,md})
 #   host-profile scripts/host_profile.py on the staged rows over 50 us of host
 #                time per call in this OUTDIR's bench record (else
 #                bench/results/h200.jsonl)                          -> host_profile.txt
-# PYTHON picks the interpreter (default python3); PYTEST_ARGS adds pytest arguments.
+# A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
+# a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
+# adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile ...]}
@@ -48,6 +50,15 @@ run_step() {   # run_step NAME LOGFILE COMMAND...: the command's output goes to 
     [ $rc -eq 0 ] || status=1
 }
 
+pack() {   # pack NAME FOLDER: OUTDIR/FOLDER's files into OUTDIR/NAME.tgz (added to any earlier), folder removed
+    [ -d "$out/$2" ] || return 0
+    local staging
+    staging=$(mktemp -d)
+    [ -f "$out/$1.tgz" ] && tar xzf "$out/$1.tgz" -C "$staging"
+    cp -r "$out/$2/." "$staging/" && tar czf "$out/$1.tgz" -C "$staging" . && rm -rf "$out/$2"
+    rm -rf "$staging"
+}
+
 for step in "${steps[@]}"; do
     case $step in
         build) if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
@@ -56,14 +67,21 @@ for step in "${steps[@]}"; do
                   ${PYTEST_ARGS:-} tests ;;
         tests) run_step tests tests.txt $py -m pytest -q -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} tests ;;
         conformance) run_step conformance conformance.txt $py -m kvlayout conformance --device cpu,cuda --sanitize \
-                         --no-progress --report "$out/conformance" ;;
-        bench) run_step bench bench.txt $py -m kvlayout bench --device cuda --out "$out/bench" ;;
+                         --no-progress --report "$out/conformance"
+                     pack conformance conformance ;;
+        bench) run_step bench bench.txt $py -m kvlayout bench --device cuda --out "$out/bench"
+               pack bench bench ;;
         bench-quick) run_step bench-quick bench_quick.txt $py -m kvlayout bench --device cuda --quick \
-                         --out "$out/bench-quick" ;;
-        ncu) run_step ncu ncu.txt $py -m kvlayout bench --device cuda --ncu --out "$out/bench" ;;
-        host-profile) record=$(ls "$out"/bench/*.jsonl 2>/dev/null | grep -v _ncu | head -1)
+                         --out "$out/bench-quick"
+                     pack bench-quick bench-quick ;;
+        ncu) run_step ncu ncu.txt $py -m kvlayout bench --device cuda --ncu --out "$out/ncu"
+             pack ncu ncu ;;
+        host-profile) recorded=$(mktemp -d)
+                      [ -f "$out/bench.tgz" ] && tar xzf "$out/bench.tgz" -C "$recorded"
+                      record=$(ls "$recorded"/*.jsonl 2>/dev/null | head -1)
+                      record=${record:-bench/results/h200.jsonl}
                       run_step host-profile host_profile.txt $py scripts/host_profile.py \
-                          --record "${record:-bench/results/h200.jsonl}" --over 50 --rows 6 --calls 30 ;;
+                          --record "$record" --over 50 --rows 6 --calls 30 ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done
