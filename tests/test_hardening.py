@@ -478,24 +478,46 @@ def test_cpu_slot_checks_follow_the_token_by_token_rule(data):
     """Random slots of every structure: the CPU op raises exactly the error of the first bad token (which side,
     which token, which earlier token a repeat repeats), touching nothing, or moves exactly the rows that the
     rule moves (an independent row oracle, tests/reference_oracles.py), whichever check decided."""
-    N = GR.NB * GR.BS
-    T = data.draw(st.integers(1, 40), label="T")
-    dst_slots = data.draw(run_structured_slots(T, N, GR.BS), label="dst_slots")
+    check_slots_by_the_rule(data, GR, max_tokens=40)
+
+
+# pages of 16 slots: runs of consecutive slots up to 32 long, past the 8 entries the native checks and run
+# detection compare at a time
+GR_LONG_RUNS = Geometry(P=2, L=1, NB=8, BS=16, H=1, E=8)
+
+
+@settings(max_examples=TC.examples(40))
+@given(data=st.data())
+def test_cpu_slot_checks_follow_the_rule_on_long_runs(data):
+    """As above, with pages of 16 slots: long runs of consecutive slots, broken anywhere by a hole, a slot out
+    of range or a repeat, decide exactly as token by token."""
+    check_slots_by_the_rule(data, GR_LONG_RUNS, max_tokens=160)
+
+
+def check_slots_by_the_rule(data, geom: Geometry, max_tokens: int):
+    """One drawn transfer into a ``geom`` cache against :func:`first_bad_token` and the row oracle."""
+    N = geom.NB * geom.BS
+    T = data.draw(st.integers(1, max_tokens), label="T")
+    dst_slots = data.draw(run_structured_slots(T, N, geom.BS), label="dst_slots")
     T = len(dst_slots)
     from_chunk = data.draw(st.booleans(), label="from a chunk (src_slots None)")
     if from_chunk:
-        src_layout, src_geom, src_slots = "lmcache_kv_2ltd", Geometry(P=2, L=2, NB=T, BS=1, H=1, E=8), None
+        src_layout, src_slots = "lmcache_kv_2ltd", None
+        src_geom = Geometry(P=geom.P, L=geom.L, NB=T, BS=1, H=1, E=8)
         src_values = list(range(T))
     else:
-        src_layout, src_geom = "vllm_flash_attn_nhd", GR
-        src_values = data.draw(st.lists(st.integers(-1, N), min_size=T, max_size=T), label="src_slots")
+        src_layout, src_geom = "vllm_flash_attn_nhd", geom
+        if data.draw(st.booleans(), label="source slots in runs too"):    # (rows coalesced on both sides)
+            src_values = (data.draw(run_structured_slots(T, N, geom.BS), label="src_slots") + [-1] * T)[:T]
+        else:
+            src_values = data.draw(st.lists(st.integers(-1, N), min_size=T, max_size=T), label="src_slots")
         src_slots = slots(src_values, dtype=data.draw(st.sampled_from((torch.int32, torch.int64))))
     skip = data.draw(st.integers(0, T), label="skip_prefix")
     dst_layout = "vllm_flashinfer_hnd"
     src_np = S.random_cache(src_layout, src_geom, "float16", np.random.default_rng(1))
-    dst_np = S.random_cache(dst_layout, GR, "float16", np.random.default_rng(2))
-    src = ops.bind(src_layout, TC.to_torch(src_layout, src_np), page_size=None if from_chunk else GR.BS)
-    dst = ops.bind(dst_layout, TC.to_torch(dst_layout, dst_np), page_size=GR.BS)
+    dst_np = S.random_cache(dst_layout, geom, "float16", np.random.default_rng(2))
+    src = ops.bind(src_layout, TC.to_torch(src_layout, src_np), page_size=None if from_chunk else geom.BS)
+    dst = ops.bind(dst_layout, TC.to_torch(dst_layout, dst_np), page_size=geom.BS)
     d_slots = slots(dst_slots, dtype=data.draw(st.sampled_from((torch.int32, torch.int64))))
     bad = first_bad_token(src_values, dst_slots, skip, src_geom.NB * src_geom.BS, N)
     if bad is not None:
@@ -508,9 +530,9 @@ def test_cpu_slot_checks_follow_the_token_by_token_rule(data):
     want = copy.deepcopy(dst_np)
     for t in range(skip, T):
         if src_values[t] >= 0 and dst_slots[t] >= 0:
-            for p in range(GR.P):
-                for layer in range(GR.L):
-                    O.set_row(dst_layout, GR, want, p, layer, dst_slots[t],
+            for p in range(geom.P):
+                for layer in range(geom.L):
+                    O.set_row(dst_layout, geom, want, p, layer, dst_slots[t],
                               O.get_row(src_layout, src_geom, src_np, p, layer, src_values[t]))
     TC.assert_same_bytes(dst.tensors, TC.flat(dst_layout, want))
 

@@ -151,8 +151,14 @@ std::optional<TokenRange> unique_by_runs(const CopyPlan& p, const int64_t* src_c
       }
       first = d;
     }
-    next = d + 1;
     if (active.first == p.num_tokens) active.first = t;
+    // the tokens after t that continue the run, their source slot in range, taken at once
+    int64_t more = detail::counting_up(dst_copy + t + 1, d + 1,
+                                       std::min(p.num_tokens - t, p.dst_geom.num_slots - d) - 1);
+    more = S == kIdentity ? std::min(more, p.src_geom.num_slots - t - 1)
+                          : detail::in_range(src_copy + t + 1, p.src_geom.num_slots, more);
+    t += more;
+    next = d + more + 1;
     active.end = t + 1;
   }
   if (first >= 0) runs.emplace_back(first, next);

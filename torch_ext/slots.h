@@ -84,27 +84,51 @@ inline int64_t consecutive_limit(const RowGeometry& g, int64_t in_page, int64_t 
   return g.page_size - in_page;
 }
 
+// How many of x[0], x[1], ... (at most `most`) hold first, first + 1, ...
+// (a run of consecutive values), and how many lie in [0, bound): eight
+// entries at a time with no early exit inside the eight, which the compiler
+// turns into vector compares, then one at a time. A run of n entries costs
+// about n / 8 branches.
+inline int64_t counting_up(const int64_t* x, int64_t first, int64_t most) {
+  int64_t k = 0;
+  for (; k + 8 <= most; k += 8) {
+    bool all = true;
+    for (int j = 0; j < 8; ++j) all &= x[k + j] == first + k + j;
+    if (!all) break;
+  }
+  while (k < most && x[k] == first + k) ++k;
+  return k;
+}
+inline int64_t in_range(const int64_t* x, int64_t bound, int64_t most) {
+  const auto below = [bound](int64_t v) {  // 0 <= v < bound, one unsigned compare
+    return static_cast<uint64_t>(v) < static_cast<uint64_t>(bound);
+  };
+  int64_t k = 0;
+  for (; k + 8 <= most; k += 8) {
+    bool all = true;
+    for (int j = 0; j < 8; ++j) all &= below(x[k + j]);
+    if (!all) break;
+  }
+  while (k < most && below(x[k])) ++k;
+  return k;
+}
+
 // The length of the run from token t (slots s, d valid, at cursors a, b) of
 // consecutive slots on both sides (S[t+k] = s+k, D[t+k] = d+k; nullptr:
 // identity), in range, within what both layouts let run on: every token of it
-// continues the previous one. One compare per side and token.
+// continues the previous one. The destination side is scanned first and the
+// source only as far as it reached, so a call reads each slot of the run at
+// most once per side.
 inline int64_t consecutive_run(const int64_t* S, const int64_t* D, const CopyPlan& p, int64_t t,
                                int64_t end, int64_t s, int64_t d, const RunCursor& a,
                                const RunCursor& b, int64_t row_bytes) {
   int64_t lim = std::min({end - t, p.src_geom.num_slots - s, p.dst_geom.num_slots - d,
                           consecutive_limit(p.src_geom, a.in_page, row_bytes),
                           consecutive_limit(p.dst_geom, b.in_page, row_bytes)});
-  int64_t k = 1;
-  if (S != nullptr && D != nullptr) {
-    while (k < lim && S[t + k] == s + k && D[t + k] == d + k) ++k;
-  } else if (S != nullptr) {
-    while (k < lim && S[t + k] == s + k) ++k;  // (D identity: d = t)
-  } else if (D != nullptr) {
-    while (k < lim && D[t + k] == d + k) ++k;
-  } else {
-    k = lim;
-  }
-  return k;
+  int64_t k = lim - 1;  // tokens after t that continue it (D identity: d = t; S identity: s = t)
+  if (D != nullptr) k = counting_up(D + t + 1, d + 1, k);
+  if (S != nullptr) k = counting_up(S + t + 1, s + 1, k);
+  return 1 + k;
 }
 
 }  // namespace detail
