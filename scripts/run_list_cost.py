@@ -3,10 +3,10 @@
     python scripts/run_list_cost.py [--reps 30] [--tokens T] [--out FILE]
 
 For each copy-engine case of ``kvlayout bench`` (L32 H8 and MLA, T = 4096, page sizes 16 and 64, both
-directions), builds the case's tensors on the CPU, unfilled (the run list is host work: the slots are read on the host
-and host addresses keep every adjacency a pinned tensor's device alias has) and times ``--reps`` builds of its
-run list, as the bench's ``run_list_us`` does on a CUDA machine. Prints one line per case: the copies, the
-median µs and the µs per 8,192 copies (the performance target's unit). ``--tokens`` builds the cases with
+directions), builds the case's tensors on the CPU, unfilled (the run list is host work: the slots are read on
+the host and host addresses keep every adjacency a pinned tensor's device alias has) and times ``--reps``
+builds of its run list, as the bench's ``run_list_us`` does on a CUDA machine. Prints one line per case: the
+copies, the median µs and the µs per 8,192 copies (the performance target's unit). ``--tokens`` builds the cases with
 another token count (e.g. 16384: 8,192 copies or more at page size 64, where a list of T = 4096 holds 2,048 and
 the unit would count the call's fixed part four times).
 """
