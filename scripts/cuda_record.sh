@@ -81,7 +81,8 @@ for step in "${steps[@]}"; do
                       record=$(ls "$recorded"/*.jsonl 2>/dev/null | head -1)
                       record=${record:-bench/results/h200.jsonl}
                       run_step host-profile host_profile.txt $py scripts/host_profile.py \
-                          --record "$record" --over 50 --rows 6 --calls 30 ;;
+                          --record "$record" --over 50 --rows 6 --calls 30
+                      rm -rf "$recorded" ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done

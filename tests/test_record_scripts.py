@@ -1,0 +1,78 @@
+"""scripts/cuda_record.sh, the record a CUDA machine hands back: each step's log, its time in steps.txt, and each
+report folder packed into one STEP.tgz. Run here with a stand-in interpreter that writes what the real steps
+write, so the packing is checked without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Stands in for python: `-m kvlayout conformance|bench ... --report|--out DIR` writes two report files into DIR
+# (named after the command, so that two runs into one folder are told apart); `-c` prints a header line.
+STAND_IN = """#!/usr/bin/env bash
+if [ "$1" = -c ]; then echo "torch (stand-in)"; exit 0; fi
+prev=
+for a in "$@"; do
+    if [ "$prev" = --out ] || [ "$prev" = --report ]; then dir=$a; fi
+    prev=$a
+done
+what=$3
+case " $* " in *" --ncu "*) what=${what}_ncu ;; esac
+if [ -n "${dir:-}" ]; then
+    mkdir -p "$dir" && echo '{"kind": "case"}' > "$dir/$what.jsonl" && echo "| $what |" > "$dir/$what.md"
+fi
+echo "ran $*"
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Path:
+    py = tmp_path / "python"
+    py.write_text(STAND_IN)
+    py.chmod(0o755)
+    return py
+
+
+def record(out: Path, python: Path, *steps: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=str(python))
+    return subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), *steps], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def members(archive: Path) -> set[str]:
+    with tarfile.open(archive) as t:
+        return {os.path.normpath(m.name) for m in t.getmembers() if m.isfile()}
+
+
+def test_each_report_folder_comes_back_as_one_archive(tmp_path: Path, stand_in: Path):
+    out = tmp_path / "out"
+    done = record(out, stand_in, "conformance", "bench", "ncu")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench.tgz", "bench.txt", "conformance.tgz", "conformance.txt", "ncu.tgz", "ncu.txt", "steps.txt"]
+    assert members(out / "bench.tgz") == {"bench.jsonl", "bench.md"}
+    assert members(out / "conformance.tgz") == {"conformance.jsonl", "conformance.md"}
+    assert members(out / "ncu.tgz") == {"bench_ncu.jsonl", "bench_ncu.md"}
+    steps = (out / "steps.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in steps] == ["conformance", "bench", "ncu"]
+    assert all(": exit 0 in " in line for line in steps)
+
+
+def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_record(tmp_path: Path,
+                                                                                        stand_in: Path):
+    out = tmp_path / "out"
+    assert record(out, stand_in, "bench").returncode == 0
+    # a second bench into the same folder: its files join the archive (here the same names: replaced)
+    (out / "bench").mkdir()
+    (out / "bench" / "extra.md").write_text("x")
+    assert record(out, stand_in, "bench", "host-profile").returncode == 0
+    assert members(out / "bench.tgz") == {"bench.jsonl", "bench.md", "extra.md"}
+    log = (out / "host_profile.txt").read_text()
+    # the profile ran on the record unpacked from bench.tgz, not on the committed one
+    assert "--record" in log and "bench.jsonl" in log and "bench/results/h200.jsonl" not in log
