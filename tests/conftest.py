@@ -11,6 +11,12 @@
   data allowed).  Tests size their example counts with
   ``torch_cases.examples(n)``; ``KVLAYOUT_HYPOTHESIS_EXAMPLES=k`` multiplies
   them by k (e.g. a long conformance run on a GPU machine).
+* Under pytest-xdist (``-n N``) each worker sizes its thread pools to its
+  share of the cores (at least two threads, so the CPU kernel's split over
+  threads still runs) and compiles ``torch.compile``'s code in its own
+  process: N workers each starting a pool of every core's size (torch's
+  threads, inductor's compile workers) oversubscribe the machine many times.
+  A variable already set is left as it is.
 """
 
 from __future__ import annotations
@@ -23,9 +29,24 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+
+def _threads_per_worker() -> int | None:
+    """This pytest-xdist worker's share of the cores (at least 2), or None outside xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    return max(2, (os.cpu_count() or 1) // workers) if workers > 1 else None
+
+
+_share = _threads_per_worker()
+if _share is not None:   # (before torch is imported: OpenMP reads its variable once)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+if _share is not None:   # (torch also reads it at import; set here in case a plugin imported torch first)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
