@@ -21,12 +21,18 @@
 #   host-profile scripts/host_profile.py on the staged rows over 50 us of host
 #                time per call in this OUTDIR's bench record (else
 #                bench/results/h200.jsonl)                          -> host_profile.txt
+#   ab-old       starts building the older tree AB_OLD for `ab` in the background
+#                (scripts/ab_record.sh AB_OLD AB_DIR 0), beside the steps after it -> ab_old_build.txt
+#   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
+#                built already; an older tree built in AB_DIR is reused) -> ab.txt, ab_compare.txt, ab_runs.tgz
+#                AB_DIR (default /tmp/kvlayout-ab) holds the older tree, outside OUTDIR;
+#                AB_ROUNDS default 3, AB_ONLY default "T=256,layerwise,headline"
 # A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
 # a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|ab-old|ab ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -83,7 +89,22 @@ for step in "${steps[@]}"; do
                       run_step host-profile host_profile.txt $py scripts/host_profile.py \
                           --record "$record" --over 50 --rows 6 --calls 30
                       rm -rf "$recorded" ;;
+        ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"
+                scripts/ab_record.sh "$AB_OLD" "${AB_DIR:-/tmp/kvlayout-ab}" 0 > "$out/ab_old_build.txt" 2>&1 &
+                ab_old_pid=$!
+                echo "ab-old: building $AB_OLD in the background" | tee -a "$out/steps.txt" ;;
+        ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"
+            if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
+            run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "${AB_DIR:-/tmp/kvlayout-ab}" "${AB_ROUNDS:-3}" \
+                "${AB_ONLY:-T=256,layerwise,headline}"
+            cp "${AB_DIR:-/tmp/kvlayout-ab}/compare.txt" "$out/ab_compare.txt" 2>/dev/null
+            cp "${AB_DIR:-/tmp/kvlayout-ab}/runs.tgz" "$out/ab_runs.tgz" 2>/dev/null ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done
+# an older tree still building in the background finishes before the record ends
+if [ -n "${ab_old_pid:-}" ]; then
+    wait "$ab_old_pid"
+    echo "ab-old: exit $? (the older tree's build)" | tee -a "$out/steps.txt"
+fi
 exit $status

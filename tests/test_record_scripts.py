@@ -76,3 +76,28 @@ def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_
     log = (out / "host_profile.txt").read_text()
     # the profile ran on the record unpacked from bench.tgz, not on the committed one
     assert "--record" in log and "bench.jsonl" in log and "bench/results/h200.jsonl" not in log
+
+
+def test_ab_steps_build_the_older_tree_beside_the_others_and_hand_back_the_comparison(tmp_path: Path,
+                                                                                      stand_in: Path):
+    old = tmp_path / "old.tar.gz"                   # an older tree (here a stand-in with a package folder)
+    tree = tmp_path / "tree"
+    (tree / "kvlayout").mkdir(parents=True)
+    (tree / "kvlayout" / "__init__.py").write_text("")
+    with tarfile.open(old, "w:gz") as t:
+        t.add(tree / "kvlayout", arcname="kvlayout")
+    out, ab_dir = tmp_path / "out", tmp_path / "ab"
+    env = dict(os.environ, PYTHON=str(stand_in), AB_OLD=str(old), AB_DIR=str(ab_dir), AB_ROUNDS="2")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "ab-old", "bench", "ab"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ab.txt", "ab_compare.txt", "ab_old_build.txt", "ab_runs.tgz", "bench.tgz", "bench.txt", "steps.txt"]
+    steps = (out / "steps.txt").read_text().splitlines()
+    assert steps[0].startswith("ab-old: building") and steps[-1].startswith("ab: exit 0")
+    assert (ab_dir / "old-tree" / ".ab_built").read_text().strip() == str(old)
+    # two rounds of (old, new), each compared: every run's record and terminal table in the archive
+    runs = [f"{side}_{n}" for side in ("old", "new") for n in (1, 2)]
+    assert members(out / "ab_runs.tgz") == {f"{r}/bench.{ext}" for r in runs for ext in ("jsonl", "md")} | {
+        f"{r}.txt" for r in runs}
+    assert (out / "ab_compare.txt").read_text().count("kvlayout.bench.compare --same-machine") == 2
