@@ -369,9 +369,9 @@ def test_remembered_plans_follow_the_caches_they_are_used_with(device):
 
 @pytest.mark.parametrize("threads", [1, 3, 4])
 def test_cpu_split_over_threads_moves_every_row_once(threads):
-    """The CPU op splits the tokens over torch's threads (grain: 256 KiB of rows); runs of consecutive slots
-    that cross a split are cut there, not lost or doubled: bit-exact against the reference at 1, 3 and 4
-    threads, with whole pages in random order and holes."""
+    """The CPU op splits the tokens over torch's threads (grain: 256 KiB of rows); a run of consecutive slots
+    that crosses a split is cut there and each part moved by its thread: bit-exact against the reference at
+    1, 3 and 4 threads, with whole pages in random order and holes (a row lost at a split shows)."""
     rng = np.random.default_rng(threads)
     g = Geometry(P=2, L=2, NB=96, BS=16, H=2, E=64)    # 1 KiB of rows per token: a split every 256 tokens
     src_np = S.random_cache("vllm_flash_attn_nhd", g, "bfloat16", rng)
