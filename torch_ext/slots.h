@@ -84,33 +84,31 @@ inline int64_t consecutive_limit(const RowGeometry& g, int64_t in_page, int64_t 
   return g.page_size - in_page;
 }
 
-// How many of x[0], x[1], ... (at most `most`) hold first, first + 1, ...
-// (a run of consecutive values), and how many lie in [0, bound): eight
-// entries at a time with no early exit inside the eight, which the compiler
-// turns into vector compares, then one at a time. A run of n entries costs
+// How many of x[0], x[1], ... (at most `most`) satisfy holds(k, x[k]) before
+// the first that does not: eight entries at a time with no early exit inside
+// the eight (eight compares without branches; vector compares where the
+// target has 64-bit ones), then one at a time. A stretch of n entries costs
 // about n / 8 branches.
-inline int64_t counting_up(const int64_t* x, int64_t first, int64_t most) {
+template <class Holds>
+inline int64_t leading(const int64_t* x, int64_t most, const Holds& holds) {
   int64_t k = 0;
   for (; k + 8 <= most; k += 8) {
     bool all = true;
-    for (int j = 0; j < 8; ++j) all &= x[k + j] == first + k + j;
+    for (int j = 0; j < 8; ++j) all &= holds(k + j, x[k + j]);
     if (!all) break;
   }
-  while (k < most && x[k] == first + k) ++k;
+  while (k < most && holds(k, x[k])) ++k;
   return k;
 }
+// The leading entries that hold first, first + 1, ... (a run of consecutive slots).
+inline int64_t counting_up(const int64_t* x, int64_t first, int64_t most) {
+  return leading(x, most, [first](int64_t k, int64_t v) { return v == first + k; });
+}
+// The leading entries in [0, bound) (one unsigned compare each).
 inline int64_t in_range(const int64_t* x, int64_t bound, int64_t most) {
-  const auto below = [bound](int64_t v) {  // 0 <= v < bound, one unsigned compare
+  return leading(x, most, [bound](int64_t, int64_t v) {
     return static_cast<uint64_t>(v) < static_cast<uint64_t>(bound);
-  };
-  int64_t k = 0;
-  for (; k + 8 <= most; k += 8) {
-    bool all = true;
-    for (int j = 0; j < 8; ++j) all &= below(x[k + j]);
-    if (!all) break;
-  }
-  while (k < most && below(x[k])) ++k;
-  return k;
+  });
 }
 
 // The length of the run from token t (slots s, d valid, at cursors a, b) of
