@@ -168,7 +168,7 @@ def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:
     multiple."""
     row = dict(zip(("runs", "run_list_us"), _time_list(C.copy_run_list_fn(case, data), reps)))
     if 0 < row["runs"] < C.COPY_ENGINE_RUNS:
-        tokens = case.T * -(-C.COPY_ENGINE_RUNS // max(row["runs"], 1))
+        tokens = case.T * -(-C.COPY_ENGINE_RUNS // row["runs"])
         tokens += -tokens % case.page_size
         large = dataclasses.replace(case, T=tokens)
         large_data = C.build(large, C.AddressInputs(), min_cache_slots=2 * tokens)

@@ -39,6 +39,7 @@ steps=("$@")
 mkdir -p "$out"
 export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+ab_dir=${AB_DIR:-/tmp/kvlayout-ab}
 status=0
 
 gpu_header() {
@@ -90,15 +91,15 @@ for step in "${steps[@]}"; do
                           --record "$record" --over 50 --rows 6 --calls 30
                       rm -rf "$recorded" ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"
-                scripts/ab_record.sh "$AB_OLD" "${AB_DIR:-/tmp/kvlayout-ab}" 0 > "$out/ab_old_build.txt" 2>&1 &
+                scripts/ab_record.sh "$AB_OLD" "$ab_dir" 0 > "$out/ab_old_build.txt" 2>&1 &
                 ab_old_pid=$!
                 echo "ab-old: building $AB_OLD in the background" | tee -a "$out/steps.txt" ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"
             if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
-            run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "${AB_DIR:-/tmp/kvlayout-ab}" "${AB_ROUNDS:-3}" \
+            run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "$ab_dir" "${AB_ROUNDS:-3}" \
                 "${AB_ONLY:-T=256,layerwise,headline}"
-            cp "${AB_DIR:-/tmp/kvlayout-ab}/compare.txt" "$out/ab_compare.txt" 2>/dev/null
-            cp "${AB_DIR:-/tmp/kvlayout-ab}/runs.tgz" "$out/ab_runs.tgz" 2>/dev/null ;;
+            cp "$ab_dir/compare.txt" "$out/ab_compare.txt" 2>/dev/null
+            cp "$ab_dir/runs.tgz" "$out/ab_runs.tgz" 2>/dev/null ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done
