@@ -86,7 +86,9 @@ class Case:
     #                         (the prepared calls captured once, replayed); staged: "transfer" (a repeated
     #                         shape's call replays its captured graph), "direct" (every call issued
     #                         directly, as a new shape's is: no graph kept) or "slot-chunks" (replayed, with
-    #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes);
+    #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes)
+    #                         or "device-launch" (replayed, with ops.set_staged_graph_launch("device"): the
+    #                         kept graph the body of a conditional node, one node for the host's launch);
     #                         host_hints: "default-hints" (ops.set_host_cache_hints("default"))
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
@@ -190,10 +192,14 @@ def plan_cases(quick: bool) -> list[Case]:
         dev, buf = _default_layouts(SHAPES[name])
         cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged"))
         if T >= 4096 and name in shapes[:3]:
-            cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call="direct"))
+            # a new shape's call (issued directly), and a repeated one whose graph the device launches
+            for call in ("direct", "device-launch"):
+                cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call=call))
         if T == 4096 and name in shapes[:3]:
             for ctas in ((4,) if quick else (1, 2, 4, 8)):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged"))
+            cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=4, engine="staged",
+                              call="device-launch"))
             # the chunk count's trade (overlap at a call's start and end against host time per chunk): the
             # same calls in chunks of a ring slot's capacity, without a budget and under 4 SMs
             for ctas in (0, 4):
@@ -410,8 +416,9 @@ def kvlayout_fn(case: Case, data: dict):
 
 
 def staged_counts(case: Case, data: dict) -> dict:
-    """For an all-layer host transfer that its engine stages: the call's ``chunks`` and the ``graph_nodes``
-    of the graph it replays (0: issued directly), as ``ops.explain`` gives them after the timed calls; {}
+    """For an all-layer host transfer that its engine stages: the call's ``chunks``, the ``graph_nodes`` of
+    the graph it replays (0: issued directly) and whether that graph runs as a conditional node's body
+    (``graph_on_device``), as ``ops.explain`` gives them after the timed calls; {}
     where the call is not staged. What a staged call's host time grows with."""
     if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
         return {}
@@ -420,11 +427,12 @@ def staged_counts(case: Case, data: dict) -> dict:
         explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
     if explained["engine"] != "staged":
         return {}
-    return {"chunks": explained["chunks"], "graph_nodes": explained["graph_nodes"]}
+    return {"chunks": explained["chunks"], "graph_nodes": explained["graph_nodes"],
+            "graph_on_device": explained["graph_on_device"]}
 
 
 # the calls that run under a setting of their own (_setting)
-SETTING_CALLS = ("direct", "slot-chunks", "default-hints")
+SETTING_CALLS = ("direct", "slot-chunks", "device-launch", "default-hints")
 
 
 @contextlib.contextmanager
@@ -433,14 +441,18 @@ def _setting(case: Case):
     staged graph kept for a "direct" row (``ops.set_cache_capacity(staged_graphs=0)``: every call issued
     directly, as a new shape's is), ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
     slot's capacity; a call shape is captured and replayed under it as under the default),
-    ``ops.set_host_cache_hints("default")`` for a "default-hints" row; else none. (Each reads the setting it
-    restores directly, not through ``ops.cache_info``, which walks every ring.)"""
+    ``ops.set_staged_graph_launch("device")`` for a "device-launch" row (the kept graph the body of a
+    conditional node), ``ops.set_host_cache_hints("default")`` for a "default-hints" row; else none. (Each
+    reads the setting it restores directly, not through ``ops.cache_info``, which walks every ring.)"""
     if case.call == "direct":
         restore = functools.partial(ops.set_cache_capacity, staged_graphs=_C.staged_graph_capacity())
         ops.set_cache_capacity(staged_graphs=0)
     elif case.call == "slot-chunks":
         restore = functools.partial(ops.set_staged_chunks, _C.staged_chunks())
         ops.set_staged_chunks(1)
+    elif case.call == "device-launch":
+        restore = functools.partial(ops.set_staged_graph_launch, "device" if _C.staged_graph_on_device() else "host")
+        ops.set_staged_graph_launch("device")
     elif case.call == "default-hints":
         restore = functools.partial(ops.set_host_cache_hints, _native.host_cache_hints())
         ops.set_host_cache_hints("default")

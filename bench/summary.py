@@ -116,11 +116,13 @@ def staged(rows: list[dict]) -> str:
 
 
 def _counts(r: dict) -> str:
-    """A staged row's chunks and the nodes of the graph its calls replay ("direct": none, issued directly);
-    "–" in records made before the bench counted them."""
+    """A staged row's chunks and the nodes of the graph its calls replay ("direct": none, issued directly; "in
+    a conditional": the body of a conditional node, launched on the device); "–" in records made before the
+    bench counted them."""
     if "chunks" not in r:
         return "–"
-    return f"{r['chunks']} / {r['graph_nodes'] or 'direct'}"
+    where = " in a conditional" if r.get("graph_on_device") else ""
+    return f"{r['chunks']} / {r['graph_nodes'] or 'direct'}{where}"
 
 
 def ctas(rows: list[dict]) -> str:

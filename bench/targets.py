@@ -16,7 +16,8 @@ kernel row), since that is what a caller gets by default:
   256 MiB copy or more, end to end;
 * ``staged host work``: at most 50 µs of host time per staged call (a repeated call shape, replayed from its
   graph); ``staged host work, new shape``: the same bound for the bench's staged rows issued directly (the
-  ``direct`` call: no graph kept, as for a shape not seen before);
+  ``direct`` call: no graph kept, as for a shape not seen before); ``staged host work, graph launched on the
+  device``: the same bound for the ``device-launch`` rows (``ops.set_staged_graph_launch("device")``);
 * ``copy engine run list``: the copy engine's run list built in C++ in at most 100 µs of host time per
   8,192 copies (the bench's ``run_list_us``: the list built as the call builds it, not issued; the rest of
   the call is the driver's batched copy call; a record without it is judged by the whole call's host time).
@@ -82,7 +83,8 @@ def auto_rows(rows: list[dict]) -> list[dict]:
 
 
 # how the staged rows that are not an engine's repeated call are named
-CALL_NAMES = {"direct": "issued directly", "slot-chunks": "in slot-sized chunks"}
+CALL_NAMES = {"direct": "issued directly", "slot-chunks": "in slot-sized chunks",
+              "device-launch": "graph launched on the device"}
 
 
 def _name(r: dict) -> str:
@@ -132,8 +134,11 @@ def checks(doc: dict) -> list[Check]:
                              r["pct_of_limit"] >= HOST_CEILING_PCT))
     for r in rows:
         if r["group"] == "staged" and "gbps" in r and r.get("call") != "slot-chunks":   # (not a default call)
-            target = "staged host work, new shape" if r.get("call") == "direct" else "staged host work"
-            counts = f" ({r['chunks']} chunks, graph of {r['graph_nodes']} nodes)" if r.get("graph_nodes") else (
+            target = {"direct": "staged host work, new shape",
+                      "device-launch": "staged host work, graph launched on the device"}.get(r.get("call"),
+                                                                                          "staged host work")
+            where = ", the body of a conditional node" if r.get("graph_on_device") else ""
+            counts = f" ({r['chunks']} chunks, graph of {r['graph_nodes']} nodes{where})" if r.get("graph_nodes") else (
                 f" ({r['chunks']} chunks, issued directly)" if "chunks" in r else "")
             out.append(Check(target, _name(r), f"{r['host_us_per_call']:.1f} µs{counts}",
                              f"≤ {STAGED_HOST_US:.0f} µs", r["host_us_per_call"] <= STAGED_HOST_US))

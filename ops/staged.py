@@ -41,7 +41,9 @@ ring slot, the host byte spans) and keeps the plan with the ring. The C++
 engine captures the second call of a shape (token count, skip_prefix, SM
 budget, slot dtype) into a CUDA graph and replays it for later calls of that
 shape (a slot copy and a graph launch instead of some 25 µs of driver calls
-per chunk); :func:`kvlayout.ops.transfer`'s repeated-call path reaches the
+per chunk; :func:`set_staged_graph_launch` says whether the host's launch
+issues the graph's nodes or the device starts them, as a conditional node's
+body); :func:`kvlayout.ops.transfer`'s repeated-call path reaches the
 kept plan without planning or looking the ring up (:meth:`_Transfer.run_kept`).
 """
 
@@ -58,7 +60,7 @@ from kvlayout.reference.layouts import make_geometry
 
 from . import _native
 from .programs import plan, program_handle, program_key, unpin
-from .settings import environment_capacity
+from .settings import environment_capacity, environment_choice
 from .views import KVCache
 
 STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
@@ -95,6 +97,29 @@ def set_staged_chunks(chunks: int) -> None:
 
 
 set_staged_chunks(environment_capacity("KVLAYOUT_STAGED_CHUNKS", CHUNKS))
+
+GRAPH_LAUNCHES = ("host", "device")   # set_staged_graph_launch's choices, the default first
+
+
+def set_staged_graph_launch(where: str) -> None:
+    """How a repeated staged call's kept graph is launched: ``"host"`` (the default,
+    ``KVLAYOUT_STAGED_GRAPH_LAUNCH``): the captured graph itself, whose every node (two or three per chunk) the
+    host's ``cudaGraphLaunch`` issues, or ``"device"``: the captured graph as the body of an always-true
+    conditional node, which the device starts, so that the host's launch carries one node whatever the chunk
+    count. Where the runtime refuses such a graph the captured one is kept (``ops.explain``'s
+    ``graph_on_device`` says which a call replays). Process-wide; a call reads it once, and a call shape kept
+    under the other setting is captured again. Results are the same bytes either way."""
+    if where not in GRAPH_LAUNCHES:
+        raise ValueError(f"a staged graph's launch must be one of {GRAPH_LAUNCHES}, got {where!r}")
+    _C.set_staged_graph_on_device(where == "device")
+
+
+def staged_graph_launch() -> str:
+    """The setting of :func:`set_staged_graph_launch`."""
+    return GRAPH_LAUNCHES[int(_C.staged_graph_on_device())]
+
+
+set_staged_graph_launch(environment_choice("KVLAYOUT_STAGED_GRAPH_LAUNCH", GRAPH_LAUNCHES))
 
 
 @dataclasses.dataclass
@@ -477,20 +502,23 @@ class _Transfer:
         return self.native.run_kept(slots, skip_prefix, max_ctas, validate)
 
 
-def kept_graph_nodes(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int, skip_prefix: int) -> int:
-    """The nodes of the graph that the current stream's ring keeps for this call's shape, which the call
-    replays (one graph launch, whose host time grows with its nodes) unless it validates; 0 where none is kept:
-    the call is issued directly (a shape's first two calls are, and every call under graph capture)."""
+def kept_graph(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int,
+               skip_prefix: int) -> tuple[int, bool]:
+    """``(nodes, on_device)`` of the graph that the current stream's ring keeps for this call's shape, which the
+    call replays unless it validates: its captured nodes (a launch that issues them from the host takes time
+    that grows with them) and whether it runs as a conditional node's body (:func:`set_staged_graph_launch`);
+    ``(0, False)`` where none is kept: the call is issued directly (a shape's first two calls are, and every
+    call under graph capture)."""
     if torch.cuda.is_current_stream_capturing():
-        return 0
+        return 0, False
     device = choice.device
     ring = _RINGS.get(_ring_key(device, torch.cuda.current_stream(device)))
     transfer = ring.transfers.get(id(choice)) if ring is not None else None
     if transfer is None or transfer.choice() is not choice:
-        return 0
+        return 0, False
     device_slots = src_slots if staged.host_is_dst else dst_slots
     slot_bytes = 0 if device_slots is None else device_slots.element_size()
-    return transfer.native.graph_nodes(num_tokens, skip_prefix, choice.max_ctas, slot_bytes)
+    return transfer.native.kept_graph(num_tokens, skip_prefix, choice.max_ctas, slot_bytes)
 
 
 def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots, dst_slots, num_tokens: int,

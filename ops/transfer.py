@@ -161,9 +161,10 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     """What :func:`transfer` with these arguments would do: ``{"engine": ..., "reason": ...}``.
 
     ``engine``: the engine asked for; for ``"auto"`` the answer says which one it picks and why. A staged
-    answer also gives the call's layer ``groups``, ``chunks`` and ``chunk_tokens``, and ``graph_nodes``: the
+    answer also gives the call's layer ``groups``, ``chunks`` and ``chunk_tokens``, ``graph_nodes``: the
     nodes of the graph kept for this call shape on the current stream, which the call replays (unless it
-    validates), or 0 where none is kept and the call is issued directly.
+    validates), or 0 where none is kept and the call is issued directly, and ``graph_on_device``: whether that
+    graph runs as a conditional node's body (:func:`~kvlayout.ops.set_staged_graph_launch`).
     """
     c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
@@ -175,10 +176,11 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
         return {"engine": engine, "reason": "asked for"}
     staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine, allocate=False)
     if staged.stageable:
+        nodes, on_device = _staged.kept_graph(c, staged, s_slots, d_slots, T, skip_prefix)
         return {"engine": "staged", "reason": staged.reason, "groups": staged.layer_groups,
                 "chunks": staged.chunks(T, skip_prefix, c.max_ctas),
                 "chunk_tokens": staged.call_chunk_tokens(T, skip_prefix, c.max_ctas),
-                "graph_nodes": _staged.kept_graph_nodes(c, staged, s_slots, d_slots, T, skip_prefix),
+                "graph_nodes": nodes, "graph_on_device": on_device,
                 "payload_bytes": staged.payload_bytes, "staging_bytes": _staged.STAGING_BYTES}
     return {"engine": "kernel", "reason": staged.reason}
 

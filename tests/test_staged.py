@@ -169,6 +169,27 @@ def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
     assert bad.returncode != 0 and "KVLAYOUT_STAGED_CHUNKS = '0'" in bad.stderr
 
 
+def test_how_a_kept_graph_is_launched_is_a_setting_and_a_variable():
+    """ops.set_staged_graph_launch: "host" (the default) or "device" (staged_graph_launch() reads it, and the
+    native flag the engine reads at each call follows it); anything else refused; KVLAYOUT_STAGED_GRAPH_LAUNCH
+    sets it at import."""
+    assert staged_mod.staged_graph_launch() == "host" and not _C.staged_graph_on_device()
+    try:
+        ops.set_staged_graph_launch("device")
+        assert staged_mod.staged_graph_launch() == "device" and _C.staged_graph_on_device()
+        for bad in ("gpu", None, True):
+            with pytest.raises(ValueError, match=r"a staged graph's launch must be one of \('host', 'device'\)"):
+                ops.set_staged_graph_launch(bad)
+        assert _C.staged_graph_on_device()           # (a refused value changes nothing)
+    finally:
+        ops.set_staged_graph_launch("host")
+    assert not _C.staged_graph_on_device()
+    read = "ops.staged.staged_graph_launch()"
+    assert TC.read_at_import("KVLAYOUT_STAGED_GRAPH_LAUNCH", "device", read).stdout.strip() == "device"
+    bad = TC.read_at_import("KVLAYOUT_STAGED_GRAPH_LAUNCH", "gpu", read)
+    assert bad.returncode != 0 and "KVLAYOUT_STAGED_GRAPH_LAUNCH = 'gpu'" in bad.stderr
+
+
 def _pool(mla=False, fill=0x5A5A):
     """A HiCache layer-first host pool of 64 slots in pages of 16 (more slots than a transfer's tokens)."""
     shape = (L, 64, 1, 3 * D) if mla else (2, L, 64, H, D)
@@ -820,6 +841,61 @@ def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_cta
         assert 0 < fewer < nodes and kept.native.replayed_calls == 4, (fewer, nodes)
     finally:
         ops.set_staged_chunks(staged_mod.CHUNKS)
+
+
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("max_ctas", [0, 2])
+def test_graphs_launched_on_the_device_move_exactly(cuda_device, direction, max_ctas, ring_bytes):
+    """ops.set_staged_graph_launch("device"): a repeated shape's graph is kept as the body of an always-true
+    conditional node (ops.explain: graph_on_device, the same captured nodes as the host-launched graph of the
+    shape) and every call moves the same bytes as on the CPU: 8 MiB in 4 chunks, tokens without a device row,
+    skip_prefix, an out-of-range slot recorded once per call. Back under "host" the shape is captured again."""
+    ring_bytes(64 << 20)
+    T, pages = 4101, 300
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randint(-2**15, 2**15, (2, pages, BS, H, D), generator=g, dtype=torch.int16) for _ in range(L)]
+    cpu_cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16) for t in layers])
+    cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16).to(cuda_device) for t in layers])
+    chunk, cpu_chunk = _chunk(T, pin=True), _chunk(T)
+    if direction == "from_host":
+        data = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
+        for c in (chunk, cpu_chunk):
+            c.tensors[0].view(torch.int16).copy_(data)
+    slots = torch.randperm(pages * BS, generator=g)[:T]
+    slots[::89] = -1                              # tokens without a device row
+    slots[700] = pages * BS + 3                   # out of range: recorded, its row left as it was
+    cpu_slots = slots.clone()
+    cpu_slots[700] = -1
+    src, dst, cpu_src, cpu_dst, args, cpu_args = (
+        (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (cpu_slots,)) if direction == "to_host" else
+        (chunk, cache, cpu_chunk, cpu_cache, (None, slots.to(cuda_device)), (None, cpu_slots)))
+    side = "src" if direction == "to_host" else "dst"
+    ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
+
+    def explained():
+        return ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
+
+    def three_calls():
+        for _ in range(3):                        # issued directly, captured (and launched), replayed
+            ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
+            with pytest.raises(IndexError, match=rf"{side}_slots\[700\] = {pages * BS + 3} is out of range"):
+                ops.check_errors(cuda_device)
+            assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache))
+
+    three_calls()
+    on_host = explained()
+    assert on_host["graph_nodes"] > 0 and not on_host["graph_on_device"], on_host
+    try:
+        ops.set_staged_graph_launch("device")
+        assert explained()["graph_nodes"] == 0    # a shape kept under the other setting is not this one's
+        three_calls()
+        kept = checked_choice(src, dst, None, None, None, None, max_ctas, "staged").staged_kept()
+        on_device = explained()
+        assert on_device["graph_on_device"] and on_device["graph_nodes"] == on_host["graph_nodes"], on_device
+        assert kept.native.replayed_calls == 4 and kept.native.kept_graphs == 2
+    finally:
+        ops.set_staged_graph_launch("host")
+    assert explained() == on_host                 # the host-launched graph is still kept
 
 
 def _twice_each(cache, chunk, token_counts):

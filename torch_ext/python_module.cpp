@@ -425,10 +425,11 @@ class StagedTransfer {
 
   int64_t replayed_calls() const { return engine_->replayed_calls(); }
   int64_t kept_graphs() const { return engine_->kept_graphs(); }
-  int64_t graph_nodes(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas,
-                      int64_t slot_bytes) const {
-    return engine_->graph_nodes(StagedArgs{std::nullopt, num_tokens, skip_prefix, max_ctas, false},
-                                slot_bytes);
+  std::tuple<int64_t, bool> kept_graph(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas,
+                                       int64_t slot_bytes) const {
+    const KeptGraph kept = engine_->kept_graph(
+        StagedArgs{std::nullopt, num_tokens, skip_prefix, max_ctas, false}, slot_bytes);
+    return {kept.nodes, kept.on_device};
   }
 
  private:
@@ -536,13 +537,18 @@ PYBIND11_MODULE(_C, m) {
                              "Calls replayed from a captured graph so far.")
       .def_property_readonly("kept_graphs", &StagedTransfer::kept_graphs,
                              "Captured call shapes kept now (at most the staged graph capacity).")
-      .def("graph_nodes", &StagedTransfer::graph_nodes, py::arg("num_tokens"), py::arg("skip_prefix"),
+      .def("kept_graph", &StagedTransfer::kept_graph, py::arg("num_tokens"), py::arg("skip_prefix"),
            py::arg("max_ctas"), py::arg("slot_bytes"),
-           "Nodes of the graph kept for this call shape (slot_bytes: the device slots' element "
-           "size, 0 for none), which a call of it that does not validate replays; 0: none kept.");
+           "(nodes, on_device) of the graph kept for this call shape (slot_bytes: the device slots' "
+           "element size, 0 for none), which a call of it that does not validate replays: its "
+           "captured nodes (0: none kept) and whether it runs as a conditional node's body.");
   m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
         "Captured call shapes each staged transfer keeps (0: every call issued directly).");
   m.def("staged_graph_capacity", &staged_graph_capacity);
+  m.def("set_staged_graph_on_device", &set_staged_graph_on_device, py::arg("on"),
+        "Whether a kept staged graph runs as the body of an always-true conditional node (the host's "
+        "launch carries one node) instead of as it is.");
+  m.def("staged_graph_on_device", &staged_graph_on_device);
   m.def("set_host_cache_hints", &set_host_cache_hints, py::arg("hints"),
         "The CacheHints of launches that touch pinned host memory (0: streaming, 1: default).");
   m.def("host_cache_hints", &host_cache_hints);

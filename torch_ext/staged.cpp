@@ -15,6 +15,7 @@ constexpr int64_t kMaxPitch = (int64_t(1) << 31) - 1;
 
 std::atomic<int64_t> graph_capacity{8};
 std::atomic<int64_t> target_chunks{kStagedChunks};
+std::atomic<bool> graph_on_device{false};
 
 // Whether `next` is the next run of the 2-D copy `c` (one host tensor, one
 // length, the steps `c` already has, or the first step when it has none).
@@ -34,6 +35,10 @@ void set_staged_graph_capacity(int64_t graphs) {
 }
 
 int64_t staged_graph_capacity() { return graph_capacity.load(std::memory_order_relaxed); }
+
+void set_staged_graph_on_device(bool on) { graph_on_device.store(on, std::memory_order_relaxed); }
+
+bool staged_graph_on_device() { return graph_on_device.load(std::memory_order_relaxed); }
 
 void set_staged_chunks(int64_t chunks) {
   TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 1024,

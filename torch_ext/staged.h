@@ -105,6 +105,27 @@ int64_t staged_chunks();
 void set_staged_graph_capacity(int64_t graphs);
 int64_t staged_graph_capacity();
 
+// How a kept graph is launched (process-wide, off unless set; a call reads it
+// once, and a call shape kept under the other setting is captured again).
+// Off: the captured graph itself, each of whose nodes the host's launch
+// issues (in the H200 record about 1.75 us of cudaGraphLaunch per node, and
+// from about 190 nodes the launch waits for the device's queue). On: the
+// captured graph as the body of a conditional node whose condition is always
+// true, in a graph of that one node: the device evaluates the condition and
+// starts the body itself, so the host's launch carries one node. A backend
+// or runtime that cannot build such a graph keeps the captured graph
+// (KeptGraph::on_device says which one a call replays).
+void set_staged_graph_on_device(bool on);
+bool staged_graph_on_device();
+
+// The graph kept for a call shape: `nodes` of captured work (0: none kept, a
+// call of that shape is issued directly), launched as the body of a
+// conditional node (`on_device`) or as it is.
+struct KeptGraph {
+  int64_t nodes = 0;
+  bool on_device = false;
+};
+
 struct StagedSetup {
   bool host_is_dst = false;
   // Per (group, ring slot), index group * ring_slots.size() + slot: the copy
@@ -140,11 +161,11 @@ class StagedEngine {
   // Calls replayed from a captured graph so far, and the graphs kept now.
   virtual int64_t replayed_calls() const = 0;
   virtual int64_t kept_graphs() const = 0;
-  // The nodes of the graph kept for the call shape of `args` (slot_bytes: the
-  // device slots' element size, 0 for none), which a call of that shape that
-  // does not validate replays; 0 when none is kept (such a call is issued
-  // directly). A graph launch's host time grows with its nodes.
-  virtual int64_t graph_nodes(const StagedArgs& args, int64_t slot_bytes) const = 0;
+  // The graph kept for the call shape of `args` (slot_bytes: the device
+  // slots' element size, 0 for none), which a call of that shape that does
+  // not validate replays; nodes 0 when none is kept (such a call is issued
+  // directly). A graph launch's host time grows with the nodes it issues.
+  virtual KeptGraph kept_graph(const StagedArgs& args, int64_t slot_bytes) const = 0;
 };
 
 using StagedFactory = std::unique_ptr<StagedEngine> (*)(StagedSetup setup);

@@ -15,7 +15,11 @@
 // replayed: per call one copy of the slots into that buffer and one graph
 // launch, whatever the chunk count. Shapes are captured on their second call
 // (a one-off shape costs no capture); at most staged_graph_capacity() graphs
-// are kept per engine, least recently used evicted. No synchronisation either way.
+// are kept per engine, least recently used evicted. Under
+// staged_graph_on_device() the kept graph is the captured one as the body of
+// an always-true conditional node (instantiate_as_conditional_body), so that
+// the host's launch carries one node whatever the chunk count. No
+// synchronisation either way.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -103,9 +107,10 @@ struct ReplayKey {
   int64_t num_tokens, skip_prefix, max_ctas;
   int64_t slot_bytes;  // 0: no device slots; else 4 or 8
   int64_t per_chunk;   // the call's chunk tokens (staged_chunk_tokens when it was made)
+  bool on_device;      // staged_graph_on_device() when it was made
   bool operator==(const ReplayKey& o) const {
     return num_tokens == o.num_tokens && skip_prefix == o.skip_prefix && max_ctas == o.max_ctas &&
-           slot_bytes == o.slot_bytes && per_chunk == o.per_chunk;
+           slot_bytes == o.slot_bytes && per_chunk == o.per_chunk && on_device == o.on_device;
   }
 };
 
@@ -115,7 +120,7 @@ struct Replay {
   ReplayKey key{};
   at::Tensor slots, rows;
   cudaGraphExec_t exec = nullptr;
-  int64_t nodes = 0;  // of the captured graph (its launch's host time grows with them)
+  KeptGraph shape;  // the captured graph's nodes; whether exec runs it as a conditional node's body
   Replay() = default;
   Replay(const Replay&) = delete;
   Replay& operator=(const Replay&) = delete;
@@ -125,6 +130,51 @@ struct Replay {
 };
 
 constexpr size_t kSeenShapes = 16;  // shapes remembered as run once
+
+#if CUDART_VERSION >= 12040
+cudaError_t add_node(cudaGraphNode_t* node, cudaGraph_t graph, cudaGraphNodeParams* params) {
+#if CUDART_VERSION >= 13000
+  return cudaGraphAddNode(node, graph, nullptr, nullptr, 0, params);
+#else
+  return cudaGraphAddNode(node, graph, nullptr, 0, params);
+#endif
+}
+#endif
+
+// `work` as the body of a conditional node whose condition is always true
+// (its default, assigned at every launch), in a graph of that one node,
+// instantiated: the device starts the body, the host's launch carries one
+// node. nullptr (the error cleared) where the runtime refuses, e.g. a body
+// node type or a memory kind a conditional body may not hold. `work` is
+// copied (a child graph node) and stays the caller's.
+cudaGraphExec_t instantiate_as_conditional_body(cudaGraph_t work) {
+#if CUDART_VERSION >= 12040
+  cudaGraph_t outer = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t err = cudaGraphCreate(&outer, 0);
+  cudaGraphConditionalHandle always{};
+  if (err == cudaSuccess)
+    err = cudaGraphConditionalHandleCreate(&always, outer, /*defaultLaunchValue=*/1, cudaGraphCondAssignDefault);
+  cudaGraphNodeParams params{};
+  params.type = cudaGraphNodeTypeConditional;
+  params.conditional.handle = always;
+  params.conditional.type = cudaGraphCondTypeIf;
+  params.conditional.size = 1;
+  cudaGraphNode_t conditional = nullptr, body = nullptr;
+  if (err == cudaSuccess) err = add_node(&conditional, outer, &params);
+  if (err == cudaSuccess)
+    err = cudaGraphAddChildGraphNode(&body, params.conditional.phGraph_out[0], nullptr, 0, work);
+  if (err == cudaSuccess) err = cudaGraphInstantiateWithFlags(&exec, outer, 0);
+  if (outer != nullptr) (void)cudaGraphDestroy(outer);
+  if (err == cudaSuccess) return exec;
+  (void)cudaGetLastError();
+  if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+  return nullptr;
+#else
+  (void)work;
+  return nullptr;  // (built against a runtime before 12.4: not attempted)
+#endif
+}
 
 class CudaStaged final : public StagedEngine {
  public:
@@ -156,13 +206,13 @@ class CudaStaged final : public StagedEngine {
     const std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(replays_.size());
   }
-  int64_t graph_nodes(const StagedArgs& a, int64_t slot_bytes) const override {
+  KeptGraph kept_graph(const StagedArgs& a, int64_t slot_bytes) const override {
     const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes,
-                        chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas)};
+                        chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas), staged_graph_on_device()};
     const std::lock_guard<std::mutex> lock(mu_);
     for (const auto& replay : replays_)
-      if (replay->key == key) return replay->nodes;
-    return 0;
+      if (replay->key == key) return replay->shape;
+    return {};
   }
 
   void run(const StagedArgs& a) override {
@@ -182,7 +232,8 @@ class CudaStaged final : public StagedEngine {
     const int64_t per_chunk = chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas);
     if (graphs > 0 && !a.validate && replays_ok_ && capture == cudaStreamCaptureStatusNone) {
       const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas,
-                          device_slots.defined() ? int64_t(device_slots.element_size()) : 0, per_chunk};
+                          device_slots.defined() ? int64_t(device_slots.element_size()) : 0, per_chunk,
+                          staged_graph_on_device()};
       Replay* replay = find_replay(key);
       if (replay == nullptr && seen_before(key)) replay = capture_replay(key, graphs);
       if (replay != nullptr) {
@@ -264,8 +315,14 @@ class CudaStaged final : public StagedEngine {
     cudaError_t err = cudaStreamEndCapture(cap, &graph);
     size_t nodes = 0;
     if (err == cudaSuccess) err = cudaGraphGetNodes(graph, nullptr, &nodes);
-    if (err == cudaSuccess) err = cudaGraphInstantiateWithFlags(&replay->exec, graph, 0);
-    replay->nodes = static_cast<int64_t>(nodes);
+    if (err == cudaSuccess && key.on_device && conditional_bodies_ok_) {
+      replay->exec = instantiate_as_conditional_body(graph);
+      replay->shape.on_device = replay->exec != nullptr;
+      conditional_bodies_ok_ = replay->shape.on_device;  // (refused once: not asked again)
+    }
+    if (err == cudaSuccess && replay->exec == nullptr)
+      err = cudaGraphInstantiateWithFlags(&replay->exec, graph, 0);
+    replay->shape.nodes = static_cast<int64_t>(nodes);
     if (graph != nullptr) (void)cudaGraphDestroy(graph);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
@@ -391,6 +448,7 @@ class CudaStaged final : public StagedEngine {
   std::list<std::unique_ptr<Replay>> replays_;  // most recently used first
   std::list<ReplayKey> seen_;                    // shapes run once, most recent first
   bool replays_ok_ = true;
+  bool conditional_bodies_ok_ = true;  // (false once the runtime refused a conditional body)
   int64_t replayed_ = 0;
 };
 
