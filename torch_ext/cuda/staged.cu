@@ -241,9 +241,17 @@ class CudaStaged final : public StagedEngine {
           C10_CUDA_CHECK(cudaMemcpyAsync(replay->slots.data_ptr(), device_slots.data_ptr(),
                                          size_t(a.num_tokens) * size_t(key.slot_bytes),
                                          cudaMemcpyDeviceToDevice, main));
-        C10_CUDA_CHECK(cudaGraphLaunch(replay->exec, main));
-        ++replayed_;
-        return;
+        const cudaError_t launched = cudaGraphLaunch(replay->exec, main);
+        if (launched == cudaSuccess) {
+          ++replayed_;
+          return;
+        }
+        if (!replay->shape.on_device) C10_CUDA_CHECK(launched);
+        // a conditional body the runtime took at instantiation but refuses to launch: no more of them
+        // (this shape is captured again as it is at its next call); this call is issued directly
+        (void)cudaGetLastError();
+        conditional_bodies_ok_ = false;
+        replays_.pop_front();  // (find_replay and capture_replay leave the replay they return first)
       }
     }
     const at::Tensor rows = new_token_rows(a.num_tokens);
