@@ -245,22 +245,29 @@ def test_cuda_bench_row_is_compared_with_the_peers_in_both_timings(cuda_device, 
 
 
 def test_cuda_bench_rows_under_a_setting_are_exact_and_leave_it_as_it_was(cuda_device):
-    """A host_hints row, a device-grid row (every SM's one 1024-thread CTA) and a slot-chunks staged row, run by
-    the bench on the device: bit-exact, measured, the staged row with its chunks and the nodes of the graph it
-    replayed; the settings are back to their defaults after."""
+    """A host_hints row, a device-grid row (every SM's one 1024-thread CTA), a slot-chunks staged row and a
+    device-launch staged row, run by the bench on the device: bit-exact, measured, the staged rows with their
+    chunks and the nodes of the graph they replayed (the device-launch row's a conditional node's body); the
+    settings are back to their defaults after."""
+    from kvlayout import _C
     from kvlayout.ops import _native
     head = "L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd"
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     keys = [f"{head} to_host all layers ctas=default default-hints", f"{head} gather_device all layers ctas={sms}",
             "L32_H1_D128 T=4096 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd to_host all layers ctas=default staged "
-            "slot-chunks"]
+            "slot-chunks",
+            "L32_H1_D128 T=4096 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd from_host all layers ctas=default staged "
+            "device-launch"]
     doc = run(torch.device(cuda_device), quick=True, only=",".join(keys))
     rows = {r["key"]: r for r in doc["results"]}
     assert sorted(rows) == sorted(keys)
     assert all(r["bit_exact"] and r["gbps"] > 0 and r["kernel_gbps"] > 0 for r in rows.values())
     staged = rows[keys[2]]
     assert staged["chunks"] == 2 and staged["graph_nodes"] > 0, staged     # 64 MiB in slot-sized chunks of 32 MiB
+    on_device = rows[keys[3]]
+    assert on_device["graph_nodes"] > 0 and on_device["graph_on_device"], on_device
     assert ops.cache_info()["staged_chunks"] == 8 and _native.host_cache_hints() == "streaming"
+    assert not _C.staged_graph_on_device()
 
 
 class _FixedTimer:
@@ -550,6 +557,40 @@ def test_slot_chunk_rows_run_their_calls_in_slot_sized_chunks():
     call()
     assert seen == [1] and ops.cache_info()["staged_chunks"] == 8
     assert P.load_peers().matching(planned[0]) == []
+
+
+def test_device_launch_rows_replay_a_graph_launched_on_the_device():
+    """The staged device-launch rows (the three L32 shapes, both host directions, T >= 4096 without a budget and
+    T = 4096 under 4 SMs) run their call under ops.set_staged_graph_launch("device") and restore the setting,
+    also when the call raises; no peer is matched to them; the staged table marks a graph run as a conditional
+    node's body."""
+    from kvlayout import _C
+    from kvlayout.bench import peers as P
+    from kvlayout.bench import summary
+
+    planned = [c for c in C.plan_cases(quick=False) if c.call == "device-launch"]
+    assert {(c.shape, c.T, c.direction, c.max_ctas) for c in planned} == {
+        (shape, T, direction, ctas) for shape in ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
+        for direction in ("to_host", "from_host") for T, ctas in ((4096, 0), (32768, 0), (4096, 4))}
+    assert len(planned) == 18 and all(c.engine == "staged" and c.key.endswith(" staged device-launch")
+                                      for c in planned)
+    seen = []
+    C._with_setting(planned[0], lambda: seen.append(_C.staged_graph_on_device()))()
+    assert seen == [True] and not _C.staged_graph_on_device()
+
+    def fails():
+        raise RuntimeError("a failed call")
+    with pytest.raises(RuntimeError, match="a failed call"):
+        C._with_setting(planned[0], fails)()
+    assert not _C.staged_graph_on_device()
+    assert P.load_peers().matching(planned[0]) == []
+    base = {"group": "staged", "shape": "L32_H8_D128", "T": 4096, "direction": "to_host", "max_ctas": 0,
+            "gbps": 50.0, "limit_gbps": 55.0, "kernel_gbps": 51.0, "host_us": 20.0, "call": "device-launch"}
+    rows = [dict(base, chunks=16, graph_nodes=49, graph_on_device=True),
+            dict(base, chunks=16, graph_nodes=49, graph_on_device=False)]   # (the runtime refused the body)
+    table = summary.staged(rows).splitlines()
+    assert [line.split(" | ")[8] for line in table[2:]] == ["16 / 49 in a conditional", "16 / 49"]
+    assert all("to_host, graph launched on the device" in line for line in table[2:])
 
 
 def test_host_hint_rows_run_the_kernel_with_the_default_cache_operators():

@@ -46,6 +46,8 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(group="staged", engine="staged", T=32768, host_us_per_call=400.0, call="direct", chunks=128,
              graph_nodes=0),
         _row(group="staged", engine="staged", T=32768, host_us_per_call=900.0, call="slot-chunks"),  # not judged
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=60.0, call="device-launch", chunks=128,
+             graph_nodes=513, graph_on_device=True),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
         _row(group="copy_engine", engine="copy", host_us_per_call=90.0, runs=2048, run_list_us=30.0,   # 120 scaled
@@ -63,6 +65,7 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["peers, end to end"]] == [False]
     assert [c.met for c in found["staged host work"]] == [True, False]
     assert [c.met for c in found["staged host work, new shape"]] == [False]
+    assert [c.met for c in found["staged host work, graph launched on the device"]] == [False]
     assert [c.met for c in found["copy engine run list"]] == [True, False, True, False, True]
     assert [c.met for c in found["SM budget"]] == [True, False]
     text = targets.markdown(targets.checks({"results": rows}))
@@ -72,3 +75,6 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
             "nodes) | ≤ 50 µs |") in text
     assert ("| staged host work, new shape | L32_H8_D128 T=32768 to_host (staged, issued directly) | 400.0 µs "
             "(128 chunks, issued directly) | ≤ 50 µs |") in text
+    assert ("| staged host work, graph launched on the device | L32_H8_D128 T=32768 to_host (staged, graph "
+            "launched on the device) | 60.0 µs (128 chunks, graph of 513 nodes, the body of a conditional node) "
+            "| ≤ 50 µs |") in text
