@@ -169,6 +169,8 @@ cudaGraphExec_t instantiate_as_conditional_body(cudaGraph_t work) {
   if (err == cudaSuccess) return exec;
   (void)cudaGetLastError();
   if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+  TORCH_WARN_ONCE("kvlayout: the CUDA runtime refused a staged graph as a conditional node's body (",
+                  cudaGetErrorName(err), ": ", cudaGetErrorString(err), "); its graphs run as captured");
   return nullptr;
 #else
   (void)work;
@@ -250,6 +252,9 @@ class CudaStaged final : public StagedEngine {
         // a conditional body the runtime took at instantiation but refuses to launch: no more of them
         // (this shape is captured again as it is at its next call); this call is issued directly
         (void)cudaGetLastError();
+        TORCH_WARN_ONCE("kvlayout: the CUDA runtime refused to launch a staged graph as a conditional "
+                        "node's body (", cudaGetErrorName(launched), ": ", cudaGetErrorString(launched),
+                        "); its graphs run as captured");
         conditional_bodies_ok_ = false;
         replays_.pop_front();  // (find_replay and capture_replay leave the replay they return first)
       }
