@@ -791,6 +791,26 @@ def test_replayed_calls_record_out_of_range_slots_and_validate_on_the_host(cuda_
     assert kept.native.replayed_calls == 2
 
 
+EIGHT_MIB_TOKENS, EIGHT_MIB_PAGES = 4101, 300   # past skip_prefix 5: 4,096 tokens of 2 planes x 4 layers x 256 B
+
+
+def _eight_mib_pair(cuda_device, direction: str, seed: int):
+    """(cache, cpu_cache, chunk, cpu_chunk, slots): a random device cache of EIGHT_MIB_PAGES pages and its CPU
+    twin, a pinned chunk of EIGHT_MIB_TOKENS tokens and its CPU twin (random, the same on both, when it is the
+    source: ``direction`` "from_host"), and distinct random device slots (CPU) for the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    pages = EIGHT_MIB_PAGES
+    layers = [torch.randint(-2**15, 2**15, (2, pages, BS, H, D), generator=g, dtype=torch.int16) for _ in range(L)]
+    cpu_cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16) for t in layers])
+    cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16).to(cuda_device) for t in layers])
+    chunk, cpu_chunk = _chunk(EIGHT_MIB_TOKENS, pin=True), _chunk(EIGHT_MIB_TOKENS)
+    if direction == "from_host":
+        data = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
+        for c in (chunk, cpu_chunk):
+            c.tensors[0].view(torch.int16).copy_(data)
+    return cache, cpu_cache, chunk, cpu_chunk, torch.randperm(pages * BS, generator=g)[:EIGHT_MIB_TOKENS]
+
+
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("max_ctas", [0, 2])
 def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_ctas, ring_bytes):
@@ -798,17 +818,7 @@ def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_cta
     than a slot holds (about 8 of at least 2 MiB: 4 of 1,024 tokens here, with or without a budget), issued
     directly, captured and replayed, each call exact against the CPU, holes and skip_prefix included."""
     ring_bytes(64 << 20)
-    T, pages = 4101, 300          # past skip_prefix 5: 4,096 tokens of 2 planes x 4 layers x 256 B, 8 MiB
-    g = torch.Generator().manual_seed(3)
-    layers = [torch.randint(-2**15, 2**15, (2, pages, BS, H, D), generator=g, dtype=torch.int16) for _ in range(L)]
-    cpu_cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16) for t in layers])
-    cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16).to(cuda_device) for t in layers])
-    chunk, cpu_chunk = _chunk(T, pin=True), _chunk(T)
-    if direction == "from_host":
-        data = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
-        for c in (chunk, cpu_chunk):
-            c.tensors[0].view(torch.int16).copy_(data)
-    slots = torch.randperm(pages * BS, generator=g)[:T]
+    cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=3)
     slots[::97] = -1                              # tokens without a device row
     src, dst, cpu_src, cpu_dst, args, cpu_args = (
         (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (slots,)) if direction == "to_host" else
@@ -851,17 +861,8 @@ def test_graphs_launched_on_the_device_move_exactly(cuda_device, direction, max_
     shape) and every call moves the same bytes as on the CPU: 8 MiB in 4 chunks, tokens without a device row,
     skip_prefix, an out-of-range slot recorded once per call. Back under "host" the shape is captured again."""
     ring_bytes(64 << 20)
-    T, pages = 4101, 300
-    g = torch.Generator().manual_seed(5)
-    layers = [torch.randint(-2**15, 2**15, (2, pages, BS, H, D), generator=g, dtype=torch.int16) for _ in range(L)]
-    cpu_cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16) for t in layers])
-    cache = ops.bind("vllm_flash_attn_nhd", [t.view(torch.bfloat16).to(cuda_device) for t in layers])
-    chunk, cpu_chunk = _chunk(T, pin=True), _chunk(T)
-    if direction == "from_host":
-        data = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
-        for c in (chunk, cpu_chunk):
-            c.tensors[0].view(torch.int16).copy_(data)
-    slots = torch.randperm(pages * BS, generator=g)[:T]
+    cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=5)
+    pages = EIGHT_MIB_PAGES
     slots[::89] = -1                              # tokens without a device row
     slots[700] = pages * BS + 3                   # out of range: recorded, its row left as it was
     cpu_slots = slots.clone()
