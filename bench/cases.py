@@ -451,7 +451,7 @@ def _setting(case: Case):
         restore = functools.partial(ops.set_staged_chunks, _C.staged_chunks())
         ops.set_staged_chunks(1)
     elif case.call == "device-launch":
-        restore = functools.partial(ops.set_staged_graph_launch, "device" if _C.staged_graph_on_device() else "host")
+        restore = functools.partial(ops.set_staged_graph_launch, ops.staged.staged_graph_launch())
         ops.set_staged_graph_launch("device")
     elif case.call == "default-hints":
         restore = functools.partial(ops.set_host_cache_hints, _native.host_cache_hints())
