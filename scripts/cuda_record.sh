@@ -21,6 +21,8 @@
 #   host-profile scripts/host_profile.py on the staged rows over 50 us of host
 #                time per call in this OUTDIR's bench record (else
 #                bench/results/h200.jsonl)                          -> host_profile.txt
+#   host-path    scripts/host_path.py: an all-layer call's host time by part (Python,
+#                the C++ checks, the launch), warm and with the device idle -> host_path.txt
 #   ab-old       starts building the older tree AB_OLD for `ab` in the background
 #                (scripts/ab_record.sh AB_OLD AB_DIR 0), beside the steps after it -> ab_old_build.txt
 #   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
@@ -32,7 +34,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|ab-old|ab ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|ab-old|ab ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -90,6 +92,7 @@ for step in "${steps[@]}"; do
                       run_step host-profile host_profile.txt $py scripts/host_profile.py \
                           --record "$record" --over 50 --rows 6 --calls 30
                       rm -rf "$recorded" ;;
+        host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"
                 scripts/ab_record.sh "$AB_OLD" "$ab_dir" 0 > "$out/ab_old_build.txt" 2>&1 &
                 ab_old_pid=$!

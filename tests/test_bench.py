@@ -478,6 +478,37 @@ def test_host_profile_script_times_a_bench_row_and_lists_its_events():
     assert bad.returncode != 0 and "no bench case 'no such row' on cpu" in bad.stderr
 
 
+def test_host_path_script_splits_an_all_layer_call_into_its_parts():
+    """scripts/host_path.py times an all-layer call, its C++ call alone, that call launching nothing and a torch
+    op, warm and idle, and gives the Python and launch parts as the differences of those figures; a row that
+    is not an all-layer kernel row (the copy engine's, a layer-wise one) is refused with the reason."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "host_path", Path(__file__).resolve().parents[1] / "scripts" / "host_path.py")
+    host_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_path)
+    (key,) = host_path.DEFAULT_KEYS["cpu"]
+    case = next(c for c in C.cpu_cases() if c.key == key)
+    fns = host_path.parts(case, torch.device("cpu"))
+    assert list(fns) == ["ops.transfer", "C++ call", "C++ checks", "torch op"]
+    assert fns["C++ call"]() is True and fns["C++ checks"]() is True     # (run_checking: done, not declined)
+    warm, idle = host_path.measure(fns, torch.device("cpu"), reps=3)
+    assert set(warm) == set(idle) == set(fns) and all(v > 0 for v in [*warm.values(), *idle.values()])
+    text = host_path.report(key, {"ops.transfer": 2.0, "C++ call": 1.25, "C++ checks": 0.5, "torch op": 2.5},
+                            {"ops.transfer": 3.0, "C++ call": 2.0, "C++ checks": 1.0, "torch op": 3.0})
+    lines = text.splitlines()
+    assert lines[0] == key and lines[-2].split()[:3] == ["Python", "0.75", "1.00"]
+    assert lines[-1].split()[:3] == ["launch", "0.75", "1.00"]
+    copy = C.Case("copy_engine", "L32_H8_D128", "vllm_flash_attn_nhd", "hicache_page_first_direct", 256, 16,
+                  "gather_device", engine="copy")
+    layerwise = next(c for c in C.cpu_cases() if c.layerwise)
+    for row in (copy, layerwise):
+        with pytest.raises(SystemExit, match="not an all-layer kernel row"):
+            host_path.parts(row, torch.device("cpu"))
+
+
 def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
     """scripts/host_profile.py --record: the rows of the group whose host time per call was over the bound,
     slowest first, at most --rows of them; nothing else (other groups, rows at the bound, the header)."""
