@@ -229,6 +229,22 @@ def cpu_cases() -> list[Case]:
         host_cost_cases("gather_device")
 
 
+def device_cases(device_type: str, quick: bool = False) -> list[Case]:
+    """The cases a bench run on a ``device_type`` device plans: :func:`plan_cases` on CUDA, else
+    :func:`cpu_cases`."""
+    return plan_cases(quick) if device_type == "cuda" else cpu_cases()
+
+
+def cases_by_key(keys: list[str], device_type: str) -> list[Case]:
+    """The planned cases (:func:`device_cases`, full run) of these bench keys, in their order; ValueError
+    naming the first key that no case of a ``device_type`` run has."""
+    planned = {c.key: c for c in device_cases(device_type)}
+    for key in keys:
+        if key not in planned:
+            raise ValueError(f"no bench case {key!r} on {device_type}; e.g. {next(iter(planned))!r}")
+    return [planned[key] for key in keys]
+
+
 # ---------------------------------------------------------------------------------------------
 # Building the tensors
 # ---------------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ def document(path: str) -> dict:
 
 def planned(device: torch.device, quick: bool, only: str | None) -> list[C.Case]:
     """The cases a run on ``device`` measures; a :class:`UsageError` when ``only`` selects none of them."""
-    every = C.plan_cases(quick) if device.type == "cuda" else C.cpu_cases()
+    every = C.device_cases(device.type, quick)
     cases = [c for c in every if selected(c, only)]
     if not cases:
         raise UsageError(f"--only {only!r} selects none of the {len(every)} cases of a {device.type} run "

@@ -103,14 +103,14 @@ def main(argv=None) -> None:
 
     device = torch.device(args.device)
     keys = args.keys or DEFAULT_KEYS[device.type]
-    planned = {c.key: c for c in (C.plan_cases(quick=False) if device.type == "cuda" else C.cpu_cases())}
-    for key in keys:
-        if key not in planned:
-            raise SystemExit(f"no bench case {key!r} on {device.type}; e.g. {next(iter(planned))!r}")
+    try:
+        chosen = C.cases_by_key(keys, device.type)
+    except ValueError as unknown:
+        raise SystemExit(str(unknown)) from None
     if device.type == "cpu":
         torch.set_num_threads(1)   # (as the bench's CPU runs: one thread, a like-for-like yardstick)
-    for key in keys:
-        print(report(key, *measure(parts(planned[key], device), device, args.reps)))
+    for case in chosen:
+        print(report(case.key, *measure(parts(case, device), device, args.reps)))
 
 
 if __name__ == "__main__":

@@ -95,12 +95,12 @@ def main() -> None:
     keys = list(args.keys) + (keys_over(args.record, args.group, args.over, args.rows) if args.record else [])
     if not keys:
         raise SystemExit("no rows to profile: give keys, or --record with rows over --over µs")
-    planned = {c.key: c for c in (C.plan_cases(quick=False) if device.type == "cuda" else C.cpu_cases())}
-    for key in keys:
-        if key not in planned:
-            raise SystemExit(f"no bench case {key!r} on {device.type}; e.g. {next(iter(planned))!r}")
-    for key in keys:
-        profile_case(planned[key], device, args.calls, args.top)
+    try:
+        chosen = C.cases_by_key(keys, device.type)
+    except ValueError as unknown:
+        raise SystemExit(str(unknown)) from None
+    for case in chosen:
+        profile_case(case, device, args.calls, args.top)
 
 
 if __name__ == "__main__":
