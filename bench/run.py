@@ -166,18 +166,20 @@ def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:
     on unfilled CPU tensors of the same geometry (:class:`~kvlayout.bench.cases.AddressInputs`): the list reads
     addresses and slots only, and scaling the row's short list up would count the call's fixed part again per
     multiple."""
-    row = dict(zip(("runs", "run_list_us"), _time_list(C.copy_run_list_fn(case, data), reps)))
+    row = dict(zip(("runs", "run_list_us"), time_run_list_builds(C.copy_run_list_fn(case, data), reps)))
     if 0 < row["runs"] < C.COPY_ENGINE_RUNS:
         tokens = case.T * -(-C.COPY_ENGINE_RUNS // row["runs"])
         tokens += -tokens % case.page_size
         large = dataclasses.replace(case, T=tokens)
         large_data = C.build(large, C.AddressInputs(), min_cache_slots=2 * tokens)
-        row["runs_at_target"], row["run_list_at_target_us"] = _time_list(C.copy_run_list_fn(large, large_data), reps)
+        row["runs_at_target"], row["run_list_at_target_us"] = time_run_list_builds(
+            C.copy_run_list_fn(large, large_data), reps)
     return row
 
 
-def _time_list(build, reps: int) -> tuple[int, float]:
-    """(copies, median host µs of ``reps`` builds) of a run-list builder."""
+def time_run_list_builds(build, reps: int) -> tuple[int, float]:
+    """(copies, median host µs of ``reps`` builds) of a run-list builder (``copy_run_list_fn``), after one build
+    that counts the copies."""
     runs = build()
     samples = []
     for _ in range(reps):

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
-import statistics
-import time
 
 import torch
 
@@ -30,6 +28,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvlayout.bench import cases as C
+    from kvlayout.bench.run import time_run_list_builds
 
     torch.set_num_threads(1)
     lines = [f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread, torch "
@@ -40,14 +39,7 @@ def main() -> None:
         if args.tokens:
             case = dataclasses.replace(case, T=args.tokens)
         data = C.build(case, C.AddressInputs(), min_cache_slots=2 * case.T)
-        build = C.copy_run_list_fn(case, data)
-        copies = build()
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            build()
-            times.append(time.perf_counter() - t0)
-        us = statistics.median(times) * 1e6
+        copies, us = time_run_list_builds(C.copy_run_list_fn(case, data), args.reps)
         lines.append(f"{case.key}: {copies} copies, {us:.1f} us, {us * 8192 / copies:.1f} us per 8,192 copies")
     print("\n".join(lines))
     if args.out:
