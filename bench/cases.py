@@ -89,7 +89,9 @@ class Case:
     #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes)
     #                         or "device-launch" (replayed, with ops.set_staged_graph_launch("device"): the
     #                         kept graph the body of a conditional node, one node for the host's launch);
-    #                         host_hints: "default-hints" (ops.set_host_cache_hints("default"))
+    #                         host_hints: "default-hints" (ops.set_host_cache_hints("default")); host_cost:
+    #                         "bind-per-call" (both caches bound anew at each call) or "gather" (ops.gather
+    #                         into a view of the buffer made at each call)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -209,12 +211,16 @@ def plan_cases(quick: bool) -> list[Case]:
 
 
 def host_cost_cases(direction: str) -> list[Case]:
-    """Host time per call with nothing to move (every slot -1): ops.transfer of all layers, of one layer, and a
-    prepared layer call (with and without programmatic dependent launch, and one that launches nothing: its
-    checks and bookkeeping alone)."""
+    """Host time per call with nothing to move (every slot -1): ops.transfer of all layers (between the same
+    caches, between caches bound anew at each call, and as ``ops.gather`` into a view made at each call), of one
+    layer, and a prepared layer call (with and without programmatic dependent launch, and one that launches
+    nothing: its checks and bookkeeping alone)."""
     return [Case("host_cost", "L32_H8_D128", "vllm_flash_attn_nhd", buf, 256, 16, direction, layerwise=layerwise,
                  call=call, empty=True)
-            for buf, layerwise, call in (("lmcache_kv_2ltd", False, "transfer"), ("lmcache_kv_t2d", True, "transfer"),
+            for buf, layerwise, call in (("lmcache_kv_2ltd", False, "transfer"),
+                                         ("lmcache_kv_2ltd", False, "bind-per-call"),
+                                         ("lmcache_kv_2ltd", False, "gather"),
+                                         ("lmcache_kv_t2d", True, "transfer"),
                                          ("lmcache_kv_t2d", True, "prepared"),
                                          ("lmcache_kv_t2d", True, "prepared-serial"),
                                          ("lmcache_kv_t2d", True, "prepared-no-launch"))]
@@ -392,6 +398,20 @@ def kvlayout_fn(case: Case, data: dict):
                 return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
                                                                 engine=case.engine))
             return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
+
+        if case.call == "bind-per-call":
+            def rebinding():   # both caches bound anew at each call, as an engine's adapter binds its tensors
+                for _ in range(case.calls):
+                    ops.transfer(ops.bind(src.layout, src.value), ops.bind(dst.layout, dst.value), ss, ds)
+            return rebinding
+        if case.call == "gather":
+            g = src.geometry
+            P, L, T = g.P, g.L, (ss if ss is not None else ds).shape[0]
+
+            def gathering():   # ops.gather into a view of the buffer made at each call
+                for _ in range(case.calls):
+                    ops.gather(src, ss, out=dst.tensors[0].view(P, L, T, g.H, g.E))
+            return gathering
 
         def repeated():   # the call as an engine writes it (engine at its default, "auto"), case.calls times
             for _ in range(case.calls):

@@ -77,7 +77,10 @@ def layerwise(rows: list[dict]) -> str:
 
 
 def host_cost(rows: list[dict]) -> str:
-    names = {(False, "transfer"): "one all-layer `ops.transfer`", (True, "transfer"): "one one-layer `ops.transfer`",
+    names = {(False, "transfer"): "one all-layer `ops.transfer`",
+             (False, "bind-per-call"): "the same between caches bound anew at each call",
+             (False, "gather"): "the same as `ops.gather` into a view made at each call",
+             (True, "transfer"): "one one-layer `ops.transfer`",
              (True, "prepared"): "one prepared layer call",
              (True, "prepared-serial"): "one prepared layer call without programmatic dependent launch",
              (True, "prepared-no-launch"): "one prepared layer call that launches nothing (`skip_prefix` = T)"}

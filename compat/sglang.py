@@ -98,6 +98,32 @@ def _rows(t: torch.Tensor, item_size: int | None = None, what: str = "tensor") -
     return v
 
 
+def _pool(layout: str, parts: tuple, item_size: int, names: tuple) -> ops.KVCache:
+    """A device pool's per-layer ``[N, ...]`` tensors (one list per part: K and V, or the MLA buffers) bound
+    to ``layout`` as rows of ``item_size`` bytes: as they are where they bind so (the pools' ``[N, H, D]``
+    buffers: binding tensors of a structure bound before is one lookup, where a view per tensor costs a
+    microsecond each), else each viewed as ``[N, 1, W]`` (whose checks say what is wrong)."""
+    value = parts if len(parts) > 1 else parts[0]
+    try:
+        cache = ops.bind(layout, value)
+        if cache.row_width * cache.itemsize == item_size:
+            return cache
+    except (TypeError, ValueError, IndexError):
+        pass    # (not such buffers: the views below take them, or say why they cannot)
+    viewed = tuple([_rows(t, item_size, name) for t in lst] for lst, name in zip(parts, names))
+    return ops.bind(layout, viewed if len(viewed) > 1 else viewed[0])
+
+
+def _mha(k_layers, v_layers, item_size: int, side: str) -> ops.KVCache:
+    """K and V lists of per-layer buffers as ``sglang_mha`` (``side``: "src" or "dst", for messages)."""
+    return _pool("sglang_mha", (k_layers, v_layers), item_size, (f"{side}_k", f"{side}_v"))
+
+
+def _mla(layers, item_size: int, side: str) -> ops.KVCache:
+    """A list of per-layer MLA buffers as ``sglang_mla``."""
+    return _pool("sglang_mla", (layers,), item_size, (side,))
+
+
 def _layers(item_size: int, layout_dim: int, what: str, dim_name: str) -> int:
     if item_size <= 0 or layout_dim <= 0 or layout_dim % item_size:
         raise ValueError(f"{what}: {dim_name} = {layout_dim} is not a positive multiple of item_size = {item_size}")
@@ -187,7 +213,7 @@ def _go(src: ops.KVCache, dst: ops.KVCache, src_indices, dst_indices, block_quot
         engine: str = "kernel", **layers) -> None:
     """One kvlayout transfer.  ``engine="copy"`` (the direct paths): the copy engine moves the rows, no SMs
     are used, and the indices are read on the host, where SGLang's direct paths read them too."""
-    device = torch.device("cpu") if engine == "copy" else launch_device(*src.tensors, *dst.tensors)
+    device = torch.device("cpu") if engine == "copy" else launch_device(src, dst)
     s, d = _pair(src_indices, dst_indices, device)
     if s.numel() == 0:
         return
@@ -213,8 +239,8 @@ def _check_layers(lists, num_layers: int) -> None:
 def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size: int,
                           block_quota: int = 2, num_warps_per_block: int = 32, *, validate=None) -> None:
     """One layer, slot rows to slot rows: ``dst_k[d] = src_k[s]``, ``dst_v[d] = src_v[s]``."""
-    src = ops.bind("sglang_mha", ([_rows(src_k, item_size, "src_k")], [_rows(src_v, item_size, "src_v")]))
-    dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
+    src = _mha([src_k], [src_v], item_size, "src")
+    dst = _mha([dst_k], [dst_v], item_size, "dst")
     _go(src, dst, src_indices, dst_indices, block_quota, validate)
 
 
@@ -224,7 +250,7 @@ def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_ind
     """Host page_first halves (``[N, L, H, D]``) -> one device layer: ``dst[d] = src[s, layer_id]``."""
     src = ops.bind(_HALVES["page_first"], (_page_first(src_k, item_size, src_layout_dim, "src_k", "src_layout_dim"),
                                            _page_first(src_v, item_size, src_layout_dim, "src_v", "src_layout_dim")))
-    dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
+    dst = _mha([dst_k], [dst_v], item_size, "dst")
     _go(src, dst, src_indices, dst_indices, block_quota, validate, src_layers=[layer_id], dst_layers=[0])
 
 
@@ -235,7 +261,7 @@ def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_ind
     src = ops.bind(_HALVES["page_head"],
                    (_page_head(src_k, item_size, src_layout_dim, page_size, head_num, "src_k", "src_layout_dim"),
                     _page_head(src_v, item_size, src_layout_dim, page_size, head_num, "src_v", "src_layout_dim")))
-    dst = ops.bind("sglang_mha", ([_rows(dst_k, item_size, "dst_k")], [_rows(dst_v, item_size, "dst_v")]))
+    dst = _mha([dst_k], [dst_v], item_size, "dst")
     _go(src, dst, src_indices, dst_indices, block_quota, validate, src_layers=[layer_id], dst_layers=[0])
 
 
@@ -245,10 +271,8 @@ def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers
     """Every layer, per-layer tensors to per-layer tensors (lists instead of pointer tables)."""
     _check_layers((("src_k_layers", src_k_layers), ("dst_k_layers", dst_k_layers), ("src_v_layers", src_v_layers),
                    ("dst_v_layers", dst_v_layers)), num_layers)
-    src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
-                                  [_rows(t, item_size, "src_v") for t in src_v_layers]))
-    dst = ops.bind("sglang_mha", ([_rows(t, item_size, "dst_k") for t in dst_k_layers],
-                                  [_rows(t, item_size, "dst_v") for t in dst_v_layers]))
+    src = _mha(src_k_layers, src_v_layers, item_size, "src")
+    dst = _mha(dst_k_layers, dst_v_layers, item_size, "dst")
     _go(src, dst, src_indices, dst_indices, block_quota, validate)
 
 
@@ -257,8 +281,7 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
                                 num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every device layer -> host page_first halves: ``dst[d, l] = src_l[s]``."""
     _check_layers((("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)), num_layers)
-    src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
-                                  [_rows(t, item_size, "src_v") for t in src_v_layers]))
+    src = _mha(src_k_layers, src_v_layers, item_size, "src")
     dst = ops.bind(_HALVES["page_first"], (_page_first(dst_k, item_size, dst_layout_dim, "dst_k", "dst_layout_dim"),
                                            _page_first(dst_v, item_size, dst_layout_dim, "dst_v", "dst_layout_dim")))
     _go(src, dst, src_indices, dst_indices, block_quota, validate, dst_layers=list(range(num_layers)))
@@ -270,8 +293,7 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
                                 validate=None) -> None:
     """Every device layer -> host page_head halves."""
     _check_layers((("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)), num_layers)
-    src = ops.bind("sglang_mha", ([_rows(t, item_size, "src_k") for t in src_k_layers],
-                                  [_rows(t, item_size, "src_v") for t in src_v_layers]))
+    src = _mha(src_k_layers, src_v_layers, item_size, "src")
     dst = ops.bind(_HALVES["page_head"],
                    (_page_head(dst_k, item_size, dst_layout_dim, page_size, head_num, "dst_k", "dst_layout_dim"),
                     _page_head(dst_v, item_size, dst_layout_dim, page_size, head_num, "dst_v", "dst_layout_dim")))
@@ -285,7 +307,7 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size: int, block_quota: int = 2,
                               num_warps_per_block: int = 32, *, validate=None) -> None:
     """One MLA layer: ``dst[d] = src[s]``."""
-    _go(ops.bind("sglang_mla", [_rows(src, item_size, "src")]), ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]),
+    _go(_mla([src], item_size, "src"), _mla([dst], item_size, "dst"),
         src_indices, dst_indices, block_quota, validate)
 
 
@@ -294,7 +316,7 @@ def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id
                                     validate=None) -> None:
     """Host MLA page_first ``[N, L, 1, kd]`` -> one device layer."""
     _go(ops.bind("hicache_mla_page_first", _page_first(src, item_size, src_layout_dim, "src", "src_layout_dim")),
-        ops.bind("sglang_mla", [_rows(dst, item_size, "dst")]), src_indices, dst_indices, block_quota, validate,
+        _mla([dst], item_size, "dst"), src_indices, dst_indices, block_quota, validate,
         src_layers=[layer_id], dst_layers=[0])
 
 
@@ -302,8 +324,8 @@ def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, 
                               block_quota: int = 2, num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every MLA layer, per-layer tensors to per-layer tensors."""
     _check_layers((("src_layers", src_layers), ("dst_layers", dst_layers)), num_layers)
-    _go(ops.bind("sglang_mla", [_rows(t, item_size, "src") for t in src_layers]),
-        ops.bind("sglang_mla", [_rows(t, item_size, "dst") for t in dst_layers]), src_indices, dst_indices,
+    _go(_mla(src_layers, item_size, "src"),
+        _mla(dst_layers, item_size, "dst"), src_indices, dst_indices,
         block_quota, validate)
 
 
@@ -312,7 +334,7 @@ def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, i
                                     num_warps_per_block: int = 32, *, validate=None) -> None:
     """Every MLA device layer -> host page_first ``[N, L, 1, kd]``."""
     _check_layers((("src_layers", src_layers),), num_layers)
-    _go(ops.bind("sglang_mla", [_rows(t, item_size, "src") for t in src_layers]),
+    _go(_mla(src_layers, item_size, "src"),
         ops.bind("hicache_mla_page_first", _page_first(dst, item_size, dst_layout_dim, "dst", "dst_layout_dim")),
         src_indices, dst_indices, block_quota, validate, dst_layers=list(range(num_layers)))
 
@@ -363,7 +385,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     else:
         src = ops.bind("hicache_mla_page_first_direct", _page_first_direct(src_ptrs[0], page_size, "src"))
         dst = ops.bind("sglang_mla", [_rows(dst_ptrs[0])])
-    validate = _host_read(launch_device(*src.tensors, *dst.tensors), validate)
+    validate = _host_read(launch_device(src, dst), validate)
     _go(src, dst, s, d, validate=validate, engine="copy", src_layers=[layer_id], dst_layers=[0])
 
 
@@ -382,7 +404,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     else:
         src = ops.bind("sglang_mla", [_rows(t) for t in src_ptrs])
         dst = ops.bind("hicache_mla_page_first_direct", _page_first_direct(dst_ptrs[0], page_size, "dst"))
-    validate = _host_read(launch_device(*src.tensors, *dst.tensors), validate)
+    validate = _host_read(launch_device(src, dst), validate)
     _go(src, dst, s, d, validate=validate, engine="copy")
 
 
@@ -1246,7 +1268,7 @@ class HostKVPool:
         with the slots on the host, over the layers both pools have."""
         dst = _bind_device_pool(device_pool)
         if io_backend == "kernel":
-            s, dd = _pair(h, d, launch_device(*self.cache.tensors, *dst.tensors))
+            s, dd = _pair(h, d, launch_device(self.cache, dst))
             return None if s.numel() == 0 else ops.prepare(self.cache, dst, s, dd, max_ctas=self.max_ctas,
                                                              validate=validate)
         s, dd = _pair(h, d, torch.device("cpu"))

@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from . import _native
+from .programs import program_key
 from .views import INTEGER_STORAGE, KVCache, as_index_list, as_int
 
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -254,6 +256,10 @@ class CheckedChoice:
     #                                    then always runs the kernel); 0: not known, or it can be
     staged_kept: object = None         # weak reference to the staged transfer last run for the choice
     #                                    (ops.staged._Transfer; its ring owns it)
+    shared: "CheckedChoice | None" = None   # the choice of these caches' shapes this one was copied from (see
+    #                                         checked_choice): it keeps what depends on the shapes alone
+    ring_plan: tuple | None = None     # (ring size, the staged plan of these shapes through a ring:
+    #                                    ops.staged.static_plan, past its checks of the tensors' memory)
 
 
 def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,
@@ -277,21 +283,42 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
             key = None
     if key is not None and torch.compiler.is_compiling():
         key = None    # traced code checks every call (and keeps no memo)
-    if key is not None and (type(key) is not tuple or len(key) == 3 or key[5] is not None):
+    memoized = key is not None and (type(key) is not tuple or len(key) == 3 or key[5] is not None)
+    if memoized:
         hit = src._checked_choices.get(key)
         if hit is not None and hit[0]() is dst:
             return hit[1]
+        # the same choice between caches of these shapes was checked before (an engine's fresh views of its
+        # buffers): its arguments and program key hold for this pair too
+        shared_key = (dst._shape.serial, key[1:] if type(key) is tuple else ())
+        checked = src._shape.choices.get(shared_key)
+        if checked is None:
+            checked = _check_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
+            if len(src._shape.choices) >= 256:
+                src._shape.choices.clear()
+            src._shape.choices[shared_key] = checked
+        out = CheckedChoice(checked.src_layers, checked.dst_layers, checked.src_planes, checked.dst_planes,
+                            checked.max_ctas, checked.device, checked.program, checked.status, shared=checked)
+        if len(src._checked_choices) >= 256:
+            src._checked_choices.clear()
+        # the binding holds the destination's tensors: released with the destination cache
+        src._checked_choices[key] = (weakref.ref(dst, lambda _: setattr(out, "bound", None)), out)
+        return out
+    return _check_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
+
+
+def _check_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,
+                  engine) -> CheckedChoice:
+    """:func:`checked_choice`'s checks, with the copy program's key and the status word outside tracing."""
     _check_pair(src, dst)
     layers_planes = check_layers_and_planes(src, dst, src_layers, dst_layers, src_planes, dst_planes)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
     max_ctas = as_int("max_ctas", max_ctas, lo=0, hi=2 ** 31 - 1)
     out = CheckedChoice(*layers_planes, max_ctas, _launch_device(src, dst))
-    if key is not None and (type(key) is not tuple or len(key) == 3 or key[5] is not None):
-        if len(src._checked_choices) >= 256:
-            src._checked_choices.clear()
-        # the binding holds the destination's tensors: released with the destination cache
-        src._checked_choices[key] = (weakref.ref(dst, lambda _: setattr(out, "bound", None)), out)
+    if not torch.compiler.is_compiling():
+        out.program = program_key(src, dst, out.src_layers, out.dst_layers, out.src_planes, out.dst_planes)
+        out.status = _native.status_tensor(out.device)
     return out
 
 

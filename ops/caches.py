@@ -13,8 +13,15 @@ cache                  holds                                       bound (settin
 ``bindings``           programs bound to tensor addresses (C++;    ``bindings`` /
                        data pointers and checked plans, no         ``KVLAYOUT_BINDING_CACHE`` (256)
                        tensors)
+``shapes``             what binding derived from tensors of one    ``shapes`` /
+                       structure (sizes, strides, element type,    ``KVLAYOUT_SHAPE_CACHE`` (256)
+                       device), with the checked arguments and
+                       program key per (destination shape,
+                       choice): no tensors
 ``choices``            checked arguments per (source cache,        256 per source cache, released
-                       destination cache, choice)                  with the caches
+                       destination cache, choice)                  with the caches; 256 per shape
+                                                                   for pairs of shapes, released
+                                                                   with the shape
 ``staging``            staging rings of ``engine="staged"``, one   ``ops.staged.KEPT_RINGS`` (2) of
                        per stream, each with the transfers         ``KVLAYOUT_STAGING_BYTES`` (64 MiB)
                        planned on it                               each; 64 transfers per ring
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 from kvlayout import _C
 
-from . import programs, staged
+from . import programs, staged, views
 from .settings import environment_capacity
 
 
@@ -43,6 +50,8 @@ def cache_info() -> dict:
     info = programs.cache_sizes()
     info["programs_capacity"] = programs.program_cache_capacity()
     info["bindings_capacity"] = _C.binding_cache_capacity()
+    info["shapes"] = len(views.SHAPES.entries)
+    info["shapes_capacity"] = views.SHAPES.capacity
     info["staging"] = len(staged._RINGS)
     info["staging_capacity"] = staged.KEPT_RINGS
     info["staging_bytes"] = staged.STAGING_BYTES
@@ -55,14 +64,16 @@ def cache_info() -> dict:
     return info
 
 
-def set_cache_capacity(*, programs: int | None = None, bindings: int | None = None,
+def set_cache_capacity(*, programs: int | None = None, bindings: int | None = None, shapes: int | None = None,
                        staged_graphs: int | None = None) -> None:
-    """Bound the program registry and the native binding cache (entries beyond the bound are evicted now), and
-    the graphs each staged transfer keeps (0: none, every staged call issued directly; each transfer lets go of
-    its graphs beyond the bound at its next call)."""
+    """Bound the program registry, the native binding cache and the binding shapes (entries beyond the bound are
+    evicted now), and the graphs each staged transfer keeps (0: none, every staged call issued directly; each
+    transfer lets go of its graphs beyond the bound at its next call)."""
     from . import programs as registry  # (the argument shadows the module's name)
     if programs is not None:
         registry.set_program_cache_capacity(programs)
+    if shapes is not None:
+        views.SHAPES.set_capacity(shapes)
     if bindings is not None:
         if type(bindings) is not int or bindings < 1:
             raise ValueError(f"the binding cache capacity must be a positive int, got {bindings!r}")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import operator
 from typing import NamedTuple, Sequence
 
+import torch
+
 from .views import KVCache
 
 # (plane, layer, head, constant): plane * stride(p) + layer * stride(l) + head * stride(h) + constant elements
@@ -85,7 +87,16 @@ def _same(a, b) -> bool:
 
 
 def cache_spec(cache: KVCache) -> CacheSpec:
-    """The :class:`CacheSpec` of a bound cache."""
+    """The :class:`CacheSpec` of a bound cache (made once per :class:`~kvlayout.ops.views.CacheShape`)."""
+    if torch.compiler.is_compiling():
+        return _cache_spec(cache)   # (a memo filled while tracing would be a change the graph's guards see)
+    shape = cache._shape
+    if shape.spec is None:
+        shape.spec = _cache_spec(cache)
+    return shape.spec
+
+
+def _cache_spec(cache: KVCache) -> CacheSpec:
     g = cache.geometry
     parts, first = [], 0
     slot_strides = []

@@ -281,6 +281,17 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     sides = _Sides.of(src, dst, choice, side == "dst")
     if not all(t.is_pinned() for t in sides.host.tensors):
         return StagedPlan("the host cache is not pinned (page-locked) memory")
+    # the rest depends on the caches' shapes and the choice alone: planned once for all pairs of these shapes
+    # (an engine that binds fresh views call after call plans it once)
+    shapes = choice.shared if choice.shared is not None else choice
+    kept = shapes.ring_plan
+    if kept is None or kept[0] != STAGING_BYTES:
+        kept = shapes.ring_plan = (STAGING_BYTES, _ring_plan(sides))
+    return kept[1]
+
+
+def _ring_plan(sides: _Sides) -> StagedPlan:
+    """:func:`static_plan` of a pinned host side: how its rows go through a ring's slots in chunks."""
     slot_bytes = STAGING_BYTES // RING_SLOTS // _ALIGN * _ALIGN
     shape = chunk_shape(sides.host, len(sides.host_layers), slot_bytes)
     if shape is None:
@@ -298,7 +309,7 @@ def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     groups = -(-len(sides.host_layers) // layers)
     return StagedPlan(f"{groups} group(s) of up to {layers} layer(s), chunks of up to {tokens} tokens through a "
                       f"{STAGING_BYTES}-byte staging ring; copy engine for the host side",
-                      layers, tokens, groups, side == "dst", token_bytes=per_token)
+                      layers, tokens, groups, sides.host_is_dst, token_bytes=per_token)
 
 
 def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:

@@ -16,15 +16,19 @@ which is the formula of ``torch_ext/include/kvlayout/address.h``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import operator
 
 import torch
 
+from kvlayout import _C
 from kvlayout.reference import semantics as rules
 from kvlayout.reference.layouts import AXES, Geometry, Layout, Part, get, infer_geometry
 
 from . import _native
+from .settings import environment_capacity
 
 INTEGER_STORAGE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
@@ -56,66 +60,56 @@ class PartView:
         return self.heads == 1 or self.strides["h"] == self.head_width
 
 
-class KVCache:
-    """Tensors bound to a layout.
+@dataclasses.dataclass(frozen=True)
+class PartShape:
+    """What binding finds of one part, apart from its tensors (see :class:`PartView`)."""
 
-    ``layout``: a catalog name or :class:`~kvlayout.reference.layouts.Layout`.
-    ``tensors``: the physical value in the reference's convention: the part
-    itself for one-part layouts (a tensor, or a list of per-layer tensors), a
-    tuple of parts otherwise (SGLang MHA: ``(k_list, v_list)``).
-    ``page_size``: only for layouts whose slot axis is flat (SGLang pools,
-    HiCache ``layer_first``/``page_first``), where the shape cannot tell it;
-    it matters to page helpers only.
+    part: Part
+    strides: dict
+    heads: int
+    head_width: int
+    column_start: int
 
-    Attributes: ``geometry`` (P, L, NB, BS, H, E), ``dtype``, ``device``,
-    ``tensors`` (every tensor, part by part and layer by layer).
+
+class CacheShape:
+    """What binding derives from a cache's tensors: layout, geometry, element type, device, part strides.
+
+    It depends on the tensors' sizes, strides, element type and device only, never on their data, so
+    every cache bound to tensors of one structure shares it (:data:`SHAPES`): an engine that binds fresh
+    views of its buffers call after call (``ops.gather(cache, slots, out=buf)``, the compat entry points)
+    finds its shape by one lookup, and the transfers of a known pair of shapes find their checked
+    arguments and copy program by another (``choices``, see ``ops.arguments.checked_choice``).  Holds no
+    tensor.
     """
 
-    def __init__(self, layout: Layout | str, tensors, *, page_size: int | None = None):
-        self.layout = get(layout)
-        if page_size is not None:
-            page_size = as_int("page_size", page_size, lo=1)
-        parts = self._split_parts(tensors)
+    __slots__ = ("layout", "geometry", "dtype", "device", "itemsize", "parts", "spec", "choices", "serial")
+    _serials = itertools.count(1)
+
+    def __init__(self, layout: Layout, parts: list, flat: list, page_size: int | None):
         shapes = [[tuple(t.shape) for t in value] if part.per_layer else tuple(value.shape)
-                  for part, value in zip(self.layout.parts, parts)]
-        self.geometry: Geometry = infer_geometry(self.layout, shapes, page_size=page_size)
-        flat = [t for part, value in zip(self.layout.parts, parts)
-                for t in (value if part.per_layer else [value])]
+                  for part, value in zip(layout.parts, parts)]
+        self.layout = layout
+        self.geometry: Geometry = infer_geometry(layout, shapes, page_size=page_size)
         for i, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.layout.name}: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
-        self.tensors: tuple[torch.Tensor, ...] = tuple(flat)
+                raise TypeError(f"{layout.name}: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
         first = flat[0]
         for i, t in enumerate(flat):
             if t.dtype != first.dtype:
-                rules.ELEMENT_TYPE.fail(f"{self.layout.name}: tensor {i} has dtype {t.dtype}, tensor 0 has "
-                                        f"{first.dtype}")
+                rules.ELEMENT_TYPE.fail(f"{layout.name}: tensor {i} has dtype {t.dtype}, tensor 0 has {first.dtype}")
             if t.device != first.device:
-                rules.DEVICES.fail(f"{self.layout.name}: tensor {i} is on {t.device}, tensor 0 on {first.device}")
+                rules.DEVICES.fail(f"{layout.name}: tensor {i} is on {t.device}, tensor 0 on {first.device}")
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
         self.itemsize: int = first.element_size()
-        self.parts: tuple[PartView, ...] = tuple(self._part_view(p, v) for p, v in zip(self.layout.parts, parts))
-        # what a transfer plan depends on: layout, sizes, element size and strides (not the data pointers)
-        self.signature = (self.layout.name, self.geometry, self.itemsize,
-                          tuple(tuple(pv.strides[a] for a in AXES) for pv in self.parts))
-        # (destination, choice) -> checked transfer arguments (ops.transfer's memo; see checked_choice)
-        self._checked_choices: dict = {}
-        if self.device.type != "meta" and not torch.compiler.is_compiling():
-            # the device's status word exists before any compiled code uses the cache: made while tracing,
-            # it would be a change the first graph's guards see, and the graph would be traced again
-            _native.status_tensor(self.device)
+        self.parts: tuple[PartShape, ...] = tuple(self._part_shape(p, v) for p, v in zip(layout.parts, parts))
+        self.spec = None        # the planner's CacheSpec, made on first use (ops.planner.cache_spec)
+        self.choices: dict = {}  # (destination shape's serial, choice) -> checked arguments (arguments.py)
+        # a key that outlives no shape (serials are never reused); none for a shape bound while tracing, which
+        # nothing remembers (and whose count the graph's guards would see)
+        self.serial = 0 if torch.compiler.is_compiling() else next(self._serials)
 
-    # -- construction -------------------------------------------------------------------
-    def _split_parts(self, tensors) -> tuple:
-        if self.layout.single_part:
-            return (list(tensors) if self.layout.parts[0].per_layer else tensors,)
-        if not isinstance(tensors, (tuple, list)) or len(tensors) != len(self.layout.parts):
-            names = ", ".join(p.name for p in self.layout.parts)
-            rules.LAYOUT_SHAPE.fail(f"{self.layout.name}: expected {len(self.layout.parts)} parts ({names})")
-        return tuple(list(v) if p.per_layer else v for p, v in zip(self.layout.parts, tensors))
-
-    def _part_view(self, part: Part, value) -> PartView:
+    def _part_shape(self, part: Part, value) -> PartShape:
         tensors = tuple(value) if part.per_layer else (value,)
         geom = self.geometry
         sizes = geom.part_sizes(part)
@@ -138,9 +132,122 @@ class KVCache:
         if part.column is not None and sizes["h"] != 1:
             rules.LAYOUT_SHAPE.fail(f"{self.layout.name}: a row split into column parts must have one head, "
                                     f"got H = {sizes['h']}")
-        return PartView(part, tensors, strides, sizes["h"], sizes["e"], start)
+        return PartShape(part, strides, sizes["h"], sizes["e"], start)
+
+
+class _ShapeCache:
+    """The shapes of recent bindings by their exact structure (least recently used first out)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key) -> CacheShape | None:
+        try:
+            shape = self.entries[key]
+        except KeyError:
+            return None
+        self.entries.move_to_end(key)
+        return shape
+
+    def put(self, key, shape: CacheShape) -> None:
+        self.entries[key] = shape
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def set_capacity(self, capacity: int) -> None:
+        if type(capacity) is not int or capacity < 1:
+            raise ValueError(f"the shape cache capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        while len(self.entries) > capacity:
+            self.entries.popitem(last=False)
+
+
+SHAPES = _ShapeCache(environment_capacity("KVLAYOUT_SHAPE_CACHE", 256))
+
+
+class KVCache:
+    """Tensors bound to a layout.
+
+    ``layout``: a catalog name or :class:`~kvlayout.reference.layouts.Layout`.
+    ``tensors``: the physical value in the reference's convention: the part
+    itself for one-part layouts (a tensor, or a list of per-layer tensors), a
+    tuple of parts otherwise (SGLang MHA: ``(k_list, v_list)``).
+    ``page_size``: only for layouts whose slot axis is flat (SGLang pools,
+    HiCache ``layer_first``/``page_first``), where the shape cannot tell it;
+    it matters to page helpers only.
+
+    Attributes: ``geometry`` (P, L, NB, BS, H, E), ``dtype``, ``device``,
+    ``tensors`` (every tensor, part by part and layer by layer), ``parts``
+    (:class:`PartView` per part), ``value`` (the tensors as bound).  Binding tensors of a structure bound before
+    (sizes, strides, element type, device) reuses that binding's
+    :class:`CacheShape`.
+    """
+
+    def __init__(self, layout: Layout | str, tensors, *, page_size: int | None = None):
+        layout = get(layout)
+        if page_size is not None:
+            page_size = as_int("page_size", page_size, lo=1)
+        parts = self._split_parts(layout, tensors)
+        flat, counts = [], []
+        for part, value in zip(layout.parts, parts):
+            if part.per_layer:
+                flat += value
+                counts.append(len(value))
+            else:
+                flat.append(value)
+                counts.append(0)
+        tracing = torch.compiler.is_compiling()
+        # (traced code binds symbolic sizes: each binding the long way; the id of the layout is not reused while
+        # the cached shape holds the layout)
+        structure = None if tracing else _C.tensors_structure(flat)
+        key = None if structure is None else (id(layout), page_size, tuple(counts), structure)
+        shape = SHAPES.get(key) if key is not None else None
+        if shape is None:
+            shape = CacheShape(layout, parts, flat, page_size)
+            if shape.device.type != "meta" and not tracing:
+                # the device's status word exists before any compiled code uses the cache: made while tracing,
+                # it would be a change the first graph's guards see, and the graph would be traced again
+                _native.status_tensor(shape.device)
+            if key is not None:
+                SHAPES.put(key, shape)
+        self._shape = shape
+        self.layout: Layout = layout
+        self.geometry: Geometry = shape.geometry
+        self.dtype: torch.dtype = shape.dtype
+        self.device: torch.device = shape.device
+        self.itemsize: int = shape.itemsize
+        self.tensors: tuple[torch.Tensor, ...] = tuple(flat)
+        self._part_tensors = parts
+        self._parts = None
+        # (destination, choice) -> checked transfer arguments (ops.transfer's memo; see checked_choice)
+        self._checked_choices: dict = {}
+
+    @staticmethod
+    def _split_parts(layout: Layout, tensors) -> tuple:
+        if layout.single_part:
+            return (list(tensors) if layout.parts[0].per_layer else tensors,)
+        if not isinstance(tensors, (tuple, list)) or len(tensors) != len(layout.parts):
+            names = ", ".join(p.name for p in layout.parts)
+            rules.LAYOUT_SHAPE.fail(f"{layout.name}: expected {len(layout.parts)} parts ({names})")
+        return tuple(list(v) if p.per_layer else v for p, v in zip(layout.parts, tensors))
 
     # -- queries ------------------------------------------------------------------------
+    @property
+    def value(self):
+        """The tensors as bound, in the reference's convention (what ``bind(self.layout, ...)`` takes)."""
+        parts = tuple(list(v) if p.per_layer else v for p, v in zip(self.layout.parts, self._part_tensors))
+        return parts[0] if self.layout.single_part else parts
+
+    @property
+    def parts(self) -> tuple[PartView, ...]:
+        """Each part's :class:`PartView`: its tensors and strides."""
+        if self._parts is None:
+            self._parts = tuple(PartView(ps.part, tuple(value) if ps.part.per_layer else (value,), ps.strides,
+                                         ps.heads, ps.head_width, ps.column_start)
+                                for ps, value in zip(self._shape.parts, self._part_tensors))
+        return self._parts
+
     def part_for(self, plane: int) -> list[PartView]:
         """The parts holding ``plane`` (several when the row is split into column parts)."""
         return [pv for pv in self.parts if pv.part.plane in (None, plane)]

@@ -459,6 +459,30 @@ def test_host_cost_calls_are_timed_in_turn_with_their_yardsticks():
     assert row["host_us"] == pytest.approx(row["host_us_per_call"] * case.calls)
 
 
+def test_host_cost_rows_that_bind_per_call_move_what_the_plain_call_moves(monkeypatch):
+    """The "bind-per-call" row binds both caches anew at every call and the "gather" row gathers into a view of
+    the buffer made at every call; with rows to move (the same cases filled) both match the torch baseline byte
+    for byte, as the plain all-layer row does."""
+    timer = Timer(torch.device("cpu"), warmup=0, reps=1)
+    binds, outs = [], []
+    real_bind, real_gather = ops.bind, ops.gather
+    monkeypatch.setattr(ops, "bind", lambda *a, **k: binds.append(a[1]) or real_bind(*a, **k))
+    monkeypatch.setattr(ops, "gather", lambda *a, out, **k: outs.append(out) or real_gather(*a, out=out, **k))
+    for call in ("bind-per-call", "gather"):
+        case = next(c for c in C.host_cost_cases("gather_device") if c.call == call and not c.layerwise)
+        full = dataclasses.replace(case, empty=False)
+        data = C.build(full, C.Inputs(torch.device("cpu")))
+        binds.clear()
+        outs.clear()
+        assert check_bit_exact(full, data, timer), call
+        buffer = data["buffer"].tensors[0]
+        if call == "bind-per-call":
+            assert len(binds) == 2 * case.calls and not outs
+        else:
+            assert len(outs) == case.calls and len({id(o) for o in outs}) == case.calls
+            assert all(o is not buffer and o.data_ptr() == buffer.data_ptr() for o in outs)
+
+
 def test_host_profile_script_times_a_bench_row_and_lists_its_events():
     """scripts/host_profile.py builds a bench row, times its calls on the host and lists profiler events per
     call (none of the copy's own on the CPU, where the call is one C++ call outside torch's operators)."""

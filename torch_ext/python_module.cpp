@@ -446,6 +446,30 @@ class StagedTransfer {
   std::unique_ptr<StagedEngine> engine_;
 };
 
+// What binding a cache reads of its tensors (kvlayout.ops.views): per tensor
+// its dimensions, sizes, strides, element type and device, packed as bytes,
+// equal exactly when those are equal. None where an item is not a tensor or
+// has symbolic sizes (the binding then reads them the long way). One call for
+// the whole list: an engine binds fresh views of its buffers call after call,
+// and reading a tensor's shape from Python costs about 0.3 us.
+py::object tensors_structure(const py::sequence& items) {
+  std::vector<int64_t> words;
+  words.reserve(size_t(py::len(items)) * 8);
+  for (const py::handle item : items) {
+    if (!THPVariable_Check(item.ptr())) return py::none();
+    const at::Tensor& t = THPVariable_Unpack(item.ptr());
+    if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return py::none();
+    const int64_t dim = t.dim();
+    words.push_back(dim);
+    for (const int64_t size : t.sizes()) words.push_back(size);
+    for (const int64_t stride : t.strides()) words.push_back(stride);
+    words.push_back(static_cast<int64_t>(t.scalar_type()));
+    words.push_back(static_cast<int64_t>(t.device().type()));
+    words.push_back(static_cast<int64_t>(t.device().index()));
+  }
+  return py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
+}
+
 }  // namespace
 }  // namespace kvlayout
 
@@ -589,6 +613,10 @@ PYBIND11_MODULE(_C, m) {
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "
         "stream promised by early_loads=True, where no launch that may still run writes what "
         "they read).");
+  m.def("tensors_structure", &tensors_structure, py::arg("tensors"),
+        "Per tensor its dimensions, sizes, strides, element type and device, as bytes (equal "
+        "exactly when those are equal); None where an item is not a tensor or has symbolic "
+        "sizes.");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
         py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("status"), py::arg("validate"),

@@ -1,0 +1,160 @@
+"""Binding tensors of a structure bound before: one shared shape, the tensors still each binding's own.
+
+An engine's adapter binds fresh views of its buffers call after call (``ops.gather(cache, slots, out=view)``,
+the compat entry points): what binding derives from sizes, strides, element type and device is kept per
+structure (``kvlayout.ops.views.SHAPES``), and so are the checked arguments and program key of a transfer
+between two such shapes.  These tests hold that reuse to exactness: every structural difference gets its own
+shape, a bad binding still raises, no tensor is kept, the cache stays bounded, and transfers between fresh
+bindings move exactly the rows they name.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+
+from kvlayout import ops
+
+import torch_cases as TC
+
+L, NB, BS, H, E = 3, 8, 4, 2, 8
+CACHE, CHUNK = "vllm_flash_attn_nhd", "lmcache_kv_2ltd"
+
+
+def _layers(device="cpu", dtype=torch.float32, layers=L):
+    return [torch.randn(2, NB, BS, H, E, device=device).to(dtype) for _ in range(layers)]
+
+
+def test_fresh_bindings_of_one_structure_share_a_shape_and_keep_their_own_tensors():
+    first, second = _layers(), _layers()
+    a, b = ops.bind(CACHE, first), ops.bind(CACHE, second)
+    assert a._shape is b._shape and a.geometry == b.geometry
+    assert all(x is y for x, y in zip(b.tensors, second))
+    assert all(pv.tensors[0] is t for pv, t in zip(b.parts, [second[0]]))
+    assert b.value == second and ops.bind(CACHE, b.value)._shape is a._shape
+    # views of the same memory made anew each call are the same structure too
+    chunk = torch.zeros(2, L, 16, H * E)
+    assert ops.bind(CHUNK, chunk.view(2, L, 16, H * E))._shape is ops.bind(CHUNK, chunk[:])._shape
+
+
+def test_every_structural_difference_gets_its_own_shape():
+    base = ops.bind(CACHE, _layers())
+    hnd = [torch.randn(2, NB, H, BS, E).transpose(2, 3) for _ in range(L)]    # same sizes, other strides
+    others = {
+        "strides": ops.bind(CACHE, hnd),
+        "dtype": ops.bind(CACHE, _layers(dtype=torch.float16)),
+        "layers": ops.bind(CACHE, _layers(layers=L + 1)),
+        "device": ops.bind(CACHE, [t.to("meta") for t in _layers()]),
+    }
+    for what, cache in others.items():
+        assert cache._shape is not base._shape, what
+    hnd_cache = others["strides"]
+    assert hnd_cache.parts[0].strides["h"] == BS * E and base.parts[0].strides["h"] == E
+    assert others["dtype"].dtype == torch.float16 and others["layers"].geometry.L == L + 1
+    # a flat slot axis: the page size is part of the structure
+    pool = torch.zeros(2, L, NB * BS, H, E)
+    by_page = {ps: ops.bind("hicache_layer_first", pool, page_size=ps) for ps in (1, 4)}
+    assert by_page[1]._shape is not by_page[4]._shape and by_page[4].geometry.BS == 4
+
+
+def test_bad_bindings_still_raise_after_good_ones_of_the_same_layout():
+    ops.bind(CACHE, _layers())
+    mixed = _layers()
+    mixed[1] = torch.randn(2, NB, H, BS, E).transpose(2, 3)     # one layer with other strides
+    with pytest.raises(ValueError, match="layer 1 has strides"):
+        ops.bind(CACHE, mixed)
+    mixed = _layers()
+    mixed[2] = mixed[2].half()
+    with pytest.raises(TypeError, match="tensor 2 has dtype"):
+        ops.bind(CACHE, mixed)
+    with pytest.raises(ValueError, match="must have 5 dims"):
+        ops.bind(CACHE, [t[0] for t in _layers()])
+    with pytest.raises((TypeError, AttributeError)):
+        ops.bind(CACHE, [*_layers()[:2], "not a tensor"])
+
+
+def test_the_shape_cache_is_bounded_and_keeps_no_tensor():
+    saved = ops.cache_info()["shapes_capacity"]
+    try:
+        ops.set_cache_capacity(shapes=4)
+        for T in range(1, 11):
+            ops.bind(CHUNK, torch.zeros(2, L, T, H * E))
+            assert ops.cache_info()["shapes"] <= 4
+        assert ops.cache_info()["shapes_capacity"] == 4
+        chunk = torch.zeros(2, L, 99, H * E)
+        kv = ops.bind(CACHE, _layers())
+        ops.transfer(kv, ops.bind(CHUNK, chunk), torch.arange(99) % (NB * BS))
+        gone = weakref.ref(chunk)
+        del chunk
+        gc.collect()
+        assert gone() is None       # neither the shape nor the choices it keeps hold the chunk
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="shape cache capacity must be a positive int"):
+                ops.set_cache_capacity(shapes=bad)
+    finally:
+        ops.set_cache_capacity(shapes=saved)
+
+
+def test_transfers_between_fresh_bindings_move_exactly_the_named_rows(device):
+    """Gathers into a view made per call and all-layer / one-layer transfers both ways between caches bound anew
+    per call, with random slots, token counts and layers: every row where the slots put it, the checked
+    choice made once per pair of shapes and choice, no program added when the calls come again."""
+    tensors = _layers(device)
+    kv = ops.bind(CACHE, tensors)
+    flat = [t.reshape(2, NB * BS, H, E).cpu() for t in tensors]
+
+    def calls():
+        rng = random.Random(7)
+        for call in range(40):
+            T = rng.choice((5, 16))
+            slots = rng.sample(range(NB * BS), T)
+            s = torch.tensor(slots, device=device)
+            layers = sorted(rng.sample(range(L), rng.randint(1, L))) if call % 3 == 0 else list(range(L))
+            buf = torch.full((2, len(layers), T, H * E), float("nan"), device=device)
+            if call % 2:
+                ops.gather(ops.bind(CACHE, tensors), s, out=buf.view(2, len(layers), T, H, E), layers=layers)
+            else:
+                ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, buf.view(2, len(layers), T, H * E)), s,
+                             src_layers=layers)
+            TC.sync(device)
+            want = torch.stack([torch.stack([flat[layer][p][slots].reshape(T, H * E) for layer in layers])
+                                for p in range(2)])
+            assert torch.equal(buf.cpu(), want), call
+
+    calls()
+    planned = (ops.cache_info()["programs"], len(kv._shape.choices))
+    calls()     # the same calls again: every pair of shapes and choice known, nothing planned or checked anew
+    assert (ops.cache_info()["programs"], len(kv._shape.choices)) == planned
+    # back into the cache, through fresh bindings on both sides, one layer per call
+    rows = torch.randn(2, 1, 6, H * E, device=device)
+    slots = [3, 9, 17, 4, 30, 0]
+    for layer in range(L):
+        ops.transfer(ops.bind(CHUNK, rows[:]), ops.bind(CACHE, list(tensors)), None,
+                     torch.tensor(slots, device=device), src_layers=[0], dst_layers=[layer])
+    TC.sync(device)
+    for layer in range(L):
+        got = tensors[layer].reshape(2, NB * BS, H * E)[:, slots].cpu()
+        assert torch.equal(got, rows[:, 0].cpu())
+
+
+def test_a_pair_of_shapes_keeps_one_checked_choice_per_choice():
+    """The checked arguments of a choice are made once per pair of shapes; another destination shape, or another
+    choice, gets its own (never one of another pair)."""
+    tensors = _layers()
+    src = ops.bind(CACHE, tensors)
+    src._shape.choices.clear()
+    slots = torch.tensor([1, 2, 3])
+    for _ in range(3):
+        ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, torch.zeros(2, L, 3, H * E)), slots)
+    assert len(src._shape.choices) == 1
+    ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, torch.zeros(2, 1, 3, H * E)), slots, src_layers=[2])
+    ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, torch.zeros(2, L, 4, H * E)), torch.arange(4))
+    assert len(src._shape.choices) == 3
+    keys = list(src._shape.choices)
+    assert len({k[0] for k in keys}) == 3      # three destination shapes
+    with pytest.raises(ValueError, match="destination takes 1 layer"):
+        ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, torch.zeros(2, 1, 3, H * E)), slots)
