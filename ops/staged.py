@@ -275,19 +275,25 @@ def host_segments(host: KVCache, mini: KVCache, slot: torch.Tensor, host_layers:
 def static_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
     """What about a transfer's stageability does not change from call to call (pinned memory, layout,
     chunk shape): a :class:`StagedPlan` with ``token_bytes``, no call's ``payload_bytes``."""
-    side = _host_side(src, dst)
-    if side is None:
-        return StagedPlan("one side must be a CUDA cache and the other a pinned host cache")
-    sides = _Sides.of(src, dst, choice, side == "dst")
-    if not all(t.is_pinned() for t in sides.host.tensors):
-        return StagedPlan("the host cache is not pinned (page-locked) memory")
-    # the rest depends on the caches' shapes and the choice alone: planned once for all pairs of these shapes
-    # (an engine that binds fresh views call after call plans it once)
+    # all but the host memory's pinning depends on the caches' shapes and the choice alone: planned once for
+    # all pairs of these shapes (an engine that binds fresh views call after call plans it once)
     shapes = choice.shared if choice.shared is not None else choice
     kept = shapes.ring_plan
     if kept is None or kept[0] != STAGING_BYTES:
-        kept = shapes.ring_plan = (STAGING_BYTES, _ring_plan(sides))
-    return kept[1]
+        kept = shapes.ring_plan = (STAGING_BYTES, _shapes_plan(src, dst, choice))
+    plan = kept[1]
+    if plan.stageable and not all(t.is_pinned() for t in (dst if plan.host_is_dst else src).tensors):
+        return StagedPlan("the host cache is not pinned (page-locked) memory")
+    return plan
+
+
+def _shapes_plan(src: KVCache, dst: KVCache, choice) -> StagedPlan:
+    """:func:`static_plan` but for the host memory's pinning: which side is the host, and how its rows go through
+    a ring's slots in chunks."""
+    side = _host_side(src, dst)
+    if side is None:
+        return StagedPlan("one side must be a CUDA cache and the other a pinned host cache")
+    return _ring_plan(_Sides.of(src, dst, choice, side == "dst"))
 
 
 def _ring_plan(sides: _Sides) -> StagedPlan:

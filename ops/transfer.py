@@ -195,8 +195,8 @@ def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layer
     negative slots and of the skipped prefix are left as they are in ``out``.
     """
     g = cache.geometry
-    P = len(as_index_list(g.P, planes, "planes"))
-    L = len(as_index_list(g.L, layers, "layers"))
+    P = g.P if planes is None else len(as_index_list(g.P, planes, "planes"))
+    L = g.L if layers is None else len(as_index_list(g.L, layers, "layers"))
     if num_tokens is not None:
         num_tokens = as_int("num_tokens", num_tokens, lo=0)
     if slots is not None and not isinstance(slots, torch.Tensor):
@@ -211,8 +211,9 @@ def gather(cache: KVCache, slots=None, *, out: torch.Tensor | None = None, layer
         # (rows of another H x E split with the same width are fine: the transfer checks the row width)
         raise ValueError(f"out has shape {tuple(out.shape)}; it must be [P', L', T, H, E] with "
                          f"P' = {P}, L' = {L} and T >= {T} for {T} tokens")
+    # (given slots say T: the transfer then takes its common path, which checks num_tokens only when given)
     transfer(cache, bind("rows", out), slots, None, src_layers=layers, src_planes=planes, skip_prefix=skip_prefix,
-             num_tokens=T, max_ctas=max_ctas, validate=validate)
+             num_tokens=num_tokens if slots is not None else T, max_ctas=max_ctas, validate=validate)
     return out
 
 

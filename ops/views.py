@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import operator
+import threading
 
 import torch
 
@@ -28,6 +29,7 @@ from kvlayout.reference import semantics as rules
 from kvlayout.reference.layouts import AXES, Geometry, Layout, Part, get, infer_geometry
 
 from . import _native
+from .locks import fork_safe
 from .settings import environment_capacity
 
 INTEGER_STORAGE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
@@ -136,30 +138,35 @@ class CacheShape:
 
 
 class _ShapeCache:
-    """The shapes of recent bindings by their exact structure (least recently used first out)."""
+    """The shapes of recent bindings by their exact structure (least recently used first out; threads bind at
+    once)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = fork_safe(threading.Lock())
 
     def get(self, key) -> CacheShape | None:
-        try:
-            shape = self.entries[key]
-        except KeyError:
-            return None
-        self.entries.move_to_end(key)
-        return shape
+        with self._lock:
+            shape = self.entries.get(key)
+            if shape is not None:
+                self.entries.move_to_end(key)
+            return shape
 
     def put(self, key, shape: CacheShape) -> None:
-        self.entries[key] = shape
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
+        with self._lock:
+            self.entries[key] = shape
+            self._trim()
 
     def set_capacity(self, capacity: int) -> None:
         if type(capacity) is not int or capacity < 1:
             raise ValueError(f"the shape cache capacity must be a positive int, got {capacity!r}")
-        self.capacity = capacity
-        while len(self.entries) > capacity:
+        with self._lock:
+            self.capacity = capacity
+            self._trim()
+
+    def _trim(self) -> None:
+        while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
 
 

@@ -336,6 +336,7 @@ def test_many_calls_keep_memory_and_caches_bounded(device):
     assert peak_caches["programs"] <= info["programs_capacity"] + info["pinned_programs"]
     assert peak_caches["native_programs"] <= info["programs_capacity"] + info["pinned_programs"]
     assert peak_caches["bindings"] <= info["bindings_capacity"]
+    assert peak_caches["shapes"] <= info["shapes_capacity"]
     assert grown < 64 << 20
 
 
