@@ -23,6 +23,8 @@
 #                bench/results/h200.jsonl)                          -> host_profile.txt
 #   host-path    scripts/host_path.py: an all-layer call's host time by part (Python,
 #                the C++ checks, the launch), warm and with the device idle -> host_path.txt
+#   binding-cost scripts/binding_cost.py: calls with tensors bound at every call (ops, LMCache and
+#                SGLang entry points) beside one torch op     -> binding_cost.txt
 #   ab-old       starts building the older tree AB_OLD for `ab` in the background
 #                (scripts/ab_record.sh AB_OLD AB_DIR 0), beside the steps after it -> ab_old_build.txt
 #   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
@@ -34,7 +36,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|ab-old|ab ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|binding-cost|ab-old|ab ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -93,6 +95,7 @@ for step in "${steps[@]}"; do
                           --record "$record" --over 50 --rows 6 --calls 30
                       rm -rf "$recorded" ;;
         host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
+        binding-cost) run_step binding-cost binding_cost.txt $py scripts/binding_cost.py --device cuda ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"
                 scripts/ab_record.sh "$AB_OLD" "$ab_dir" 0 > "$out/ab_old_build.txt" 2>&1 &
                 ab_old_pid=$!

@@ -502,17 +502,36 @@ def test_host_profile_script_times_a_bench_row_and_lists_its_events():
     assert bad.returncode != 0 and "no bench case 'no such row' on cpu" in bad.stderr
 
 
+def _script(name: str):
+    """scripts/NAME.py loaded as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).resolve().parents[1] / "scripts" /
+                                                  f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_binding_cost_script_times_calls_with_tensors_bound_per_call(capsys):
+    """scripts/binding_cost.py times, beside one torch op, the calls an adapter makes with tensors it binds at
+    every call (ops.transfer and ops.gather, the LMCache and SGLang entry points) and the repeated call on kept
+    caches; each moves nothing (every slot -1), so the caches are left as they were."""
+    binding_cost = _script("binding_cost")
+    fns = binding_cost.calls(torch.device("cpu"))
+    assert list(fns)[-1] == "torch op" and len(fns) == 7
+    assert binding_cost.main(["--reps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-5:] == ["host", "µs", "×", "torch", "op"] and len(lines) == 1 + len(fns)
+    assert [line[:34].strip() for line in lines[1:]] == list(fns)
+    assert lines[-1].split()[-1] == "1.00×" and all(float(line.split()[-2]) > 0 for line in lines[1:])
+
+
 def test_host_path_script_splits_an_all_layer_call_into_its_parts():
     """scripts/host_path.py times an all-layer call, its C++ call alone, that call launching nothing and a torch
     op, warm and idle, and gives the Python and launch parts as the differences of those figures; a row that
     is not an all-layer kernel row (the copy engine's, a layer-wise one) is refused with the reason."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "host_path", Path(__file__).resolve().parents[1] / "scripts" / "host_path.py")
-    host_path = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(host_path)
+    host_path = _script("host_path")
     (key,) = host_path.DEFAULT_KEYS["cpu"]
     case = next(c for c in C.cpu_cases() if c.key == key)
     fns = host_path.parts(case, torch.device("cpu"))
@@ -536,13 +555,7 @@ def test_host_path_script_splits_an_all_layer_call_into_its_parts():
 def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
     """scripts/host_profile.py --record: the rows of the group whose host time per call was over the bound,
     slowest first, at most --rows of them; nothing else (other groups, rows at the bound, the header)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "host_profile", Path(__file__).resolve().parents[1] / "scripts" / "host_profile.py")
-    host_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(host_profile)
+    host_profile = _script("host_profile")
     rows = [{"kind": "run"}, {"kind": "case", "group": "staged", "key": "a", "host_us_per_call": 60.0},
             {"kind": "case", "group": "staged", "key": "b", "host_us_per_call": 50.0},
             {"kind": "case", "group": "staged", "key": "c", "host_us_per_call": 700.0},

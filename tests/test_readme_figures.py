@@ -33,6 +33,8 @@ README_HEADLINE = [(shape, 4096, direction) for shape in ("L32_H8_D128", "L32_ML
 # The host_cost rows: (what the row measures, the row's `call`, a text its key holds)
 HOST_COST_ROWS = [
     ("all-layer `ops.transfer` (32 layers, one call)", "transfer", "all layers"),
+    ("the same between caches bound anew at each call", "bind-per-call", "all layers"),
+    ("the same as `ops.gather` into a view made at each call", "gather", "all layers"),
     ("one-layer `ops.transfer`", "transfer", "x32 layers"),
     ("prepared layer call `t.layer(i)`", "prepared", "prepared empty"),
     ("the same layer call launching nothing (`skip_prefix` = T)", "prepared-no-launch", "prepared-no-launch"),

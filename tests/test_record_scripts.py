@@ -76,8 +76,9 @@ def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_
     log = (out / "host_profile.txt").read_text()
     # the profile ran on the record unpacked from bench.tgz, not on the committed one
     assert "--record" in log and "bench.jsonl" in log and "bench/results/h200.jsonl" not in log
-    assert record(out, stand_in, "host-path").returncode == 0
+    assert record(out, stand_in, "host-path", "binding-cost").returncode == 0
     assert "ran scripts/host_path.py --device cuda" in (out / "host_path.txt").read_text()
+    assert "ran scripts/binding_cost.py --device cuda" in (out / "binding_cost.txt").read_text()
 
 
 def test_ab_steps_build_the_older_tree_beside_the_others_and_hand_back_the_comparison(tmp_path: Path,
