@@ -235,10 +235,10 @@ class CheckedChoice:
     """The slot-independent arguments of a transfer, checked: layers, planes, CTA budget, launch device.
 
     ``program`` and ``status`` (the copy program's key and the device's
-    status word) are filled in by the first kernel call that uses the choice;
+    status word) are filled in when the choice is checked (outside tracing);
     ``bound`` (the program bound to the caches' tensors, ``_C.PreparedCopy``)
-    by the second, so a repeated call goes straight to C++, which checks its
-    slots and launches.
+    by the second kernel call, so a repeated call goes straight to C++, which
+    checks its slots and launches.
     """
 
     src_layers: list

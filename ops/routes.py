@@ -62,9 +62,6 @@ def run_kernel(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slot
     if c.bound is not None and c.bound.run_with(0, src_slots, dst_slots, num_tokens, skip_prefix, c.max_ctas,
                                                 validate):
         return
-    if c.program is None:
-        c.program = choice_key(src, dst, c)
-        c.status = _native.status_tensor(c.device)
     handle = program_handle(c.program, pin=True)   # (pinned while it runs: another thread may fill the cache)
     try:
         c.kernel_calls += 1

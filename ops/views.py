@@ -186,9 +186,10 @@ class KVCache:
 
     Attributes: ``geometry`` (P, L, NB, BS, H, E), ``dtype``, ``device``,
     ``tensors`` (every tensor, part by part and layer by layer), ``parts``
-    (:class:`PartView` per part), ``value`` (the tensors as bound).  Binding tensors of a structure bound before
-    (sizes, strides, element type, device) reuses that binding's
-    :class:`CacheShape`.
+    (:class:`PartView` per part), ``value`` (the tensors as bound).
+
+    Binding tensors of a structure bound before (sizes, strides, element
+    type, device, page size) reuses that binding's :class:`CacheShape`.
     """
 
     def __init__(self, layout: Layout | str, tensors, *, page_size: int | None = None):
