@@ -158,3 +158,19 @@ def test_a_pair_of_shapes_keeps_one_checked_choice_per_choice():
     assert len({k[0] for k in keys}) == 3      # three destination shapes
     with pytest.raises(ValueError, match="destination takes 1 layer"):
         ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, torch.zeros(2, 1, 3, H * E)), slots)
+
+
+def test_the_shape_cache_bound_is_read_from_the_environment_at_import():
+    import os
+    import subprocess
+    import sys
+
+    probe = "from kvlayout import ops; print(ops.cache_info()['shapes_capacity'])"
+    for value, ok in (("3", True), ("0", False), ("many", False)):
+        run = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "KVLAYOUT_SHAPE_CACHE": value},
+                             capture_output=True, text=True, timeout=120)
+        if ok:
+            assert run.returncode == 0 and run.stdout.strip() == value, run.stderr
+        else:
+            assert run.returncode != 0 and f"KVLAYOUT_SHAPE_CACHE = {value!r}: it must be a positive integer" \
+                in run.stderr
