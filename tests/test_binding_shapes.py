@@ -75,6 +75,9 @@ def test_bad_bindings_still_raise_after_good_ones_of_the_same_layout():
         ops.bind(CACHE, [t[0] for t in _layers()])
     with pytest.raises((TypeError, AttributeError)):
         ops.bind(CACHE, [*_layers()[:2], "not a tensor"])
+    sparse = torch.zeros(2, L, 3, H * E).to_sparse()
+    with pytest.raises(ValueError, match="needs contiguous elements"):     # (no strides: read the long way)
+        ops.bind(CHUNK, sparse)
 
 
 def test_the_shape_cache_is_bounded_and_keeps_no_tensor():

@@ -448,8 +448,9 @@ class StagedTransfer {
 
 // What binding a cache reads of its tensors (kvlayout.ops.views): per tensor
 // its dimensions, sizes, strides, element type and device, packed as bytes,
-// equal exactly when those are equal. None where an item is not a tensor or
-// has symbolic sizes (the binding then reads them the long way). One call for
+// equal exactly when those are equal. None where an item is not a strided
+// tensor of concrete sizes (the binding then reads them the long way, and
+// says what is wrong). One call for
 // the whole list: an engine binds fresh views of its buffers call after call,
 // and reading a tensor's shape from Python costs about 0.3 us.
 py::object tensors_structure(const py::sequence& items) {
@@ -458,7 +459,9 @@ py::object tensors_structure(const py::sequence& items) {
   for (const py::handle item : items) {
     if (!THPVariable_Check(item.ptr())) return py::none();
     const at::Tensor& t = THPVariable_Unpack(item.ptr());
-    if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return py::none();
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() ||
+        t.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+      return py::none();
     const int64_t dim = t.dim();
     words.push_back(dim);
     for (const int64_t size : t.sizes()) words.push_back(size);
