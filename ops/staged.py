@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import weakref
 
 import torch
@@ -59,6 +60,7 @@ from kvlayout import _C
 from kvlayout.reference.layouts import make_geometry
 
 from . import _native
+from .locks import fork_safe
 from .programs import plan, program_handle, program_key, unpin
 from .settings import environment_capacity, environment_choice
 from .views import KVCache
@@ -375,6 +377,10 @@ class _Ring:
 
 
 _RINGS: collections.OrderedDict = collections.OrderedDict()   # _ring_key -> _Ring, least recent first
+# around every change of _RINGS and of a ring's transfers: threads on streams of their own take rings at once, and
+# a check-then-insert between them would keep more rings than KEPT_RINGS (reentrant: a weak reference's callback
+# may drop a transfer from inside an allocation made while it is held)
+_RINGS_LOCK = fork_safe(threading.RLock())
 
 
 def _ring_key(device: torch.device, stream: torch.cuda.Stream) -> tuple:
@@ -388,13 +394,14 @@ def _ring_for(device: torch.device, stream: torch.cuda.Stream) -> _Ring:
     if torch.cuda.is_current_stream_capturing():
         return _Ring(device, stream=None)
     key = _ring_key(device, stream)
-    ring = _RINGS.pop(key, None)
-    if ring is None:
-        while len(_RINGS) >= KEPT_RINGS:
-            _RINGS.pop(next(iter(_RINGS)))
-        ring = _Ring(device, stream=stream.cuda_stream)
-    _RINGS[key] = ring                   # (re)inserted last: the most recently used
-    return ring
+    with _RINGS_LOCK:
+        ring = _RINGS.pop(key, None)
+        if ring is None:
+            while len(_RINGS) >= KEPT_RINGS:
+                _RINGS.pop(next(iter(_RINGS)))
+            ring = _Ring(device, stream=stream.cuda_stream)
+        _RINGS[key] = ring                   # (re)inserted last: the most recently used
+        return ring
 
 
 _RING_REFUSED: set = set()   # devices whose memory could not hold a ring: engine="auto" keeps the kernel there
@@ -431,8 +438,9 @@ def ring_refusal(device: torch.device, allocate: bool = True) -> str | None:
 def release_staging() -> None:
     """Frees the staging rings (their memory returns to torch's caching allocator) and the transfers planned
     on them; ``engine="auto"`` tries to stage again on devices where a ring did not fit."""
-    _RINGS.clear()
-    _RING_REFUSED.clear()
+    with _RINGS_LOCK:
+        _RINGS.clear()
+        _RING_REFUSED.clear()
 
 
 _SIDE_STREAMS: dict = {}
@@ -460,8 +468,9 @@ class _Transfer:
 
         def forget(_):
             r, t = ring_ref(), me()
-            if r is not None and t is not None and r.transfers.get(key) is t:
-                del r.transfers[key]
+            with _RINGS_LOCK:
+                if r is not None and t is not None and r.transfers.get(key) is t:
+                    del r.transfers[key]
 
         self._watches = [weakref.ref(o, forget) for o in (choice, src, dst)]
         self.choice = self._watches[0]
@@ -547,15 +556,19 @@ def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots
     if device_slots is not None and device_slots.device != device:
         device_slots = device_slots.to(device, non_blocking=True)
     for attempt in range(2):
-        transfer = ring.transfers.get(id(choice))
-        if transfer is None or transfer.choice() is not choice or attempt:
-            transfer = _Transfer(src, dst, choice, staged, ring)
+        with _RINGS_LOCK:
+            transfer = ring.transfers.get(id(choice))
+            if transfer is not None and transfer.choice() is choice and not attempt:
+                ring.transfers.move_to_end(id(choice))
+            else:
+                transfer = None
+        if transfer is None:
+            transfer = _Transfer(src, dst, choice, staged, ring)   # (planned outside the lock)
             if not ring.capturing:
-                ring.transfers[id(choice)] = transfer
-                while len(ring.transfers) > PLANS_PER_RING:
-                    ring.transfers.popitem(last=False)
-        else:
-            ring.transfers.move_to_end(id(choice))
+                with _RINGS_LOCK:
+                    ring.transfers[id(choice)] = transfer
+                    while len(ring.transfers) > PLANS_PER_RING:
+                        ring.transfers.popitem(last=False)
         if transfer.native.run(device_slots, num_tokens, skip_prefix, choice.max_ctas, validate):
             if not ring.capturing:
                 choice.staged_kept = weakref.ref(transfer)

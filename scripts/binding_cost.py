@@ -35,10 +35,9 @@ def calls(device: torch.device) -> dict:
     dtype = torch.bfloat16
     kv = [torch.zeros(2, NB, BS, H, D, dtype=dtype, device=device) for _ in range(L)]
     chunk = torch.zeros(2, L, T, H * D, dtype=dtype, pin_memory=pinned)
-    k = [torch.zeros(NB * BS, H, D, dtype=dtype, device=device) for _ in range(L)]
-    v = [torch.zeros_like(t) for t in k]
-    host_k = [torch.zeros(NB * BS, H, D, dtype=dtype, pin_memory=pinned) for _ in range(L)]
-    host_v = [torch.zeros_like(t) for t in host_k]
+    k, v = ([torch.zeros(NB * BS, H, D, dtype=dtype, device=device) for _ in range(L)] for _ in range(2))
+    host_k, host_v = ([torch.zeros(NB * BS, H, D, dtype=dtype, pin_memory=pinned) for _ in range(L)]
+                      for _ in range(2))   # (zeros_like would not pin)
     slots = torch.full((T,), -1, dtype=torch.int64, device=device)
     host_slots = torch.full((T,), -1, dtype=torch.int64, device=device)
     cache, bound_chunk = ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk)

@@ -169,6 +169,42 @@ def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
     assert bad.returncode != 0 and "KVLAYOUT_STAGED_CHUNKS = '0'" in bad.stderr
 
 
+def test_threads_taking_rings_at_once_keep_at_most_the_bound(monkeypatch):
+    """Threads on streams of their own taking staging rings at the same moment never keep more than KEPT_RINGS
+    (each ring is a device buffer of KVLAYOUT_STAGING_BYTES): the check and the insertion are one step. A ring
+    here is a stand-in that takes a millisecond to make, so that the threads' calls overlap."""
+    import threading
+    import time
+
+    class SlowRing:
+        def __init__(self, device, stream):
+            time.sleep(0.001)
+            self.stream, self.transfers = stream, {}
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    monkeypatch.setattr(staged_mod, "_Ring", SlowRing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(staged_mod, "_RINGS", type(staged_mod._RINGS)())
+    kept, start = [], threading.Barrier(8)
+
+    def take(handle):
+        start.wait()
+        for round_ in range(20):
+            staged_mod._ring_for(torch.device("cuda", 0), Stream(handle * 100 + round_ % 3))
+            kept.append(len(staged_mod._RINGS))
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(kept) == 160 and max(kept) <= staged_mod.KEPT_RINGS
+    assert ops.cache_info()["staging"] == len(staged_mod._RINGS) <= staged_mod.KEPT_RINGS
+
+
 def test_how_a_kept_graph_is_launched_is_a_setting_and_a_variable():
     """ops.set_staged_graph_launch: "host" (the default) or "device" (staged_graph_launch() reads it, and the
     native flag the engine reads at each call follows it); anything else refused; KVLAYOUT_STAGED_GRAPH_LAUNCH
