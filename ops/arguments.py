@@ -294,17 +294,23 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
         checked = src._shape.choices.get(shared_key)
         if checked is None:
             checked = _check_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
-            if len(src._shape.choices) >= 256:
-                src._shape.choices.clear()
-            src._shape.choices[shared_key] = checked
+            _remember(src._shape.choices, shared_key, checked)
         out = CheckedChoice(checked.src_layers, checked.dst_layers, checked.src_planes, checked.dst_planes,
                             checked.max_ctas, checked.device, checked.program, checked.status, shared=checked)
-        if len(src._checked_choices) >= 256:
-            src._checked_choices.clear()
         # the binding holds the destination's tensors: released with the destination cache
-        src._checked_choices[key] = (weakref.ref(dst, lambda _: setattr(out, "bound", None)), out)
+        _remember(src._checked_choices, key, (weakref.ref(dst, lambda _: setattr(out, "bound", None)), out))
         return out
     return _check_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
+
+
+CHOICES_KEPT = 256   # checked choices a memo keeps (per source cache; per shape for pairs of shapes)
+
+
+def _remember(memo: dict, key, value) -> None:
+    """``memo[key] = value``, the memo emptied first when it holds :data:`CHOICES_KEPT` entries."""
+    if len(memo) >= CHOICES_KEPT:
+        memo.clear()
+    memo[key] = value
 
 
 def _check_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,

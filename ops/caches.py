@@ -53,13 +53,13 @@ def cache_info() -> dict:
     info["shapes"] = len(views.SHAPES.entries)
     info["shapes_capacity"] = views.SHAPES.capacity
     with staged._RINGS_LOCK:   # (other threads take rings and plan transfers meanwhile)
-        rings = [(ring, list(ring.transfers.values())) for ring in staged._RINGS.values()]
-    info["staging"] = len(rings)
+        transfers = [list(ring.transfers.values()) for ring in staged._RINGS.values()]   # per ring
+    info["staging"] = len(transfers)
     info["staging_capacity"] = staged.KEPT_RINGS
     info["staging_bytes"] = staged.STAGING_BYTES
     info["staged_chunks"] = _C.staged_chunks()
-    info["staged_transfers"] = sum(len(transfers) for _, transfers in rings)
-    info["staged_graphs"] = sum(t.native.kept_graphs for _, transfers in rings for t in transfers)
+    info["staged_transfers"] = sum(len(planned) for planned in transfers)
+    info["staged_graphs"] = sum(t.native.kept_graphs for planned in transfers for t in planned)
     info["staged_graphs_capacity"] = _C.staged_graph_capacity()
     info["thread_scratch_bytes"] = _C.thread_scratch_bytes()   # the calling thread's
     info["thread_scratch_kept_bytes"] = _C.thread_scratch_kept_bytes

@@ -450,9 +450,9 @@ class StagedTransfer {
 // its dimensions, sizes, strides, element type and device, packed as bytes,
 // equal exactly when those are equal. None where an item is not a strided
 // tensor of concrete sizes (the binding then reads them the long way, and
-// says what is wrong). One call for
-// the whole list: an engine binds fresh views of its buffers call after call,
-// and reading a tensor's shape from Python costs about 0.3 us.
+// says what is wrong). One call for the whole list: an engine binds fresh
+// views of its buffers call after call, and reading a tensor's shape from
+// Python costs about 0.3 us.
 py::object tensors_structure(const py::sequence& items) {
   std::vector<int64_t> words;
   words.reserve(size_t(py::len(items)) * 8);
@@ -618,7 +618,7 @@ PYBIND11_MODULE(_C, m) {
         "they read).");
   m.def("tensors_structure", &tensors_structure, py::arg("tensors"),
         "Per tensor its dimensions, sizes, strides, element type and device, as bytes (equal "
-        "exactly when those are equal); None where an item is not a tensor or has symbolic "
+        "exactly when those are equal); None where an item is not a strided tensor of concrete "
         "sizes.");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
