@@ -250,25 +250,73 @@ def test_export_with_dynamic_tokens(device, cache):
         TC.assert_same_bytes(got, R.transfer(CACHE, physical, CHUNK, before, s, None), f"exported, {T} tokens")
 
 
-def test_reduce_overhead_cuda_graphs(cuda_device):
-    """mode="reduce-overhead" (inductor + CUDA graphs) with a dynamic token count: one dynamo graph,
+def _reduce_overhead(step):
+    """``step`` compiled as an engine compiles its step for CUDA graphs, the counters cleared."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(step, fullgraph=True, mode="reduce-overhead", dynamic=True)
+
+
+def _assert_cuda_graphs_replayed():
+    """Inductor recorded CUDA graphs and skipped none (it skips, with only a warning, a graph that mutates an
+    input it does not know to be static: then nothing was captured at all)."""
+    counters = torch._dynamo.utils.counters
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0, dict(counters["inductor"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+
+
+# sizes seen before replay their recorded graphs (cudagraph trees: the first call of a size warms up, the
+# second records, the third replays)
+REPLAYED_COUNTS = TOKEN_COUNTS + TOKEN_COUNTS[:3] * 2
+
+
+def test_reduce_overhead_cuda_graphs_to_chunk(cuda_device):
+    """mode="reduce-overhead" (inductor + CUDA graphs) with a dynamic token count, the way an engine offloads:
+    the cache's tensors are static addresses (``mark_static_address``), the chunk is the graph's own output;
     the captured op replays with each call's slots, results equal to the reference."""
     rng = np.random.default_rng(8)
     physical = S.random_cache(CACHE, GEOM, "bfloat16", rng)
     kv = ops.bind(CACHE, TC.to_torch(CACHE, physical, cuda_device))
+    for t in kv.tensors:
+        torch._dynamo.mark_static_address(t)
 
-    def step(slots, chunk):
+    def step(slots, before):
+        chunk = before.clone()    # (an input the graph writes would make inductor skip CUDA graphs)
         ops.transfer(kv, ops.bind(CHUNK, chunk), slots)
-        return chunk * 1    # an output the graph produces (CUDA graphs replay into it)
+        return chunk
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    fn = torch.compile(step, fullgraph=True, mode="reduce-overhead", dynamic=True)
-    for T in TOKEN_COUNTS + TOKEN_COUNTS[:3]:    # sizes seen before replay their recorded graphs
+    fn = _reduce_overhead(step)
+    for T in REPLAYED_COUNTS:
         s = _rng_slots(rng, T)
+        s[T // 2] = -1                                         # a token without a row: left as it was
         before = S.random_cache(CHUNK, _chunk_geometry(T), "bfloat16", rng)
-        chunk = TC.to_torch(CHUNK, before, cuda_device)
-        got = fn(torch.from_numpy(s).to(cuda_device), chunk).clone()
+        got = fn(torch.from_numpy(s).to(cuda_device), TC.to_torch(CHUNK, before, cuda_device)).clone()
         TC.sync(cuda_device)
         TC.assert_same_bytes(got, R.transfer(CACHE, physical, CHUNK, before, s, None), f"{T} tokens")
-    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    _assert_cuda_graphs_replayed()
+
+
+def test_reduce_overhead_cuda_graphs_from_chunk(cuda_device):
+    """mode="reduce-overhead" with a dynamic token count, the way an engine loads: the graph writes the cache's
+    tensors in place (static addresses, as an engine's KV cache buffers are), each call's chunk and slots are
+    inputs; after every call the cache equals the reference's."""
+    rng = np.random.default_rng(9)
+    expected = S.random_cache(CACHE, GEOM, "bfloat16", rng)
+    kv = ops.bind(CACHE, TC.to_torch(CACHE, expected, cuda_device))
+    for t in kv.tensors:
+        torch._dynamo.mark_static_address(t)
+
+    def step(chunk, slots):
+        ops.transfer(ops.bind(CHUNK, chunk), kv, None, slots)
+        return slots + 0          # (an output, so that the graph is not empty of results)
+
+    fn = _reduce_overhead(step)
+    for T in REPLAYED_COUNTS:
+        s = _rng_slots(rng, T)
+        rows = S.random_cache(CHUNK, _chunk_geometry(T), "bfloat16", rng)
+        fn(TC.to_torch(CHUNK, rows, cuda_device), torch.from_numpy(s).to(cuda_device))
+        expected = R.transfer(CHUNK, rows, CACHE, expected, None, s)
+        TC.sync(cuda_device)
+        TC.assert_same_bytes(list(kv.tensors), list(expected), f"cache after {T} tokens")
+    _assert_cuda_graphs_replayed()
