@@ -25,6 +25,7 @@ import time
 import torch
 
 from kvlayout.cli import UsageError, writable_dir
+from kvlayout.conformance.environment import source_digest
 
 from . import cases as C
 from .report import write_reports
@@ -96,7 +97,7 @@ def _progress(i: int, n: int, label: str) -> None:
 
 def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-           "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+           "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "source_digest": source_digest()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda,

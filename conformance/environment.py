@@ -111,6 +111,39 @@ def git_commit() -> dict:
     return {"commit": commit, "modified": bool(status) if commit else None}
 
 
+# What the digest reads: the package's directories (pyproject.toml's package-dir), the scripts that make records,
+# the build's files and the bench's peer figures; of the directories, the source files only (not the records kept
+# beside them)
+SOURCE_DIRS = ("kvlayout", "reference", "ops", "conformance", "compat", "bench", "distributed", "torch_ext", "scripts")
+SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu", ".sycl", ".sh")
+SOURCE_FILES = ("setup.py", "pyproject.toml", "bench/peers.json")
+
+
+def source_digest(root: str | None = None) -> str:
+    """A digest of the source tree's contents (12 hex digits), that names the code a record ran whatever the
+    copy's ``.git`` says: equal trees, equal digests. ``root``: the tree (default: the installed kvlayout's).
+
+    Compare a record's with ``python -m kvlayout.conformance.environment [ROOT]`` on a checkout of a commit."""
+    import hashlib
+
+    if root is None:
+        import kvlayout
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(kvlayout.__file__)))
+    paths = [f for f in SOURCE_FILES if os.path.isfile(os.path.join(root, f))]
+    for top in SOURCE_DIRS:
+        for folder, dirs, files in os.walk(os.path.join(root, top)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            paths += [os.path.relpath(os.path.join(folder, f), root) for f in files if f.endswith(SOURCE_SUFFIXES)]
+    digest = hashlib.sha256()
+    for path in sorted(p.replace(os.sep, "/") for p in paths):
+        with open(os.path.join(root, path), "rb") as f:
+            content = f.read()
+        digest.update(f"{path}\0{len(content)}\0".encode())
+        digest.update(content)
+    return digest.hexdigest()[:12]
+
+
 def collect(statuses: list[DeviceStatus]) -> dict:
     """Versions, machine and devices."""
     import hypothesis
@@ -124,6 +157,7 @@ def collect(statuses: list[DeviceStatus]) -> dict:
     env = {
         "kvlayout": kvlayout.__version__,
         **{f"git_{k}": v for k, v in git_commit().items()},
+        "source_digest": source_digest(),
         "kvlayout_backends": _native.built_backends(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -166,3 +200,7 @@ def report_name(statuses: list[DeviceStatus]) -> str:
         if s.device != "cpu":
             return s.device
     return "cpu"
+
+
+if __name__ == "__main__":
+    print(source_digest(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -49,6 +49,7 @@ status=0
 gpu_header() {
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
     $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+    echo "source digest $($py conformance/environment.py . 2>/dev/null)"   # (the tree's, whatever .git says)
 }
 
 run_step() {   # run_step NAME LOGFILE COMMAND...: the command's output goes to the log as it comes

@@ -301,6 +301,8 @@ def test_cpu_run_fixes_the_thread_count_and_says_so():
     assert torch.get_num_threads() == before                       # restored after the run
     env = doc["environment"]
     assert env["threads"] == env["baseline_threads"] == CPU_THREADS
+    from kvlayout.conformance.environment import source_digest
+    assert env["source_digest"] == source_digest()        # the code that ran, whatever the copy's .git says
     (row,) = doc["results"]
     assert row["torch_form"] in ("per_layer", "merged") and {"torch_per_layer_gbps", "torch_merged_gbps"} <= set(row)
     text = markdown(doc)

@@ -2,12 +2,13 @@
 
 import json
 import os
+import pathlib
 import shlex
 
 import pytest
 import torch
 
-from kvlayout.conformance import runner
+from kvlayout.conformance import environment, runner
 from kvlayout.ops import planner, programs
 
 
@@ -32,6 +33,7 @@ def test_tiny_cpu_run_passes_and_writes_both_reports(tmp_path, capsys):
     assert families == {"transfer", "prepared", "staged", "gather", "scatter", "move", "pages", "rope", "fuzz_index",
                         "bad_input", "hostile"}
     assert data["environment"]["torch"] == torch.__version__
+    assert data["environment"]["source_digest"] == environment.source_digest()
     assert any(d["device"] == "xpu" and d["status"] == "not run" for d in data["devices"])
     assert "# kvlayout conformance report: cpu" in markdown and "| transfer |" in markdown
     out = capsys.readouterr().out
@@ -94,8 +96,6 @@ def test_absent_device_is_reported_not_present(tmp_path):
 
 
 def test_device_list_and_family_selection():
-    from kvlayout.conformance import environment
-
     assert environment.parse_devices("all") == ["cpu", "cuda", "xpu"]
     assert environment.parse_devices("cuda, cpu,cuda") == ["cuda", "cpu"]
     assert runner.select_families("bad_*,move") == ["move", "bad_input"]
@@ -111,3 +111,43 @@ def test_sanitizer_absent_is_not_a_pass(monkeypatch):
 
     assert runner.sanitize(Args, cuda_ran=True)["status"] == "sanitizer not available"
     assert runner.sanitize(Args, cuda_ran=False)["status"] == "not run"
+
+
+def test_the_source_digest_names_the_code_not_the_copy(tmp_path):
+    """Two copies of the tree have one digest whatever lies beside the code (records, caches, a .git); one byte
+    of code, one code file more, or a file moved changes it."""
+    import shutil
+
+    root = pathlib.Path(environment.__file__).resolve().parents[1]
+    copy = tmp_path / "tree"
+    for name in environment.SOURCE_DIRS:
+        shutil.copytree(root / name, copy / name, ignore=shutil.ignore_patterns("*.so", "results", "reports"))
+    for name in environment.SOURCE_FILES:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / name, copy / name)
+    digest = environment.source_digest(str(copy))
+    assert digest == environment.source_digest(str(root)) and len(digest) == 12
+    (copy / ".git").mkdir()
+    (copy / ".git" / "HEAD").write_text("ref: refs/heads/old\n")
+    (copy / "bench" / "results").mkdir(exist_ok=True)
+    (copy / "bench" / "results" / "run.jsonl").write_text("{}\n")
+    (copy / "ops" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "ops" / "__pycache__" / "stale.py").write_text("x = 1\n")
+    assert environment.source_digest(str(copy)) == digest
+    source = copy / "torch_ext" / "slots.cpp"
+    source.write_bytes(source.read_bytes() + b" ")
+    changed = environment.source_digest(str(copy))
+    assert changed != digest
+    (copy / "ops" / "extra.py").write_text("")
+    assert environment.source_digest(str(copy)) not in (digest, changed)
+    (copy / "ops" / "extra.py").rename(copy / "compat" / "extra.py")
+    assert environment.source_digest(str(copy)) not in (digest, changed)
+
+
+def test_the_source_digest_reads_every_package_directory():
+    import tomllib
+
+    root = pathlib.Path(environment.__file__).resolve().parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        package_dirs = set(tomllib.load(f)["tool"]["setuptools"]["package-dir"].values())
+    assert package_dirs <= set(environment.SOURCE_DIRS), package_dirs - set(environment.SOURCE_DIRS)
