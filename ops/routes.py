@@ -49,6 +49,23 @@ def try_direct(c: CheckedChoice, src_slots, dst_slots, skip_prefix, validate) ->
     return c.bound is not None and c.bound.run_checking(0, src_slots, dst_slots, skip_prefix, c.max_ctas, validate)
 
 
+def run_first(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slots, skip_prefix: int,
+              validate: bool) -> bool:
+    """The first kernel call between two cache objects (all layers or one layer each side, no SM budget), with
+    slots not checked yet: one C++ call checks them (``_C.run_program_checking``) and launches step 0 of the
+    choice's program, bound by the tensors' addresses. False: not done (slots other than plain tensors, or
+    tensors that need the dispatcher), for the long way, whose errors name the argument."""
+    handle = program_handle(c.program, pin=True)   # (pinned while it runs: another thread may fill the cache)
+    try:
+        done = _C.run_program_checking(handle, src.tensors, dst.tensors, src_slots, dst_slots, skip_prefix,
+                                       c.max_ctas, c.status, validate, src.geometry.N, dst.geometry.N)
+    finally:
+        unpin(handle)
+    if done:
+        c.kernel_calls = 1   # (a second call of the pair binds: run_kernel)
+    return done
+
+
 def run_kernel(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slots, num_tokens, skip_prefix,
                validate: bool) -> None:
     """Runs step 0 of the choice's program with checked slot arguments (T > 0)."""

@@ -58,14 +58,15 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
     :func:`~kvlayout.ops.prepare` instead also keeps the binding and the
     argument checks.
     """
-    if (src_planes is None and dst_planes is None and num_tokens is None and max_ctas == 0
-            and type(max_ctas) is int and type(skip_prefix) is int
-            and (engine == "auto" or engine == "kernel" or engine == "staged")):
-        # the engine's repeated calls (all layers, or one layer each side; plain slot tensors): checked and
-        # launched by one C++ call from what its checked choice keeps (checked_choice's memo): the bound copy
-        # program where auto keeps the kernel, the staged transfer last run where it stages (or the engine is
-        # "staged", all layers). (This path costs about as much as one torch op: every lookup counts.)
-        if src_layers is None and dst_layers is None:
+    if (src_planes is None and dst_planes is None and num_tokens is None and type(max_ctas) is int
+            and type(skip_prefix) is int and (engine == "auto" or engine == "kernel" or engine == "staged")):
+        # the engine's repeated calls (all layers, or one layer each side; plain slot tensors; no SM budget):
+        # checked and launched by one C++ call from what its checked choice keeps (checked_choice's memo): the
+        # bound copy program where auto keeps the kernel, the staged transfer last run where it stages (or the
+        # engine is "staged", all layers). (This path costs about as much as one torch op: every lookup counts.)
+        if max_ctas != 0:
+            key = None
+        elif src_layers is None and dst_layers is None:
             key = id(dst) if engine != "staged" else (id(dst), None, None, None, None, 0, "staged")
         elif (type(src_layers) is list and type(dst_layers) is list and len(src_layers) == 1
               and len(dst_layers) == 1 and type(src_layers[0]) is int and type(dst_layers[0]) is int
@@ -73,11 +74,11 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             key = (id(dst), src_layers[0], dst_layers[0])   # (repeated_call_key inlined: a call costs ~0.1 µs)
         else:
             key = None
-        hit = src._checked_choices.get(key)
+        hit = src._checked_choices.get(key) if key is not None else None
         if hit is not None and hit[0]() is dst and not _is_compiling():
             c = hit[1]
             if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
-                                       or _auto_keeps_kernel(c, src_slots, dst_slots, skip_prefix)):
+                                       or _auto_keeps_kernel(c.staged_plan, src_slots, dst_slots, skip_prefix, 0)):
                 bound = c.bound
                 if bound is not None and bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0,
                                                             validating(validate)):
@@ -87,6 +88,20 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
                 # run as it is (no planning, no ring lookup)
                 kept = c.staged_kept()
                 if kept is not None and kept.run_kept(src_slots, dst_slots, skip_prefix, 0, validating(validate)):
+                    return
+        elif engine != "staged" and max_ctas >= 0 and not _is_compiling():
+            # a pair of cache objects not seen before (an engine that binds its tensors at every call), or a call
+            # under an SM budget: the choice (for a new pair, copied from the one of these caches' shapes) says
+            # whether the kernel runs the call; if so one C++ call checks the slots and launches, through the
+            # pair's binding from its second call on (the long way plans and checks in Python first)
+            c = checked_choice(src, dst, src_layers, dst_layers, None, None, max_ctas, engine)
+            if c.shared is not None and (engine == "kernel" or _auto_keeps_kernel(
+                    c.shared.ring_plan, src_slots, dst_slots, skip_prefix, max_ctas)):
+                if c.bound is not None:
+                    if c.bound.run_checking(0, src_slots, dst_slots, skip_prefix, max_ctas, validating(validate)):
+                        return
+                elif c.kernel_calls == 0 and routes.run_first(src, dst, c, src_slots, dst_slots, skip_prefix,
+                                                              validating(validate)):
                     return
     if engine == "kernel":
         routes.run(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
@@ -117,21 +132,23 @@ def _moves_nothing(c: CheckedChoice, T: int) -> bool:
     return T == 0 or not c.src_layers or not c.src_planes
 
 
-def _auto_keeps_kernel(c: CheckedChoice, src_slots, dst_slots, skip_prefix: int) -> bool:
-    """For the repeated-call path, past ``c.never_staged`` (a pair that cannot be staged at all): whether auto
-    keeps the kernel for a call with these slot arguments, from what the choice keeps (False: not known here,
-    the long way decides)."""
-    kept = c.staged_plan
+def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: int, max_ctas: int) -> bool:
+    """For the paths that skip planning: whether auto keeps
+    the kernel for a call with these slot arguments, from a kept staged plan (``(ring size, plan)``: a choice's
+    ``staged_plan``, or the ``ring_plan`` of its caches' shapes, which leaves out the host memory's pinning; an
+    unpinned host side is never staged). False: not known here, the long way decides."""
     if kept is None or kept[0] != _staged.STAGING_BYTES:
         return False                     # not known yet: the long way decides (and plans)
     static = kept[1]
+    if not static.stageable:
+        return True
     if (dst_slots if static.host_is_dst else src_slots) is not None:
         return True                      # staging copies host rows 0..T-1: a host side with slots is not staged
     slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
     return not _staged.auto_stages(static.host_is_dst, static.token_bytes * (slots.shape[0] - skip_prefix),
-                                   c.max_ctas)
+                                   max_ctas)
 
 
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,

@@ -240,11 +240,16 @@ def test_a_repeated_transfer_checks_its_slots_as_a_first_call_does(device):
            "negative skip": dict(src_slots=TC.slots([1, 2, 3], device=device), skip_prefix=-1)}
     for name, kwargs in bad.items():
         _, _, src, fresh = _pair(device)
-        first = _error_of(lambda: ops.transfer(src, fresh, **kwargs))
-        _, _, src, dst = _pair(device)
-        for _ in range(2):
-            ops.transfer(src, dst, TC.slots([4, 5], device=device))
-        assert first is not None and _error_of(lambda: ops.transfer(src, dst, **kwargs)) == first, name
+        # (planes named: the long way, which checks every argument in Python)
+        long_way = _error_of(lambda: ops.transfer(src, fresh, src_planes=[0, 1], dst_planes=[0, 1], **kwargs))
+        assert long_way is not None, name
+        for budget in (0, 4):
+            _, _, src, fresh = _pair(device)      # a new pair of known shapes: its first call checks in C++
+            assert _error_of(lambda: ops.transfer(src, fresh, max_ctas=budget, **kwargs)) == long_way, (name, budget)
+            _, _, src, dst = _pair(device)
+            for _ in range(3):
+                ops.transfer(src, dst, TC.slots([4, 5], device=device), max_ctas=budget)
+            assert _error_of(lambda: ops.transfer(src, dst, max_ctas=budget, **kwargs)) == long_way, (name, budget)
     g, src_np, src, dst = _pair(device)
     for slots in ([1, 2, 3], [4, 5, 6], [9, 8]):                   # the last two from the kept binding
         ops.transfer(src, dst, TC.slots(slots, device=device))
@@ -252,6 +257,20 @@ def test_a_repeated_transfer_checks_its_slots_as_a_first_call_does(device):
     TC.sync(device)
     want = _want_rows(src_np, g, [9, 11, 12]).view(np.uint16)
     assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :3], want)
+
+
+def test_calls_under_an_sm_budget_keep_their_binding_too(device):
+    """A repeated call under an SM budget (SGLang's block_quota) runs from the binding its pair keeps, as a call
+    without one does, and every call writes exactly its rows."""
+    g, src_np, src, dst = _pair(device)
+    arguments = importlib.import_module("kvlayout.ops.arguments")
+    for slots in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        dst.tensors[0].zero_()
+        ops.transfer(src, dst, TC.slots(slots, device=device), max_ctas=4)
+        TC.sync(device)
+        assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :3], _want_rows(src_np, g, slots).view(np.uint16))
+        assert not TC.bits(dst.tensors[0])[:, :, 3:].any()
+    assert arguments.checked_choice(src, dst, None, None, None, None, 4, "auto").bound is not None
 
 
 def test_a_kept_binding_lets_the_destination_go(device):

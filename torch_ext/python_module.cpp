@@ -151,6 +151,41 @@ void run_bound(const BoundProgram& bound, int64_t step, at::TensorList dst, cons
   bump_written(bound, step, dst);
 }
 
+// None, or a 1-D int32/int64 tensor on the launch device or the host (into `out`).
+bool plain_slots(py::handle h, c10::Device device, std::optional<at::Tensor>& out) {
+  if (h.is_none()) return true;
+  if (!THPVariable_Check(h.ptr())) return false;
+  const at::Tensor& t = THPVariable_Unpack(h.ptr());
+  const auto dtype = t.scalar_type();
+  if (t.dim() != 1 || (dtype != at::kInt && dtype != at::kLong) ||
+      !(t.device().is_cpu() || t.device() == device))
+    return false;
+  out = t;
+  return true;
+}
+
+// The token count T of the common call, its slot tensors into `src`/`dst`: each slot argument
+// None or a 1-D int32/int64 tensor on the launch device or the host, of one length T when both
+// are given; a side without slots holding at least T positions (`*_positions`, -1: not known);
+// 0 <= skip_prefix <= T. -1 for anything else, which the caller checks the long way (its errors
+// name the argument).
+int64_t plain_call_tokens(py::handle src_slots, py::handle dst_slots, int64_t skip_prefix,
+                          c10::Device device, int64_t src_positions, int64_t dst_positions,
+                          std::optional<at::Tensor>& src, std::optional<at::Tensor>& dst) {
+  if (!plain_slots(src_slots, device, src) || !plain_slots(dst_slots, device, dst)) return -1;
+  int64_t T = -1;
+  if (src.has_value()) {
+    T = src->size(0);
+    if (dst.has_value() ? dst->size(0) != T : (dst_positions < 0 || T > dst_positions)) return -1;
+  } else if (dst.has_value()) {
+    T = dst->size(0);
+    if (src_positions < 0 || T > src_positions) return -1;
+  } else {
+    return -1;
+  }
+  return skip_prefix < 0 || skip_prefix > T ? -1 : T;
+}
+
 // A program bound to tensors it keeps alive.
 class PreparedCopy {
  public:
@@ -210,20 +245,9 @@ class PreparedCopy {
   bool run_checking(int64_t step, py::handle src_slots, py::handle dst_slots, int64_t skip_prefix,
                     int64_t max_ctas, bool validate) const {
     std::optional<at::Tensor> ss, ds;
-    if (!plain_slots(src_slots, ss) || !plain_slots(dst_slots, ds)) return false;
-    int64_t T = -1;
-    if (ss.has_value()) {
-      T = ss->size(0);
-      if (ds.has_value() ? ds->size(0) != T : (dst_positions_ < 0 || T > dst_positions_))
-        return false;
-    } else if (ds.has_value()) {
-      T = ds->size(0);
-      if (src_positions_ < 0 || T > src_positions_) return false;
-    } else {
-      return false;
-    }
-    if (skip_prefix < 0 || skip_prefix > T) return false;
-    return run_with(step, ss, ds, T, skip_prefix, max_ctas, validate);
+    const int64_t T = plain_call_tokens(src_slots, dst_slots, skip_prefix, device_, src_positions_,
+                                        dst_positions_, ss, ds);
+    return T >= 0 && run_with(step, ss, ds, T, skip_prefix, max_ctas, validate);
   }
 
   int64_t num_steps() const { return bound_->num_steps(); }
@@ -233,19 +257,6 @@ class PreparedCopy {
   const std::vector<at::Tensor>& dst() const { return dst_; }
 
  private:
-  // None, or a 1-D int32/int64 tensor on the launch device or the host (into `out`).
-  bool plain_slots(py::handle h, std::optional<at::Tensor>& out) const {
-    if (h.is_none()) return true;
-    if (!THPVariable_Check(h.ptr())) return false;
-    const at::Tensor& t = THPVariable_Unpack(h.ptr());
-    const auto dtype = t.scalar_type();
-    if (t.dim() != 1 || (dtype != at::kInt && dtype != at::kLong) ||
-        !(t.device().is_cpu() || t.device() == device_))
-      return false;
-    out = t;
-    return true;
-  }
-
   std::vector<at::Tensor> src_, dst_;
   at::Tensor status_;
   int64_t src_positions_ = -1, dst_positions_ = -1;
@@ -278,6 +289,23 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
   run_bound(*bound, step, dst,
             RunArgs{src_slots, dst_slots, num_tokens, skip_prefix, max_ctas, validate});
   return true;
+}
+
+// run_program of step 0 for slots not checked yet, as PreparedCopy::run_checking: the common
+// call (plain_call_tokens) runs with T from its slots; false (nothing done) for anything else
+// and where the call needs the dispatcher.
+bool run_program_checking(int64_t handle, const std::vector<at::Tensor>& src,
+                          const std::vector<at::Tensor>& dst, py::handle src_slots,
+                          py::handle dst_slots, int64_t skip_prefix, int64_t max_ctas,
+                          const at::Tensor& status, bool validate, int64_t src_positions,
+                          int64_t dst_positions) {
+  if (src.empty() || dst.empty()) return false;
+  const c10::Device device = program_device(src, dst, std::nullopt, std::nullopt);
+  std::optional<at::Tensor> ss, ds;
+  const int64_t T =
+      plain_call_tokens(src_slots, dst_slots, skip_prefix, device, src_positions, dst_positions, ss, ds);
+  return T >= 0 &&
+         run_program(handle, src, dst, ss, ds, 0, T, skip_prefix, max_ctas, status, validate);
 }
 
 // The copy engine's run list for these arguments (those of copy_runs), built
@@ -620,6 +648,12 @@ PYBIND11_MODULE(_C, m) {
         "Per tensor its dimensions, sizes, strides, element type and device, as bytes (equal "
         "exactly when those are equal); None where an item is not a strided tensor of concrete "
         "sizes.");
+  m.def("run_program_checking", &run_program_checking, py::arg("program"), py::arg("src"),
+        py::arg("dst"), py::arg("src_slots"), py::arg("dst_slots"), py::arg("skip_prefix"),
+        py::arg("max_ctas"), py::arg("status"), py::arg("validate"), py::arg("src_positions"),
+        py::arg("dst_positions"),
+        "run_program of step 0 for slots not checked yet: runs the common call (plain slot "
+        "tensors, T from their length); False (nothing done) for anything else.");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
         py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("status"), py::arg("validate"),
