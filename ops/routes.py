@@ -51,7 +51,7 @@ def try_direct(c: CheckedChoice, src_slots, dst_slots, skip_prefix, validate) ->
 
 def run_first(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slots, skip_prefix: int,
               validate: bool) -> bool:
-    """The first kernel call between two cache objects (all layers or one layer each side, no SM budget), with
+    """The first kernel call between two cache objects (``ops.transfer`` without planes or ``num_tokens``), with
     slots not checked yet: one C++ call checks them (``_C.run_program_checking``) and launches step 0 of the
     choice's program, bound by the tensors' addresses. False: not done (slots other than plain tensors, or
     tensors that need the dispatcher), for the long way, whose errors name the argument."""

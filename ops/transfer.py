@@ -133,10 +133,10 @@ def _moves_nothing(c: CheckedChoice, T: int) -> bool:
 
 
 def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: int, max_ctas: int) -> bool:
-    """For the paths that skip planning: whether auto keeps
-    the kernel for a call with these slot arguments, from a kept staged plan (``(ring size, plan)``: a choice's
-    ``staged_plan``, or the ``ring_plan`` of its caches' shapes, which leaves out the host memory's pinning; an
-    unpinned host side is never staged). False: not known here, the long way decides."""
+    """For the paths that skip planning: whether auto keeps the kernel for a call with these slot arguments, from
+    a kept staged plan (``(ring size, plan)``: a choice's ``staged_plan``, or the ``ring_plan`` of its caches'
+    shapes, which leaves out the host memory's pinning: an unpinned host side is never staged, so where that
+    plan keeps the kernel the call's does too). False: not known here, the long way decides."""
     if kept is None or kept[0] != _staged.STAGING_BYTES:
         return False                     # not known yet: the long way decides (and plans)
     static = kept[1]

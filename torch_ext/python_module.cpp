@@ -302,8 +302,8 @@ bool run_program_checking(int64_t handle, const std::vector<at::Tensor>& src,
   if (src.empty() || dst.empty()) return false;
   const c10::Device device = program_device(src, dst, std::nullopt, std::nullopt);
   std::optional<at::Tensor> ss, ds;
-  const int64_t T =
-      plain_call_tokens(src_slots, dst_slots, skip_prefix, device, src_positions, dst_positions, ss, ds);
+  const int64_t T = plain_call_tokens(src_slots, dst_slots, skip_prefix, device, src_positions,
+                                      dst_positions, ss, ds);
   return T >= 0 &&
          run_program(handle, src, dst, ss, ds, 0, T, skip_prefix, max_ctas, status, validate);
 }
