@@ -266,6 +266,16 @@ def _assert_cuda_graphs_replayed():
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
 
 
+def _static_cache(rng, device):
+    """A random cache (its reference value, its binding) whose tensors are static addresses to CUDA graphs
+    (``mark_static_address``), as an engine's KV cache buffers are."""
+    physical = S.random_cache(CACHE, GEOM, "bfloat16", rng)
+    kv = ops.bind(CACHE, TC.to_torch(CACHE, physical, device))
+    for t in kv.tensors:
+        torch._dynamo.mark_static_address(t)
+    return physical, kv
+
+
 # sizes seen before replay their recorded graphs (cudagraph trees: the first call of a size warms up, the
 # second records, the third replays)
 REPLAYED_COUNTS = TOKEN_COUNTS + TOKEN_COUNTS[:3] * 2
@@ -273,13 +283,10 @@ REPLAYED_COUNTS = TOKEN_COUNTS + TOKEN_COUNTS[:3] * 2
 
 def test_reduce_overhead_cuda_graphs_to_chunk(cuda_device):
     """mode="reduce-overhead" (inductor + CUDA graphs) with a dynamic token count, the way an engine offloads:
-    the cache's tensors are static addresses (``mark_static_address``), the chunk is the graph's own output;
+    the cache's tensors are static addresses, the chunk is the graph's own output;
     the captured op replays with each call's slots, results equal to the reference."""
     rng = np.random.default_rng(8)
-    physical = S.random_cache(CACHE, GEOM, "bfloat16", rng)
-    kv = ops.bind(CACHE, TC.to_torch(CACHE, physical, cuda_device))
-    for t in kv.tensors:
-        torch._dynamo.mark_static_address(t)
+    physical, kv = _static_cache(rng, cuda_device)
 
     def step(slots, before):
         chunk = before.clone()    # (an input the graph writes would make inductor skip CUDA graphs)
@@ -299,13 +306,10 @@ def test_reduce_overhead_cuda_graphs_to_chunk(cuda_device):
 
 def test_reduce_overhead_cuda_graphs_from_chunk(cuda_device):
     """mode="reduce-overhead" with a dynamic token count, the way an engine loads: the graph writes the cache's
-    tensors in place (static addresses, as an engine's KV cache buffers are), each call's chunk and slots are
-    inputs; after every call the cache equals the reference's."""
+    tensors in place (static addresses), each call's chunk and slots are inputs; after every call the cache
+    equals the reference's."""
     rng = np.random.default_rng(9)
-    expected = S.random_cache(CACHE, GEOM, "bfloat16", rng)
-    kv = ops.bind(CACHE, TC.to_torch(CACHE, expected, cuda_device))
-    for t in kv.tensors:
-        torch._dynamo.mark_static_address(t)
+    expected, kv = _static_cache(rng, cuda_device)
 
     def step(chunk, slots):
         ops.transfer(ops.bind(CHUNK, chunk), kv, None, slots)
