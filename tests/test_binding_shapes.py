@@ -61,6 +61,22 @@ def test_every_structural_difference_gets_its_own_shape():
     assert by_page[1]._shape is not by_page[4]._shape and by_page[4].geometry.BS == 4
 
 
+def test_a_structure_is_equal_exactly_for_equal_sequences_and_short_for_a_per_layer_list():
+    """The structure bytes name a list of tensors' structures in order: lists that differ in any tensor, or in
+    order, or in length, differ; lists of equal structures (other tensors, other values) are equal. A tensor of
+    the structure of the one before it adds one word, so a per-layer list hashes in little time."""
+    from kvlayout import _C
+
+    a, b, c = torch.zeros(2, 3, 4), torch.zeros(2, 3, 5), torch.zeros(2, 3, 4, dtype=torch.float16)
+    lists = {"A": [a], "AA": [a, a], "AAA": [a, a, a], "AAB": [a, a, b], "ABB": [a, b, b], "ABA": [a, b, a],
+             "BAA": [b, a, a], "AAC": [a, a, c], "A A^T": [a, a.transpose(0, 1).contiguous().transpose(0, 1)]}
+    structures = {name: _C.tensors_structure(ts) for name, ts in lists.items()}
+    assert len(set(structures.values())) == len(structures), structures
+    assert _C.tensors_structure([torch.ones(2, 3, 4), torch.empty(2, 3, 4), torch.ones(2, 3, 5)]) == structures["AAB"]
+    one = len(_C.tensors_structure([a]))
+    assert len(_C.tensors_structure([a] * 32)) == one + 31 * 8
+
+
 def test_bad_bindings_still_raise_after_good_ones_of_the_same_layout():
     ops.bind(CACHE, _layers())
     mixed = _layers()
