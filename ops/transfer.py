@@ -97,11 +97,10 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             c = checked_choice(src, dst, src_layers, dst_layers, None, None, max_ctas, engine)
             if c.shared is not None and (engine == "kernel" or _auto_keeps_kernel(
                     c.shared.ring_plan, src_slots, dst_slots, skip_prefix, max_ctas)):
-                if c.bound is not None:
-                    if c.bound.run_checking(0, src_slots, dst_slots, skip_prefix, max_ctas, validating(validate)):
-                        return
-                elif c.kernel_calls == 0 and routes.run_first(src, dst, c, src_slots, dst_slots, skip_prefix,
-                                                              validating(validate)):
+                checks = validating(validate)
+                if (routes.try_direct(c, src_slots, dst_slots, skip_prefix, checks)
+                        or (c.bound is None and c.kernel_calls == 0
+                            and routes.run_first(src, dst, c, src_slots, dst_slots, skip_prefix, checks))):
                     return
     if engine == "kernel":
         routes.run(src, dst, src_slots, dst_slots, src_layers=src_layers, dst_layers=dst_layers,
