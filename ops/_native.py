@@ -164,6 +164,9 @@ def status_tensor(device) -> torch.Tensor:
             made = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
         # static to compiled code: its size (5) is no symbol a token count of 5 could be tied to
         torch._dynamo.mark_static(made)
+        # and so is its address: every op writes it, and inductor skips CUDA graphs (reduce-overhead), with a
+        # warning only, for a graph that writes an input it does not know to stay at one address
+        torch._dynamo.mark_static_address(made)
         # threads asking at once each make one and all keep the first stored (dict.setdefault is atomic): no
         # lock, so none that a fork could leave held, and none held while allocating (where the garbage
         # collector may run a finalizer that takes the program registry's lock)

@@ -18,6 +18,7 @@ import torch
 
 from kvlayout import ops
 from kvlayout import reference as R
+from kvlayout.ops import _native
 from kvlayout.conformance import strategies as S
 from kvlayout.reference import Geometry
 
@@ -248,6 +249,32 @@ def test_export_with_dynamic_tokens(device, cache):
         got = exported.module()(torch.from_numpy(s).to(device), chunk)
         TC.sync(device)
         TC.assert_same_bytes(got, R.transfer(CACHE, physical, CHUNK, before, s, None), f"exported, {T} tokens")
+
+
+def test_the_status_word_is_a_static_address_of_compiled_code(device, cache):
+    """Every op writes the device's status word (where it records an out-of-range slot), so a compiled step
+    takes it as an input it writes; inductor skips CUDA graphs (``mode="reduce-overhead"``), with a warning
+    only, for a graph that writes an input not known to stay at one address. The status word is marked as a
+    static address (as engines mark their KV buffers): the graph's placeholder for it carries the mark."""
+    _, kv = cache
+    status = _native.status_tensor(device)
+    marks = []
+
+    def backend(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        marks.extend(n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+                     for n, x in zip(placeholders, example_inputs) if x is status)
+        return gm.forward
+
+    def step(slots, before):
+        chunk = before.clone()
+        ops.transfer(kv, ops.bind(CHUNK, chunk), slots)
+        return chunk
+
+    torch._dynamo.reset()
+    fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    fn(torch.arange(5, device=device), torch.zeros(2, L, 5, H * E, dtype=torch.bfloat16, device=device))
+    assert marks and all(m in ("guarded", "unguarded") for m in marks), marks
 
 
 def _reduce_overhead(step):
