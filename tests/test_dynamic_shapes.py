@@ -18,8 +18,8 @@ import torch
 
 from kvlayout import ops
 from kvlayout import reference as R
-from kvlayout.ops import _native
 from kvlayout.conformance import strategies as S
+from kvlayout.ops import _native
 from kvlayout.reference import Geometry
 
 import torch_cases as TC
