@@ -31,6 +31,8 @@ from .arguments import TransferArgs, check_slots, transfer_args
 from .programs import program_handle, program_key, resolve, unpin
 from .views import KVCache, as_int, bind
 
+_is_compiling = torch.compiler.is_compiling
+
 
 class _Pin:
     """A prepared transfer's pin of its program: released with the transfer, unless a compiled graph keeps
@@ -72,11 +74,12 @@ class PreparedTransfer:
             self._steps = [[launch for launch in resolve(self._handle, k, src, dst) if len(launch.src_segments)]
                            for k in range(1 + self._num_layers)]
             self._views = self._view_words(src, dst)   # what the resolved byte offsets depend on
-            self._native = None
+            self._native = self._run_native = None
             return
         self._steps = None
         # bound now: storage bounds, overlaps and kernel parameters are checked and made once
         self._native = _C.PreparedCopy(self._handle, list(src.tensors), list(dst.tensors), self._status)
+        self._run_native = self._native.run   # (the calls' hot path, looked up once)
         self._set_call()
 
     def __copy__(self) -> "PreparedTransfer":
@@ -105,8 +108,9 @@ class PreparedTransfer:
 
     def __call__(self) -> None:
         """Copy every chosen layer (one launch per row geometry)."""
-        if self._native is not None and not torch.compiler.is_compiling():
-            self._native.run(0)        # (nothing to move: C++ returns before launching)
+        run = self._run_native
+        if not _is_compiling() and run is not None:
+            run(0)                     # (nothing to move: C++ returns before launching)
         else:
             self._run(0)
 
@@ -114,8 +118,9 @@ class PreparedTransfer:
         """Copy the ``i``-th chosen layer only (one launch); ``IndexError`` outside ``[0, num_layers)``."""
         if type(i) is not int or not 0 <= i < self._num_layers:
             i = self._layer_index(i)
-        if self._native is not None and not torch.compiler.is_compiling():
-            self._native.run(1 + i)    # the hot path of a layer-wise pipeline: straight to C++
+        run = self._run_native
+        if not _is_compiling() and run is not None:
+            run(1 + i)                 # the hot path of a layer-wise pipeline: straight to C++
         else:
             self._run(1 + i)
 
