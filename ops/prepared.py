@@ -79,7 +79,7 @@ class PreparedTransfer:
         self._steps = None
         # bound now: storage bounds, overlaps and kernel parameters are checked and made once
         self._native = _C.PreparedCopy(self._handle, list(src.tensors), list(dst.tensors), self._status)
-        self._run_native = self._native.run   # (the calls' hot path, looked up once)
+        self._run_native = self._native.runner()   # the calls' hot path: run(step) as a builtin function
         self._set_call()
 
     def __copy__(self) -> "PreparedTransfer":

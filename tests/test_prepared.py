@@ -97,6 +97,30 @@ def test_the_prepared_transfer_keeps_its_tensors_alive(device):
     assert np.array_equal(TC.bits(out)[:, :, :2], _want_rows(src_np, g, [4, 3]).view(np.uint16))
 
 
+def test_the_layer_calls_runner_keeps_its_binding_and_raises_what_run_raises(device):
+    """t.layer(i) and t() call the native binding's run(step) as a builtin function bound to it (no pybind11
+    dispatch on the hot path): the function keeps the binding (and its tensors) alive on its own, and a bad
+    step raises the exception and message of the bound method."""
+    g, src_np, src, dst = _pair(device)
+    out = dst.tensors[0]
+    t = ops.prepare(src, dst, TC.slots([4, 3], device=device))
+    native = t._native
+    runner = native.runner()
+    for step in (99, -1):
+        with pytest.raises(IndexError) as by_method:
+            native.run(step)
+        with pytest.raises(IndexError) as by_runner:
+            runner(step)
+        assert str(by_runner.value) == str(by_method.value)
+    with pytest.raises(TypeError):
+        runner("1")
+    del t, native, src, dst
+    gc.collect()
+    runner(0)
+    TC.sync(device)
+    assert np.array_equal(TC.bits(out)[:, :, :2], _want_rows(src_np, g, [4, 3]).view(np.uint16))
+
+
 def test_out_of_range_slots(device):
     _, _, src, dst = _pair(device)
     before = TC.snapshot(dst.tensors)

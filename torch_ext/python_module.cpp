@@ -11,6 +11,7 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with the at::Tensor casters (lighter than torch/extension.h)
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <iterator>
@@ -264,6 +265,44 @@ class PreparedCopy {
   std::shared_ptr<const BoundProgram> bound_;
   RunArgs args_;
 };
+
+// PreparedCopy::run as a builtin function of the step alone, bound to one
+// PreparedCopy (which it keeps alive): a layer call's hot path, without
+// pybind11's overload dispatch (a layer-wise pipeline makes this call per
+// layer per step). Errors become the Python exceptions pybind11 would raise.
+constexpr const char* kPreparedCapsule = "kvlayout.PreparedCopy";
+
+PyObject* run_prepared_step(PyObject* capsule, PyObject* step) {
+  HANDLE_TH_ERRORS
+  const auto* prepared =
+      static_cast<const PreparedCopy*>(PyCapsule_GetPointer(capsule, kPreparedCapsule));
+  if (prepared == nullptr) return nullptr;
+  const long long s = PyLong_AsLongLong(step);
+  if (s == -1 && PyErr_Occurred()) return nullptr;
+  prepared->run(s);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef run_prepared_step_def = {
+    "run", run_prepared_step, METH_O,
+    "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments."};
+
+void release_prepared_owner(PyObject* capsule) {
+  Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule)));
+}
+
+// The builtin function of run_prepared_step bound to `self` (a PreparedCopy object).
+py::object prepared_runner(const py::object& self) {
+  auto* prepared = self.cast<PreparedCopy*>();
+  py::object capsule = py::reinterpret_steal<py::object>(
+      PyCapsule_New(prepared, kPreparedCapsule, &release_prepared_owner));
+  if (!capsule) throw py::error_already_set();
+  PyCapsule_SetContext(capsule.ptr(), self.inc_ref().ptr());  // the capsule owns a reference
+  PyObject* fn = PyCFunction_New(&run_prepared_step_def, capsule.ptr());
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
 
 // A PreparedCopy for ops.transfer to keep per (caches, choice), or null
 // where the tensors must go through the dispatcher on every call.
@@ -558,6 +597,8 @@ PYBIND11_MODULE(_C, m) {
            "The slots and counts of the next runs.")
       .def("run", &PreparedCopy::run, py::arg("step"),
            "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments.")
+      .def("runner", &prepared_runner,
+           "run as a builtin function of the step, bound to this object (the hot path's form).")
       .def("run_with", &PreparedCopy::run_with, py::arg("step"), py::arg("src_slots"),
            py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"), py::arg("max_ctas"),
            py::arg("validate"),
