@@ -164,7 +164,8 @@ def test_run_list_is_one_copy_per_page_and_layer_plane_and_merges_what_continues
 def _model_run_list(src_geom, dst_geom, src_segments, dst_segments, src_slots, dst_slots, row):
     """The run list by its definition, token by token: a token whose rows start where the previous token's
     rows end on both sides continues its run; each run gives one copy per segment, in segment order; a copy
-    that continues the one before it on both sides is merged into it. Returns the number of copies."""
+    that continues the one before it on both sides is merged into it. Returns the copies, in issue order:
+    ((source tensor, byte offset), (destination tensor, byte offset), bytes)."""
     def offset(g, slot):
         return slot // g[1] * g[2] + slot % g[1] * g[3]
 
@@ -189,13 +190,15 @@ def _model_run_list(src_geom, dst_geom, src_segments, dst_segments, src_slots, d
                 copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + run[2] * row)
             else:
                 copies.append((src, dst, run[2] * row))
-    return len(copies)
+    return copies
 
 
 def test_run_list_coalesces_exactly_the_rows_that_continue_each_other():
     """_C.copy_run_list against the definition of the run list (_model_run_list) over random paged geometries
-    (pages back to back or apart, rows back to back or apart within a page) and slots that run across page
-    boundaries, jump and skip (-1)."""
+    (pages back to back or apart, rows back to back or apart within a page), slots that run across page
+    boundaries, jump and skip (-1), and segments whose bases lie equally far apart on both sides (a run's
+    copies in consecutive segments may then continue each other) or not: the same copies, addresses and
+    lengths, in the same order."""
     from kvlayout import _C
 
     rng = np.random.default_rng(5)
@@ -220,6 +223,8 @@ def test_run_list_coalesces_exactly_the_rows_that_continue_each_other():
         segments = 3
         span = [max(g[2] * (63 // g[1]) + g[3] * (63 % g[1]), g[2] * (63 // g[1] - 1) + g[3] * (g[1] - 1))
                 + row for g in geoms]
+        if case % 2:                                       # bases equally far apart on both sides
+            span = [max(span)] * 2
         src_segments = [x for g in range(segments) for x in (0, g * span[0])]
         dst_segments = [x for g in range(segments) for x in (0, g * span[1])]
         dst = [torch.zeros(segments * span[1], dtype=torch.uint8)]
@@ -227,9 +232,20 @@ def test_run_list_coalesces_exactly_the_rows_that_continue_each_other():
         src_slots, dst_slots = (torch.tensor(x, dtype=torch.int64) for x in slots)
         if len(set(x for x in slots[1] if x >= 0)) < sum(x >= 0 for x in slots[1]):
             continue                                       # (the copy engine refuses repeated destinations)
-        got = _C.copy_run_list(src, dst, src_slots, dst_slots, T, 0, src_segments, dst_segments, geoms[0],
-                               geoms[1], 1, row)
+        args = (src, dst, src_slots, dst_slots, T, 0, src_segments, dst_segments, geoms[0], geoms[1], 1, row)
+        entries = _C.copy_run_list(*args, entries=True)
+        got = [((0, s - src[0].data_ptr()), (0, d - dst[0].data_ptr()), n) for s, d, n in entries]
         assert got == _model_run_list(geoms[0], geoms[1], src_segments, dst_segments, slots[0], slots[1], row), \
             (case, geoms, slots)
+        assert _C.copy_run_list(*args) == len(entries)
         checked += 1
     assert checked >= 100, checked
+    # segments back to back on both sides, each holding the whole run: the run's copies continue each other
+    # from segment to segment, into one copy
+    T, geom = 8, [8, 4, 4 * row, row, 0]
+    flat = [torch.zeros(3 * T * row, dtype=torch.uint8)]
+    one_side = [x for g in range(3) for x in (0, g * T * row)]
+    slots = torch.arange(T, dtype=torch.int64)
+    entries = _C.copy_run_list(flat, [torch.zeros_like(flat[0])], slots, slots, T, 0, one_side, one_side, geom, geom,
+                               1, row, entries=True)
+    assert [n for _, _, n in entries] == [3 * T * row]

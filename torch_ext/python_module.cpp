@@ -348,31 +348,38 @@ bool run_program_checking(int64_t handle, const std::vector<at::Tensor>& src,
 }
 
 // The copy engine's run list for these arguments (those of copy_runs), built
-// as copy_runs builds it and not issued: its length. Slots must be on the
+// as copy_runs builds it and not issued: its length, or with `entries` the
+// copies themselves (what a test checks them against). Slots must be on the
 // host. Host addresses stand for pinned memory's device alias (which keeps
 // every adjacency), so the list is the one the CUDA op issues.
-int64_t copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst,
+py::object copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst,
                       const std::optional<at::Tensor>& src_slots,
                       const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
                       int64_t skip_prefix, const std::vector<int64_t>& src_segments,
                       const std::vector<int64_t>& dst_segments,
                       const std::vector<int64_t>& src_geometry,
                       const std::vector<int64_t>& dst_geometry, int64_t num_pieces,
-                      int64_t piece_bytes) {
+                      int64_t piece_bytes, bool entries) {
   for (const auto* slots : {&src_slots, &dst_slots})
     TORCH_CHECK_VALUE(!slots->has_value() || !(*slots)->defined() || (*slots)->device().is_cpu(),
                       "kvlayout: the copy engine reads the slots on the host: pass CPU tensors");
   CopyPlan checked =
       plan_copy_rows(src, dst, src_slots, dst_slots, num_tokens, skip_prefix, src_segments,
                      dst_segments, src_geometry, dst_geometry, num_pieces, piece_bytes, 0);
-  if (checked.empty()) return 0;
+  if (checked.empty()) return entries ? py::object(py::list()) : py::object(py::int_(0));
   const ScratchScope scope;
   ThreadScratch& scratch = ThreadScratch::mine();
   run_list_at(
       checked, src, dst,
       [](const at::Tensor& t, const char*, int64_t) { return static_cast<char*>(t.data_ptr()); },
       scratch.slots, scratch.copies);
-  return static_cast<int64_t>(scratch.copies.sizes.size());
+  const CopyList& copies = scratch.copies;
+  if (!entries) return py::int_(copies.sizes.size());
+  py::list out;  // (source address, destination address, bytes) per copy, in issue order
+  for (size_t i = 0; i < copies.sizes.size(); ++i)
+    out.append(py::make_tuple(reinterpret_cast<uintptr_t>(copies.srcs[i]),
+                              reinterpret_cast<uintptr_t>(copies.dsts[i]), copies.sizes[i]));
+  return out;
 }
 
 // A staged host transfer (staged.h) built from bound programs: Python plans
@@ -688,8 +695,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"),
         py::arg("src_segments"), py::arg("dst_segments"), py::arg("src_geometry"),
         py::arg("dst_geometry"), py::arg("num_pieces"), py::arg("piece_bytes"),
+        py::arg("entries") = false,
         "The copy engine's run list for copy_runs' arguments, built and not issued: its length "
-        "(slots on the host; the time of this call is the list's host cost).");
+        "(slots on the host; the time of this call is the list's host cost), or with entries=True "
+        "the list itself, (source address, destination address, bytes) per copy in issue order.");
   m.def("early_load_launches", &early_load_launches,
         "How many copy launches this process made whose loads could start before the previous "
         "kernel of their stream ended (dependent launches, captured in a CUDA graph or on a "

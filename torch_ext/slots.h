@@ -131,17 +131,18 @@ inline int64_t consecutive_run(const int64_t* S, const int64_t* D, const CopyPla
 
 }  // namespace detail
 
-// Walks tokens [begin, end) of a plan and calls copy(segment, src_offset,
-// dst_offset, bytes) for each contiguous block to move, offsets from the
-// segment's base. Contiguous rows (num_pieces == 1) of consecutive tokens that
-// are adjacent on both sides are coalesced into one block (address.h run
-// detection); otherwise every piece is one block. Tokens with a negative slot
-// are skipped. Slots must be host-readable. Each slot is loaded once and the
-// loaded value is range-checked before it is used (run_length checks the
-// tokens it adds), so slots rewritten after an earlier check raise
+// Walks tokens [begin, end) of a plan: run(src_offset, dst_offset, bytes) for
+// each block of contiguous rows (num_pieces == 1: consecutive tokens whose
+// rows are adjacent on both sides coalesced, address.h run detection), every
+// segment to move it at those offsets from its base; token(s, d) for each
+// token whose rows are in pieces (num_pieces > 1), slots s and d. Tokens with a
+// negative slot are skipped. Slots must be host-readable. Each slot is loaded
+// once and the loaded value is range-checked before it is used (run_length
+// checks the tokens it adds), so slots rewritten after an earlier check raise
 // IndexError instead of addressing memory outside the tensors.
-template <class Copy>
-void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& copy) {
+template <class Run, class Token>
+void for_each_row_block(const CopyPlan& p, int64_t begin, int64_t end, const Run& run,
+                        const Token& token) {
   const int64_t row_bytes = p.row_bytes();
   const std::optional<const int64_t*> S = detail::plain_slots(p.src_slots);
   const std::optional<const int64_t*> D = detail::plain_slots(p.dst_slots);
@@ -173,15 +174,31 @@ void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& c
       }
       n += run_length(p.src_slots, p.dst_slots, p.src_geom, p.dst_geom, t + n - 1, end, a, b,
                       row_bytes) - 1;
-      for (int64_t g = 0; g < p.num_segments; ++g) copy(g, src_offset, dst_offset, n * row_bytes);
+      run(src_offset, dst_offset, n * row_bytes);
       t += n;
     } else {
-      for (int64_t g = 0; g < p.num_segments; ++g)
-        for (int64_t h = 0; h < p.num_pieces; ++h)
-          copy(g, piece_offset(p.src_geom, s, h), piece_offset(p.dst_geom, d, h), p.piece_bytes);
+      token(s, d);
       ++t;
     }
   }
+}
+
+// for_each_row_block as copy(segment, src_offset, dst_offset, bytes) for each
+// contiguous block to move, offsets from the segment's base: a block of rows
+// in every segment in turn; a token in pieces, segment by segment, piece by
+// piece.
+template <class Copy>
+void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& copy) {
+  for_each_row_block(
+      p, begin, end,
+      [&](int64_t src_offset, int64_t dst_offset, int64_t bytes) {
+        for (int64_t g = 0; g < p.num_segments; ++g) copy(g, src_offset, dst_offset, bytes);
+      },
+      [&](int64_t s, int64_t d) {
+        for (int64_t g = 0; g < p.num_segments; ++g)
+          for (int64_t h = 0; h < p.num_pieces; ++h)
+            copy(g, piece_offset(p.src_geom, s, h), piece_offset(p.dst_geom, d, h), p.piece_bytes);
+      });
 }
 
 }  // namespace kvlayout

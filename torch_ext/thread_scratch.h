@@ -57,8 +57,8 @@ struct ThreadScratch {
     f(scratch.copies.srcs);
     f(scratch.copies.sizes);
   }
-  template <class T>
-  static size_t capacity_bytes(const std::vector<T>& v) {
+  template <class T, class Allocator>
+  static size_t capacity_bytes(const std::vector<T, Allocator>& v) {
     return v.capacity() * sizeof(T);
   }
 };
