@@ -237,8 +237,9 @@ class CheckedChoice:
     ``program`` and ``status`` (the copy program's key and the device's
     status word) are filled in when the choice is checked (outside tracing);
     ``bound`` (the program bound to the caches' tensors, ``_C.PreparedCopy``)
-    by the second kernel call, so a repeated call goes straight to C++, which
-    checks its slots and launches.
+    by the second kernel call (:meth:`bind`), with ``run_checking``, its
+    ``run_checking`` as a builtin function (no pybind11 dispatch), so a
+    repeated call goes straight to C++, which checks its slots and launches.
     """
 
     src_layers: list
@@ -250,6 +251,8 @@ class CheckedChoice:
     program: tuple | None = None
     status: torch.Tensor | None = None
     bound: object = None
+    run_checking: object = None        # bound.checker(): run_checking(step, src_slots, dst_slots, skip_prefix,
+    #                                    max_ctas, validate), positional
     kernel_calls: int = 0
     staged_plan: tuple | None = None   # (ring size, what engine="staged" found: ops.staged.static_plan)
     never_staged: int = 0              # the ring size for which that plan says the pair cannot be staged (auto
@@ -260,6 +263,11 @@ class CheckedChoice:
     #                                         checked_choice): it keeps what depends on the shapes alone
     ring_plan: tuple | None = None     # (ring size, the staged plan of these shapes through a ring:
     #                                    ops.staged.static_plan, past its checks of the tensors' memory)
+
+    def bind(self, bound) -> None:
+        """Keep ``bound`` (a ``_C.PreparedCopy``, or None) and its checked run for the repeated calls."""
+        self.run_checking = bound.checker() if bound is not None else None
+        self.bound = bound
 
 
 def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_planes, dst_planes, max_ctas,
@@ -298,7 +306,7 @@ def checked_choice(src: KVCache, dst: KVCache, src_layers, dst_layers, src_plane
         out = CheckedChoice(checked.src_layers, checked.dst_layers, checked.src_planes, checked.dst_planes,
                             checked.max_ctas, checked.device, checked.program, checked.status, shared=checked)
         # the binding holds the destination's tensors: released with the destination cache
-        _remember(src._checked_choices, key, (weakref.ref(dst, lambda _: setattr(out, "bound", None)), out))
+        _remember(src._checked_choices, key, (weakref.ref(dst, lambda _: out.bind(None)), out))
         return out
     return _check_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
 

@@ -46,7 +46,8 @@ def check_not_shared(src: KVCache, dst: KVCache, c: CheckedChoice) -> None:
 
 def try_direct(c: CheckedChoice, src_slots, dst_slots, skip_prefix, validate) -> bool:
     """A repeated call with plain slot tensors, checked and launched by one C++ call; False: not done."""
-    return c.bound is not None and c.bound.run_checking(0, src_slots, dst_slots, skip_prefix, c.max_ctas, validate)
+    run_checking = c.run_checking
+    return run_checking is not None and run_checking(0, src_slots, dst_slots, skip_prefix, c.max_ctas, validate)
 
 
 def run_first(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slots, skip_prefix: int,
@@ -85,8 +86,8 @@ def run_kernel(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slot
         if c.kernel_calls >= 2:
             # a repeated call (memoized choice: same src and dst objects): keep the binding (re-made when a
             # tensor moved); a one-off call leaves it to run_program's cache by address
-            c.bound = _C.bind_program(handle, list(src.tensors), list(dst.tensors), c.status, src.geometry.N,
-                                      dst.geometry.N)
+            c.bind(_C.bind_program(handle, list(src.tensors), list(dst.tensors), c.status, src.geometry.N,
+                                   dst.geometry.N))
             if c.bound is not None and c.bound.run_with(0, src_slots, dst_slots, num_tokens, skip_prefix,
                                                         c.max_ctas, validate):
                 return

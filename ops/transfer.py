@@ -79,9 +79,9 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             c = hit[1]
             if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
                                        or _auto_keeps_kernel(c.staged_plan, src_slots, dst_slots, skip_prefix, 0)):
-                bound = c.bound
-                if bound is not None and bound.run_checking(0, src_slots, dst_slots, skip_prefix, 0,
-                                                            validating(validate)):
+                run_checking = c.run_checking
+                if run_checking is not None and run_checking(0, src_slots, dst_slots, skip_prefix, 0,
+                                                             validating(validate)):
                     return
             elif c.staged_kept is not None:
                 # staged: the transfer last run for the choice, if its ring is still kept and the call is its to

@@ -121,6 +121,38 @@ def test_the_layer_calls_runner_keeps_its_binding_and_raises_what_run_raises(dev
     assert np.array_equal(TC.bits(out)[:, :, :2], _want_rows(src_np, g, [4, 3]).view(np.uint16))
 
 
+def test_the_checker_serves_and_refuses_the_calls_run_checking_does(device):
+    """A repeated ops.transfer calls its binding's run_checking as a builtin function (``checker()``, no
+    pybind11 dispatch): the same calls served (True), the same left to the long way (False), the same errors
+    (an out-of-range slot on the CPU), and positional arguments only."""
+    g, src_np, src, dst = _pair(device)
+    arguments = importlib.import_module("kvlayout.ops.arguments")
+    for slots in ([1, 2], [4, 3]):
+        ops.transfer(src, dst, TC.slots(slots, device=device))
+    native = arguments.checked_choice(src, dst, None, None, None, None, 0, "kernel").bound
+    checker = native.checker()
+
+    def outcome(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:   # (the error itself is the outcome compared)
+            return type(e), str(e)
+
+    calls = [(0, TC.slots([5, 6], device=device), None, 0, 0, False),   # served
+             (0, [5, 6], None, 0, 0, False),                               # not a tensor: the long way
+             (0, TC.slots([5, 6], device=device), None, 3, 0, False),     # skip_prefix past T: the long way
+             (9, TC.slots([5, 6], device=device), None, 0, 0, False)]     # no such step: the long way
+    if torch.device(device).type == "cpu":
+        calls.append((0, TC.slots([5, 10 ** 6], device=device), None, 0, 0, False))   # raises IndexError
+    for args in calls:
+        assert outcome(checker, *args) == outcome(native.run_checking, *args), args
+    assert checker(*calls[0]) is True
+    TC.sync(device)
+    assert np.array_equal(TC.bits(dst.tensors[0])[:, :, :2], _want_rows(src_np, g, [5, 6]).view(np.uint16))
+    with pytest.raises(TypeError, match="6 positional arguments"):
+        checker(0, calls[0][1])
+
+
 def test_out_of_range_slots(device):
     _, _, src, dst = _pair(device)
     before = TC.snapshot(dst.tensors)

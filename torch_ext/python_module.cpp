@@ -266,40 +266,77 @@ class PreparedCopy {
   RunArgs args_;
 };
 
-// PreparedCopy::run as a builtin function of the step alone, bound to one
-// PreparedCopy (which it keeps alive): a layer call's hot path, without
-// pybind11's overload dispatch (a layer-wise pipeline makes this call per
-// layer per step). Errors become the Python exceptions pybind11 would raise.
+// PreparedCopy's hot calls as builtin functions bound to one PreparedCopy
+// (which each keeps alive), without pybind11's overload dispatch and argument
+// casters: run(step), a layer call's, and run_checking(...), a repeated
+// ops.transfer's. Each call costs about as much as the checks it runs. Errors
+// become the Python exceptions pybind11 would raise.
 constexpr const char* kPreparedCapsule = "kvlayout.PreparedCopy";
 
-PyObject* run_prepared_step(PyObject* capsule, PyObject* step) {
+const PreparedCopy* prepared_of(PyObject* capsule) {
+  return static_cast<const PreparedCopy*>(PyCapsule_GetPointer(capsule, kPreparedCapsule));
+}
+
+// `x` as an int64; false with a Python error set where it is not an int that fits.
+bool int64_of(PyObject* x, int64_t& out) {
+  const long long v = PyLong_AsLongLong(x);
+  if (v == -1 && PyErr_Occurred()) return false;
+  out = v;
+  return true;
+}
+
+PyObject* run_step(PyObject* capsule, PyObject* step) {
   HANDLE_TH_ERRORS
-  const auto* prepared =
-      static_cast<const PreparedCopy*>(PyCapsule_GetPointer(capsule, kPreparedCapsule));
-  if (prepared == nullptr) return nullptr;
-  const long long s = PyLong_AsLongLong(step);
-  if (s == -1 && PyErr_Occurred()) return nullptr;
+  const PreparedCopy* prepared = prepared_of(capsule);
+  int64_t s = 0;
+  if (prepared == nullptr || !int64_of(step, s)) return nullptr;
   prepared->run(s);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
-PyMethodDef run_prepared_step_def = {
-    "run", run_prepared_step, METH_O,
+// run_checking(step, src_slots, dst_slots, skip_prefix, max_ctas, validate), positional.
+PyObject* run_checking_step(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 6) {
+    PyErr_Format(PyExc_TypeError,
+                 "run_checking(step, src_slots, dst_slots, skip_prefix, max_ctas, validate) takes 6 "
+                 "positional arguments, got %zd",
+                 nargs);
+    return nullptr;
+  }
+  const PreparedCopy* prepared = prepared_of(capsule);
+  int64_t step = 0, skip_prefix = 0, max_ctas = 0;
+  if (prepared == nullptr || !int64_of(args[0], step) || !int64_of(args[3], skip_prefix) ||
+      !int64_of(args[4], max_ctas))
+    return nullptr;
+  const int validate = PyObject_IsTrue(args[5]);
+  if (validate < 0) return nullptr;
+  const bool done =
+      prepared->run_checking(step, args[1], args[2], skip_prefix, max_ctas, validate != 0);
+  return PyBool_FromLong(done);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef run_step_def = {
+    "run", run_step, METH_O,
     "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments."};
+PyMethodDef run_checking_step_def = {
+    "run_checking", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(run_checking_step)),
+    METH_FASTCALL, "PreparedCopy.run_checking, positional arguments only."};
 
 void release_prepared_owner(PyObject* capsule) {
   Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule)));
 }
 
-// The builtin function of run_prepared_step bound to `self` (a PreparedCopy object).
-py::object prepared_runner(const py::object& self) {
+// The builtin function of `def` bound to `self` (a PreparedCopy object), which it keeps alive.
+py::object prepared_function(const py::object& self, PyMethodDef* def) {
   auto* prepared = self.cast<PreparedCopy*>();
   py::object capsule = py::reinterpret_steal<py::object>(
       PyCapsule_New(prepared, kPreparedCapsule, &release_prepared_owner));
   if (!capsule) throw py::error_already_set();
   PyCapsule_SetContext(capsule.ptr(), self.inc_ref().ptr());  // the capsule owns a reference
-  PyObject* fn = PyCFunction_New(&run_prepared_step_def, capsule.ptr());
+  PyObject* fn = PyCFunction_New(def, capsule.ptr());
   if (fn == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(fn);
 }
@@ -604,8 +641,14 @@ PYBIND11_MODULE(_C, m) {
            "The slots and counts of the next runs.")
       .def("run", &PreparedCopy::run, py::arg("step"),
            "Runs step `step` (0: all layers, 1 + i: the i-th layer) with the set_call arguments.")
-      .def("runner", &prepared_runner,
-           "run as a builtin function of the step, bound to this object (the hot path's form).")
+      .def(
+          "runner", [](const py::object& self) { return prepared_function(self, &run_step_def); },
+          "run as a builtin function of the step, bound to this object (a layer call's hot path).")
+      .def(
+          "checker",
+          [](const py::object& self) { return prepared_function(self, &run_checking_step_def); },
+          "run_checking as a builtin function of its positional arguments, bound to this object (a "
+          "repeated ops.transfer's hot path).")
       .def("run_with", &PreparedCopy::run_with, py::arg("step"), py::arg("src_slots"),
            py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"), py::arg("max_ctas"),
            py::arg("validate"),
