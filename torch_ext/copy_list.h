@@ -163,11 +163,9 @@ inline void build_copy_list(const CopyPlan& checked, const std::vector<const cha
                                  static_cast<size_t>(bytes), may_chain);
       },
       [&](int64_t s, int64_t d) {
-        for (int64_t g = 0; g < segments; ++g)
-          for (int64_t h = 0; h < checked.num_pieces; ++h)
-            out.add(dst_at[g] + piece_offset(checked.dst_geom, d, h),
-                    src_at[g] + piece_offset(checked.src_geom, s, h),
-                    static_cast<size_t>(checked.piece_bytes));
+        for_each_piece(checked, s, d, [&](int64_t g, int64_t so, int64_t dof, int64_t bytes) {
+          out.add(dst_at[g] + dof, src_at[g] + so, static_cast<size_t>(bytes));
+        });
       });
 }
 

@@ -390,13 +390,13 @@ bool run_program_checking(int64_t handle, const std::vector<at::Tensor>& src,
 // host. Host addresses stand for pinned memory's device alias (which keeps
 // every adjacency), so the list is the one the CUDA op issues.
 py::object copy_run_list(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst,
-                      const std::optional<at::Tensor>& src_slots,
-                      const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
-                      int64_t skip_prefix, const std::vector<int64_t>& src_segments,
-                      const std::vector<int64_t>& dst_segments,
-                      const std::vector<int64_t>& src_geometry,
-                      const std::vector<int64_t>& dst_geometry, int64_t num_pieces,
-                      int64_t piece_bytes, bool entries) {
+                         const std::optional<at::Tensor>& src_slots,
+                         const std::optional<at::Tensor>& dst_slots, int64_t num_tokens,
+                         int64_t skip_prefix, const std::vector<int64_t>& src_segments,
+                         const std::vector<int64_t>& dst_segments,
+                         const std::vector<int64_t>& src_geometry,
+                         const std::vector<int64_t>& dst_geometry, int64_t num_pieces,
+                         int64_t piece_bytes, bool entries) {
   for (const auto* slots : {&src_slots, &dst_slots})
     TORCH_CHECK_VALUE(!slots->has_value() || !(*slots)->defined() || (*slots)->device().is_cpu(),
                       "kvlayout: the copy engine reads the slots on the host: pass CPU tensors");

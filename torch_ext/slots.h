@@ -183,10 +183,19 @@ void for_each_row_block(const CopyPlan& p, int64_t begin, int64_t end, const Run
   }
 }
 
+// The pieces of a token whose rows are in pieces (slots s and d, checked) as
+// copy(segment, src_offset, dst_offset, bytes), segment by segment, piece by
+// piece, offsets from the segment's base.
+template <class Copy>
+void for_each_piece(const CopyPlan& p, int64_t s, int64_t d, const Copy& copy) {
+  for (int64_t g = 0; g < p.num_segments; ++g)
+    for (int64_t h = 0; h < p.num_pieces; ++h)
+      copy(g, piece_offset(p.src_geom, s, h), piece_offset(p.dst_geom, d, h), p.piece_bytes);
+}
+
 // for_each_row_block as copy(segment, src_offset, dst_offset, bytes) for each
 // contiguous block to move, offsets from the segment's base: a block of rows
-// in every segment in turn; a token in pieces, segment by segment, piece by
-// piece.
+// in every segment in turn; a token in pieces as for_each_piece.
 template <class Copy>
 void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& copy) {
   for_each_row_block(
@@ -194,11 +203,7 @@ void for_each_block(const CopyPlan& p, int64_t begin, int64_t end, const Copy& c
       [&](int64_t src_offset, int64_t dst_offset, int64_t bytes) {
         for (int64_t g = 0; g < p.num_segments; ++g) copy(g, src_offset, dst_offset, bytes);
       },
-      [&](int64_t s, int64_t d) {
-        for (int64_t g = 0; g < p.num_segments; ++g)
-          for (int64_t h = 0; h < p.num_pieces; ++h)
-            copy(g, piece_offset(p.src_geom, s, h), piece_offset(p.dst_geom, d, h), p.piece_bytes);
-      });
+      [&](int64_t s, int64_t d) { for_each_piece(p, s, d, copy); });
 }
 
 }  // namespace kvlayout
