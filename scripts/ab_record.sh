@@ -14,6 +14,12 @@
 #         needs nothing of this tree, so it may run beside this tree's build)
 # ONLY    the bench's --only selection, default "T=256"
 #
+# With AB_CROSS=1 each round also runs the older tree's bench against this
+# tree's library (cross_N/): the two benches differ too (cases, baselines,
+# what runs before a row), and a row that is slower in new_N but not in
+# cross_N is slower by the bench's doing, not the library's. compare.txt
+# then also compares each old_N with every cross run.
+#
 # This tree must be built already (scripts/cuda_record.sh OUT build) for
 # ROUNDS > 0. The older tree runs from a package folder that maps its
 # directories as pyproject.toml's package-dir does, put first on PYTHONPATH.
@@ -54,9 +60,26 @@ for pair in reference:reference ops:ops conformance:conformance compat:compat be
     [ -d "$tree/${pair#*:}" ] && ln -sfn "$tree/${pair#*:}" "$pkg/${pair%%:*}"
 done
 
+# This tree's library with the older tree's bench (AB_CROSS=1).
+cross=${AB_CROSS:-0}
+if [ "$cross" = 1 ]; then
+    xpkg="$out/cross-package/kvlayout"
+    mkdir -p "$xpkg"
+    here=$(pwd)
+    for f in "$here"/kvlayout/*; do ln -sfn "$f" "$xpkg/"; done
+    for pair in reference:reference ops:ops conformance:conformance compat:compat dist:distributed; do
+        ln -sfn "$here/${pair#*:}" "$xpkg/${pair%%:*}"
+    done
+    ln -sfn "$tree/bench" "$xpkg/bench"
+fi
+
 for n in $(seq 1 "$rounds"); do
     (cd /tmp && PYTHONPATH="$out/old-package" $py -m kvlayout bench --device cuda --only "$only" \
         --out "$out/old_$n") > "$out/old_$n.txt" 2>&1
+    if [ "$cross" = 1 ]; then
+        (cd /tmp && PYTHONPATH="$out/cross-package" $py -m kvlayout bench --device cuda --only "$only" \
+            --out "$out/cross_$n") > "$out/cross_$n.txt" 2>&1
+    fi
     $py -m kvlayout bench --device cuda --only "$only" --out "$out/new_$n" > "$out/new_$n.txt" 2>&1
     echo "round $n done"
 done
@@ -66,6 +89,12 @@ stem=$(basename "$(ls "$out"/new_1/*.jsonl | head -1)" .jsonl)
         echo "# old_$n against every new run"
         $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out"/new_*/"$stem.jsonl"
     done
+    if [ "$cross" = 1 ]; then
+        for n in $(seq 1 "$rounds"); do
+            echo "# old_$n against every cross run (this library, the older bench)"
+            $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out"/cross_*/"$stem.jsonl"
+        done
+    fi
 } | tee "$out/compare.txt"
 # every run's record in one file, beside compare.txt
-(cd "$out" && tar czf runs.tgz old_[0-9]* new_[0-9]*)
+(cd "$out" && tar czf runs.tgz old_[0-9]* new_[0-9]* $(ls -d cross_[0-9]* 2>/dev/null))

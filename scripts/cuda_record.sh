@@ -30,7 +30,8 @@
 #   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
 #                built already; an older tree built in AB_DIR is reused) -> ab.txt, ab_compare.txt, ab_runs.tgz
 #                AB_DIR (default /tmp/kvlayout-ab) holds the older tree, outside OUTDIR;
-#                AB_ROUNDS default 3, AB_ONLY default "T=256,layerwise,headline"
+#                AB_ROUNDS default 3, AB_ONLY default "T=256,layerwise,headline";
+#                AB_CROSS=1 adds this tree's library under the older tree's bench per round
 # A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
 # a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
 # adds pytest arguments.
