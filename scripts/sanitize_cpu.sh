@@ -82,7 +82,9 @@ for run in "${runs[@]}"; do
         echo "build failed: $out/$run-build.txt" | tee -a "$log"; status=1; continue
     fi
     # the library is instrumented, and the runtime reports a planted bug
-    if ! nm -D "$library" | grep -q "$symbol"; then
+    # (grep reads all of nm's output: with -q it would stop at the first match, and under pipefail nm's
+    # broken pipe would fail the test)
+    if ! nm -D "$library" | grep "$symbol" > /dev/null; then
         echo "the built library has no $symbol: not instrumented" | tee -a "$log"; status=1; continue
     fi
     g++ -shared -fPIC -g -O1 -fsanitize=$flags scripts/sanitizers/canary.cpp -o "$reports/canary.so"
