@@ -52,26 +52,21 @@ else
 fi
 [ "$rounds" -gt 0 ] || exit 0
 
-# The older tree's package: kvlayout/ with its subpackages linked in.
-pkg="$out/old-package/kvlayout"
-mkdir -p "$pkg"
-for f in "$tree"/kvlayout/*; do ln -sfn "$f" "$pkg/"; done
-for pair in reference:reference ops:ops conformance:conformance compat:compat bench:bench dist:distributed; do
-    [ -d "$tree/${pair#*:}" ] && ln -sfn "$tree/${pair#*:}" "$pkg/${pair%%:*}"
-done
-
-# This tree's library with the older tree's bench (AB_CROSS=1).
-cross=${AB_CROSS:-0}
-if [ "$cross" = 1 ]; then
-    xpkg="$out/cross-package/kvlayout"
-    mkdir -p "$xpkg"
-    here=$(pwd)
-    for f in "$here"/kvlayout/*; do ln -sfn "$f" "$xpkg/"; done
+# package DIR TREE BENCH_TREE: DIR/kvlayout, TREE's directories linked in as
+# pyproject.toml's package-dir maps them, and BENCH_TREE's bench/.
+package() {
+    local pkg="$1/kvlayout" pair f
+    mkdir -p "$pkg"
+    for f in "$2"/kvlayout/*; do ln -sfn "$f" "$pkg/"; done
     for pair in reference:reference ops:ops conformance:conformance compat:compat dist:distributed; do
-        ln -sfn "$here/${pair#*:}" "$xpkg/${pair%%:*}"
+        [ -d "$2/${pair#*:}" ] && ln -sfn "$2/${pair#*:}" "$pkg/${pair%%:*}"
     done
-    ln -sfn "$tree/bench" "$xpkg/bench"
-fi
+    ln -sfn "$3/bench" "$pkg/bench"
+}
+# The older tree's package, and with AB_CROSS=1 this tree's library with the older tree's bench.
+package "$out/old-package" "$tree" "$tree"
+cross=${AB_CROSS:-0}
+[ "$cross" = 1 ] && package "$out/cross-package" "$(pwd)" "$tree"
 
 for n in $(seq 1 "$rounds"); do
     (cd /tmp && PYTHONPATH="$out/old-package" $py -m kvlayout bench --device cuda --only "$only" \
