@@ -10,7 +10,8 @@ JSON line:
   held by a sleep while the host issues it; the bench's "kernel only"), L2 flushed before each;
 * ``back_to_back_us``: ``--calls`` calls issued back to back, per call (no flush);
 * with ``--trace``, what the device ran for the call (torch.profiler's CUDA activities: kernels, copies, memsets)
-  after the sleep that held the stream, in ``--trace`` calls laid out as the kernel-only ones:
+  after the sleep that held the stream, in ``--trace`` calls issued as the kernel-only ones but without the L2
+  flush (whose own kernels would follow each call):
   ``launch_gap_us`` (from the sleep's end to the first of them, median), ``device_span_us`` (from the sleep's
   end to the last one's end, median) and ``device_work`` (each activity of the last call: name, start after the
   sleep's end, duration, in µs). A difference between two trees' kernel-only times that the kernels' own
@@ -76,20 +77,19 @@ def main() -> None:
                    "kernel_us": statistics.median(kernel), "kernel_us_p10": sorted(kernel)[len(kernel) // 10],
                    "back_to_back_us": start.elapsed_time(end) * 1e3 / args.calls}
             if args.trace:
-                row.update(device_work(fn, flush, cycles_per_s, args.trace))
+                row.update(device_work(fn, cycles_per_s, args.trace))
             print(json.dumps(row), flush=True)
             del pad, data, fn
             torch.cuda.empty_cache()
 
 
-def device_work(fn, flush: torch.Tensor, cycles_per_s: float, calls: int) -> dict:
-    """``calls`` calls of ``fn``, each after an L2 flush and a sleep that holds the stream (as "kernel only"
-    times them), under torch.profiler: the device's activities after each sleep (see the module's docstring)."""
+def device_work(fn, cycles_per_s: float, calls: int) -> dict:
+    """``calls`` calls of ``fn``, each after a sleep that holds the stream (as "kernel only" times them), under
+    torch.profiler: the device's activities between each sleep and the next (see the module's docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            flush.sum()
             torch.cuda._sleep(int(300e-6 * cycles_per_s))
             fn()
             torch.cuda.synchronize()
@@ -98,8 +98,7 @@ def device_work(fn, flush: torch.Tensor, cycles_per_s: float, calls: int) -> dic
     sleeps = [i for i, e in enumerate(device) if "spin" in e.name]   # torch.cuda._sleep's kernel
     gaps, spans, last = [], [], []
     for n, i in enumerate(sleeps):
-        stop = sleeps[n + 1] if n + 1 < len(sleeps) else len(device)
-        after = [e for e in device[i + 1:stop] if "reduce" not in e.name]   # (the next call's flush)
+        after = device[i + 1:sleeps[n + 1] if n + 1 < len(sleeps) else len(device)]
         if not after:
             continue
         slept = device[i].time_range.end
