@@ -10,8 +10,9 @@
 # OUTDIR  gets old-tree/ (the older tree, built in place), old_N/ and new_N/
 #         (`kvlayout bench --out` of round N), compare.txt and runs.tgz (every
 #         old_N/new_N in one file)
-# ROUNDS  rounds of (old, new), default 2; 0 only builds the older tree (it
-#         needs nothing of this tree, so it may run beside this tree's build)
+# ROUNDS  rounds of (old, new), default 2; 0 only builds the older tree and
+#         makes OUTDIR/old-package (it needs nothing of this tree, so it may
+#         run beside this tree's build)
 # ONLY    the bench's --only selection, default "T=256"
 #
 # With AB_CROSS=1 each round also runs the older tree's bench against this
@@ -50,8 +51,6 @@ else
         || { echo "ab_record.sh: the older tree does not build (see $out/old_build.txt)" >&2; exit 1; }
     echo "$old" > "$tree/.ab_built"
 fi
-[ "$rounds" -gt 0 ] || exit 0
-
 # package DIR TREE BENCH_TREE: DIR/kvlayout, TREE's directories linked in as
 # pyproject.toml's package-dir maps them, and BENCH_TREE's bench/.
 package() {
@@ -67,6 +66,8 @@ package() {
 package "$out/old-package" "$tree" "$tree"
 cross=${AB_CROSS:-0}
 [ "$cross" = 1 ] && package "$out/cross-package" "$(pwd)" "$tree"
+# (ROUNDS = 0: the older tree built and its package made, for the rounds or a probe to come)
+[ "$rounds" -gt 0 ] || exit 0
 
 for n in $(seq 1 "$rounds"); do
     (cd /tmp && PYTHONPATH="$out/old-package" $py -m kvlayout bench --device cuda --only "$only" \

@@ -32,12 +32,15 @@
 #                AB_DIR (default /tmp/kvlayout-ab) holds the older tree, outside OUTDIR;
 #                AB_ROUNDS default 3, AB_ONLY default "T=256,layerwise,headline";
 #                AB_CROSS=1 adds this tree's library under the older tree's bench per round
+#   probe        scripts/ab_case_probe.py --trace 20 on PROBE_KEYS (bench keys, comma-separated; default the
+#                T = 256 L32 MLA and H1 gathers), this tree and, after ab-old or ab, the older tree in
+#                AB_DIR, alternately, two processes each        -> probe.txt (one JSON line per tree, key, process)
 # A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
 # a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|binding-cost|ab-old|ab ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|binding-cost|ab-old|ab|probe ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -45,6 +48,9 @@ mkdir -p "$out"
 export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 ab_dir=${AB_DIR:-/tmp/kvlayout-ab}
+repo=$(pwd)
+default_probe_keys="L32_MLA_D576 T=256 ps=16 vllm_mla->lmcache_kv_mla gather_device all layers ctas=default,\
+L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd gather_device all layers ctas=default"
 status=0
 
 gpu_header() {
@@ -102,6 +108,18 @@ for step in "${steps[@]}"; do
                 scripts/ab_record.sh "$AB_OLD" "$ab_dir" 0 > "$out/ab_old_build.txt" 2>&1 &
                 ab_old_pid=$!
                 echo "ab-old: building $AB_OLD in the background" | tee -a "$out/steps.txt" ;;
+        probe) if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
+               IFS=, read -r -a probe_keys <<< "${PROBE_KEYS:-$default_probe_keys}"
+               probe() {   # this tree, then the older one where it is built (its package first on PYTHONPATH)
+                   for n in 1 2; do
+                       $py scripts/ab_case_probe.py "${probe_keys[@]}" --reps 200 --calls 50 --trace 20
+                       if [ -d "$ab_dir/old-package" ]; then
+                           (cd /tmp && PYTHONPATH="$ab_dir/old-package" $py "$repo/scripts/ab_case_probe.py" \
+                               "${probe_keys[@]}" --reps 200 --calls 50 --trace 20)
+                       fi
+                   done
+               }
+               run_step probe probe.txt probe ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"
             if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
             run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "$ab_dir" "${AB_ROUNDS:-3}" \
