@@ -35,8 +35,9 @@
 #   probe        scripts/ab_case_probe.py --trace 20 on PROBE_KEYS (bench keys, comma-separated; default the
 #                T = 256 L32 MLA and H1 gathers), this tree and, after ab-old or ab, the older tree in
 #                AB_DIR, alternately, two processes each        -> probe.txt (one JSON line per tree, key, process)
-#   walk-probe   scripts/walk_grid_probe.cu (nvcc, sm_90): the device walk alone on the bench's gather
-#                geometries at small T under other grids, CTA sizes and loads in flight -> walk_probe.txt
+#   walk-probe   scripts/walk_grid_probe.cu (nvcc, sm_90): the walk alone on the bench's geometries: gathers on
+#                the device at small T under other grids, CTA sizes and loads in flight; host transfers under an
+#                SM budget with other lanes, cache hints and a shared-memory pipeline   -> walk_probe.txt
 # A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
 # a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
 # adds pytest arguments.
@@ -125,7 +126,7 @@ for step in "${steps[@]}"; do
         walk-probe) probe_bin=$(mktemp -d)/walk_grid_probe
                     run_step walk-probe walk_probe.txt bash -c "nvcc -O3 -std=c++17 --expt-relaxed-constexpr \
                         -arch=sm_90 -Xptxas -v -I torch_ext/include scripts/walk_grid_probe.cu -o $probe_bin \
-                        2>&1 | grep -E 'registers|spill' ; $probe_bin 50" ;;
+                        2>&1 | grep -E 'registers|spill' ; $probe_bin all 30" ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"
             if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
             run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "$ab_dir" "${AB_ROUNDS:-3}" \

@@ -1,12 +1,21 @@
-// walk_grid_probe.cu — the device walk of copy_rows (torch_ext/include/kvlayout/
+// walk_grid_probe.cu — the walk of copy_rows (torch_ext/include/kvlayout/
 // copy_rows_kernel.h, the same code the library's kernel runs) timed alone on
-// the bench's gather geometries at small T, under different grids, CTA sizes
-// and loads in flight, beside a one-row-per-CTA kernel of the kind the peers
-// use. For choosing the device variant's launch shape; not part of the
-// library. Every variant's output is compared with the library-shaped one.
+// the bench's geometries, for choosing launch shapes; not part of the library.
+// Every variant's output is compared with the first variant's.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -I torch_ext/include scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
-//   /tmp/walk_grid_probe [reps]
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I torch_ext/include \
+//        scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
+//   /tmp/walk_grid_probe [device|budget|all] [reps]
+//
+// device: gathers on the device at small T (paged cache -> chunk) under other
+//   grids, CTA sizes and loads in flight, beside a one-row-per-CTA kernel of
+//   the kind the peers use.
+// budget: transfers between the device cache and a pinned host chunk under an
+//   SM budget of N = 1, 2, 4 CTAs of 1024 threads (what max_ctas = N
+//   launches): the library's budget variant with either cache hint, 8-byte
+//   lanes with more loads per thread, and a walk that keeps its loads in
+//   flight in shared memory (cp.async, a rolling pipeline of S stages) rather
+//   than registers; GB/s against the pinned copy_ ceiling measured alike.
 //
 // Per case and variant: the median kernel time over `reps` launches (CUDA
 // events around one launch, L2 flushed by a read before each), the grid, and
@@ -37,8 +46,15 @@ using namespace kvlayout;
 constexpr int kSegs = 128;
 using Params = CopyRowsParams<kSegs>;
 
-struct Streaming16 {
-  using vec_type = uint4;
+template <int VEC>
+struct DefaultHints {
+  using vec_type = VecOf<VEC, uint4, uint2>;
+  __device__ static vec_type load(const vec_type* p) { return *p; }
+  __device__ static void store(vec_type* p, vec_type v) { *p = v; }
+};
+template <int VEC>
+struct StreamingHints {
+  using vec_type = VecOf<VEC, uint4, uint2>;
   __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
   __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
 };
@@ -48,7 +64,7 @@ struct NoRecord {
 };
 
 // The library kernel's body (segment table into shared memory, then the walk).
-template <int UNROLL, int THREADS, int MIN_CTAS>
+template <int VEC, int UNROLL, int THREADS, int MIN_CTAS, class Mem>
 __global__ void __launch_bounds__(THREADS, MIN_CTAS) walk_kernel(const __grid_constant__ Params p) {
   __shared__ const char* src_base[kSegs];
   __shared__ char* dst_base[kSegs];
@@ -59,7 +75,7 @@ __global__ void __launch_bounds__(THREADS, MIN_CTAS) walk_kernel(const __grid_co
   __syncthreads();
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  copy_rows_walk<16, UNROLL, Streaming16>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
+  copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
 }
 
 // One (token, segment) row per CTA, 16-byte vectors strided by the CTA's threads.
@@ -70,7 +86,69 @@ __global__ void __launch_bounds__(128) row_per_cta_kernel(const __grid_constant_
   const char* src = p.src_base[seg] + row_offset(p.a.src_geom, p.a.src_by_page, s);
   char* dst = p.dst_base[seg] + row_offset(p.a.dst_geom, p.a.dst_by_page, d);
   for (int64_t v = threadIdx.x; v < p.a.vecs_per_row; v += blockDim.x)
-    Streaming16::store(reinterpret_cast<uint4*>(dst) + v, Streaming16::load(reinterpret_cast<const uint4*>(src) + v));
+    StreamingHints<16>::store(reinterpret_cast<uint4*>(dst) + v,
+                       StreamingHints<16>::load(reinterpret_cast<const uint4*>(src) + v));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(global) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Loads kept in flight in shared memory: item i of the flat (token, segment,
+// 16-byte vector) space is thread i's, then i + num_threads, ...; S stages
+// roll: the oldest stage is stored and refilled while S - 1 stay in flight.
+// 16-byte rows of one piece only (the bench's geometries).
+template <int S>
+__global__ void __launch_bounds__(1024, 1) async_pipeline_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint4 stage[];  // [S][blockDim.x]
+  __shared__ const char* src_base[kSegs];
+  __shared__ char* dst_base[kSegs];
+  for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
+    src_base[j] = p.src_base[j];
+    dst_base[j] = p.dst_base[j];
+  }
+  __syncthreads();
+  const int64_t vecs = p.a.vecs_per_row;
+  const int64_t per_token = p.a.num_segments * vecs;
+  const int64_t total = p.a.tokens * per_token;
+  const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  // issues item i into stage k; its destination, or nullptr (past the end, or a skipped slot)
+  const auto issue = [&](int k, int64_t item) -> char* {
+    if (item >= total) return nullptr;
+    int64_t t, rest, seg, v;
+    divmod_nonneg(item, per_token, t, rest);
+    divmod_nonneg(rest, vecs, seg, v);
+    const int64_t s = p.a.src_slots.load(t), d = p.a.dst_slots.load(t);
+    if (s < 0 || d < 0 || s >= p.a.src_geom.num_slots || d >= p.a.dst_geom.num_slots) return nullptr;
+    cp_async16(&stage[k * blockDim.x + threadIdx.x],
+               src_base[seg] + row_offset(p.a.src_geom, p.a.src_by_page, s) + v * 16);
+    return dst_base[seg] + row_offset(p.a.dst_geom, p.a.dst_by_page, d) + v * 16;
+  };
+  char* out[S];
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    out[k] = issue(k, i);
+    i += num_threads;
+    cp_async_commit();
+  }
+  while (i - S * num_threads < total) {  // an item is in flight
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      cp_async_wait<S - 1>();  // stage k, the oldest, has landed
+      if (out[k] != nullptr) *reinterpret_cast<uint4*>(out[k]) = stage[k * blockDim.x + threadIdx.x];
+      out[k] = issue(k, i);
+      i += num_threads;
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();
 }
 
 __global__ void flush_kernel(const int4* buf, int64_t n, int* sink) {
@@ -80,12 +158,176 @@ __global__ void flush_kernel(const int4* buf, int64_t n, int* sink) {
   if (acc == 0x12345678) *sink = acc;
 }
 
-struct Case {
+__global__ void fill_kernel(uint32_t* buf, int64_t n, uint32_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32) * 40503u;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    buf[i] = x;
+  }
+}
+
+__global__ void diff_kernel(const uint32_t* a, const uint32_t* b, int64_t n, unsigned long long* count) {
+  unsigned long long c = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    c += a[i] != b[i];
+  if (c) atomicAdd(count, c);
+}
+
+struct Shape {
   const char* name;
-  int layers, planes, row_bytes, T;
+  int layers, planes, row_bytes;
+};
+const Shape kH1{"L32_H1_D128", 32, 2, 256}, kH8{"L32_H8_D128", 32, 2, 2048}, kMLA{"L32_MLA_D576", 32, 1, 1152},
+    kL61MLA{"L61_MLA_D576", 61, 1, 1152};
+
+// What every section shares: the device, the L2 flush, events, the status word.
+struct Probe {
+  int reps;
+  int sms = 0;
+  cudaDeviceProp prop{};
+  int4* flush_buf = nullptr;
+  int64_t flush_n = 0;
+  int* sink = nullptr;
+  int64_t* status = nullptr;
+  unsigned long long* count = nullptr;
+  cudaEvent_t e0{}, e1{};
+  std::mt19937_64 rng{0};
+
+  explicit Probe(int reps_) : reps(reps_) {
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    sms = prop.multiProcessorCount;
+    flush_n = int64_t(2) * prop.l2CacheSize / 16 + (64 << 20) / 16;
+    CHECK(cudaMalloc(&flush_buf, flush_n * 16));
+    CHECK(cudaMemset(flush_buf, 1, flush_n * 16));
+    CHECK(cudaMalloc(&sink, 4));
+    CHECK(cudaMalloc(&status, kStatusNumel * 8));
+    CHECK(cudaMemset(status, 0, kStatusNumel * 8));
+    CHECK(cudaMalloc(&count, 8));
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+  }
+
+  // median, p10, p90 in microseconds of one launch after an L2 flush
+  template <class Launch>
+  void time(Launch&& launch, double& median, double& p10, double& p90) {
+    std::vector<float> ms;
+    for (int r = 0; r < reps + 3; ++r) {
+      flush_kernel<<<sms * 4, 512>>>(flush_buf, flush_n, sink);
+      CHECK(cudaEventRecord(e0));
+      launch();
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float t;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (r >= 3) ms.push_back(t);
+    }
+    CHECK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    median = ms[ms.size() / 2] * 1e3;
+    p10 = ms[ms.size() / 10] * 1e3;
+    p90 = ms[ms.size() * 9 / 10] * 1e3;
+  }
+
+  // words of a and b (device or pinned) that differ
+  unsigned long long differing(const void* a, const void* b, int64_t bytes) {
+    CHECK(cudaMemset(count, 0, 8));
+    diff_kernel<<<sms * 4, 512>>>(static_cast<const uint32_t*>(a), static_cast<const uint32_t*>(b), bytes / 4,
+                                  count);
+    unsigned long long c = 0;
+    CHECK(cudaMemcpy(&c, count, 8, cudaMemcpyDeviceToHost));
+    return c;
+  }
+
+  void fill(void* buf, int64_t bytes) {
+    fill_kernel<<<sms * 4, 512>>>(static_cast<uint32_t*>(buf), bytes / 4, static_cast<uint32_t>(rng()));
+    CHECK(cudaDeviceSynchronize());
+  }
+
+  // the first T slots of whole pages (of `page` slots) of a cache of `cache_slots`, in random order
+  std::vector<int64_t> page_slots(int64_t cache_slots, int page, int T) {
+    std::vector<int64_t> order(cache_slots / page);
+    for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int64_t> slots(T);
+    for (int t = 0; t < T; ++t) slots[t] = order[t / page] * page + t % page;
+    return slots;
+  }
 };
 
-struct Variant {
+// A paged cache (page size 16, every layer and plane one segment) and a chunk
+// [segments, T, row]; `slots` (device) names each token's cache slot.
+struct Tensors {
+  char* cache = nullptr;  // device
+  char* chunk = nullptr;  // device or pinned host
+  int64_t cache_slots = 0, seg_bytes = 0, chunk_seg_bytes = 0;
+  int segs = 0;
+  int64_t* slots = nullptr;
+  bool host_chunk;
+
+  Tensors(Probe& probe, const Shape& sh, int T, bool host_chunk_) : host_chunk(host_chunk_) {
+    cache_slots = std::max<int64_t>(2 * T, 8192);
+    segs = sh.layers * sh.planes;
+    seg_bytes = cache_slots * sh.row_bytes;
+    chunk_seg_bytes = int64_t(T) * sh.row_bytes;
+    CHECK(cudaMalloc(&cache, seg_bytes * segs));
+    if (host_chunk)
+      CHECK(cudaMallocHost(&chunk, chunk_seg_bytes * segs));
+    else
+      CHECK(cudaMalloc(&chunk, chunk_seg_bytes * segs));
+    probe.fill(cache, seg_bytes * segs);
+    probe.fill(chunk, chunk_seg_bytes * segs);
+    const std::vector<int64_t> h = probe.page_slots(cache_slots, 16, T);
+    CHECK(cudaMalloc(&slots, T * 8));
+    CHECK(cudaMemcpy(slots, h.data(), T * 8, cudaMemcpyHostToDevice));
+  }
+  ~Tensors() {
+    cudaFree(cache);
+    if (host_chunk)
+      cudaFreeHost(chunk);
+    else
+      cudaFree(chunk);
+    cudaFree(slots);
+  }
+
+  // Launch parameters of cache -> chunk (gather) or chunk -> cache, VEC-byte vectors.
+  Params params(const Probe& probe, const Shape& sh, int T, bool to_chunk, int vec) const {
+    Params p{};
+    const RowGeometry paged{cache_slots, 16, int64_t(16) * sh.row_bytes, sh.row_bytes, 0};
+    const RowGeometry flat{T, 1, sh.row_bytes, sh.row_bytes, 0};
+    const SlotArray page_slots{slots, 1, 8, 0};
+    p.a.src_geom = to_chunk ? paged : flat;
+    p.a.dst_geom = to_chunk ? flat : paged;
+    p.a.src_slots = to_chunk ? page_slots : SlotArray::identity_slots();
+    p.a.dst_slots = to_chunk ? SlotArray::identity_slots() : page_slots;
+    p.a.skip_prefix = 0;
+    p.a.tokens = T;
+    p.a.num_segments = segs;
+    p.a.status = probe.status;
+    p.a.src_recorded_from = kRecordEverything;
+    p.a.dst_recorded_from = kRecordEverything;
+    prepare_copy_rows_args(p.a, 1, sh.row_bytes / vec);
+    for (int s = 0; s < segs; ++s) {
+      char* c = cache + s * seg_bytes;
+      char* k = chunk + s * chunk_seg_bytes;
+      p.src_base[s] = to_chunk ? c : k;
+      p.dst_base[s] = to_chunk ? k : c;
+    }
+    return p;
+  }
+};
+
+void print_row(const char* shape, int T, const std::string& variant, double med, double p10, double p90, int regs,
+               long long grid, const std::string& extra, bool ok) {
+  std::printf("%-14s %6d  %-34s %9.2f %8.2f-%-8.2f %4d %7lld %s%s\n", shape, T, variant.c_str(), med, p10, p90,
+              regs, grid, extra.c_str(), ok ? "" : "  OUTPUT DIFFERS");
+}
+
+// ---------------------------------------------------------------------------
+// device: on-device gathers at small T
+
+struct DeviceVariant {
   std::string name;
   void (*kernel)(Params);
   int threads;
@@ -94,159 +336,176 @@ struct Variant {
 };
 
 template <int U, int TH, int MB>
-Variant variant(const char* name, int waves) {
-  return Variant{name, walk_kernel<U, TH, MB>, TH, U, waves};
+DeviceVariant device_variant(const char* name, int waves) {
+  return DeviceVariant{name, walk_kernel<16, U, TH, MB, StreamingHints<16>>, TH, U, waves};
 }
 
-int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
-  cudaDeviceProp prop{};
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  const int sms = prop.multiProcessorCount;
-  std::printf("%s, %d SMs, L2 %d MiB\n", prop.name, sms, prop.l2CacheSize >> 20);
-
-  // bench shapes, vLLM paged cache (page size 16) -> LMCache chunk, all layers
-  const Case cases[] = {
-      {"L32_H1_D128", 32, 2, 256, 256},   {"L32_H8_D128", 32, 2, 2048, 256},
-      {"L32_MLA_D576", 32, 1, 1152, 256}, {"L61_MLA_D576", 61, 1, 1152, 256},
-      {"L32_H1_D128", 32, 2, 256, 1024},  {"L32_MLA_D576", 32, 1, 1152, 1024},
-      {"L32_H8_D128", 32, 2, 2048, 4096},
+void run_device(Probe& probe) {
+  struct Case {
+    Shape shape;
+    int T;
   };
-  const std::vector<Variant> variants = {
-      variant<4, 256, 3>("u4 t256 min3 1 wave (library)", 1),
-      variant<4, 256, 3>("u4 t256 min3 2 waves", 2),
-      variant<4, 256, 3>("u4 t256 min3 4 waves", 4),
-      variant<4, 256, 3>("u4 t256 min3 one batch/thread", 0),
-      variant<2, 256, 4>("u2 t256 min4 1 wave", 1),
-      variant<2, 256, 4>("u2 t256 min4 one batch/thread", 0),
-      variant<4, 128, 1>("u4 t128 1 wave", 1),
-      variant<4, 128, 1>("u4 t128 one batch/thread", 0),
-      variant<8, 256, 1>("u8 t256 1 wave", 1),
-      variant<1, 256, 5>("u1 t256 min5 one batch/thread", 0),
+  const Case cases[] = {{kH1, 256}, {kH8, 256}, {kMLA, 256}, {kL61MLA, 256}, {kH1, 1024}, {kMLA, 1024}, {kH8, 4096}};
+  const std::vector<DeviceVariant> variants = {
+      device_variant<4, 256, 3>("u4 t256 min3 1 wave (library)", 1),
+      device_variant<4, 256, 3>("u4 t256 min3 2 waves", 2),
+      device_variant<4, 256, 3>("u4 t256 min3 4 waves", 4),
+      device_variant<4, 256, 3>("u4 t256 min3 one batch/thread", 0),
+      device_variant<2, 256, 4>("u2 t256 min4 1 wave", 1),
+      device_variant<2, 256, 4>("u2 t256 min4 one batch/thread", 0),
+      device_variant<4, 128, 1>("u4 t128 1 wave", 1),
+      device_variant<4, 128, 1>("u4 t128 one batch/thread", 0),
+      device_variant<8, 256, 1>("u8 t256 1 wave", 1),
+      device_variant<1, 256, 5>("u1 t256 min5 one batch/thread", 0),
   };
-
-  const int64_t flush_n = int64_t(2) * prop.l2CacheSize / 16 + (64 << 20) / 16;
-  int4* flush_buf;
-  int* sink;
-  CHECK(cudaMalloc(&flush_buf, flush_n * 16));
-  CHECK(cudaMemset(flush_buf, 1, flush_n * 16));
-  CHECK(cudaMalloc(&sink, 4));
-  int64_t* status;
-  CHECK(cudaMalloc(&status, kStatusNumel * 8));
-  CHECK(cudaMemset(status, 0, kStatusNumel * 8));
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::mt19937_64 rng(0);
-
-  std::printf("%-14s %6s  %-32s %8s %8s %5s %7s\n", "shape", "T", "variant", "us", "p10-p90", "regs", "grid");
+  std::printf("\n== device: gather, paged cache -> chunk, on the device\n");
+  std::printf("%-14s %6s  %-34s %9s %17s %4s %7s\n", "shape", "T", "variant", "us", "p10-p90", "regs", "grid");
   for (const Case& c : cases) {
-    const int page = 16;
-    const int64_t cache_slots = std::max<int64_t>(2 * c.T, 8192);
-    const int64_t pages = cache_slots / page;
-    const int segs = c.layers * c.planes;
-    const int64_t seg_bytes = cache_slots * c.row_bytes;
-    const int64_t chunk_seg_bytes = int64_t(c.T) * c.row_bytes;
-    char *cache, *chunk, *ref;
-    CHECK(cudaMalloc(&cache, seg_bytes * segs));
-    CHECK(cudaMalloc(&chunk, chunk_seg_bytes * segs));
-    CHECK(cudaMalloc(&ref, chunk_seg_bytes * segs));
-    {
-      std::vector<uint32_t> h(seg_bytes * segs / 4);
-      for (auto& x : h) x = static_cast<uint32_t>(rng());
-      CHECK(cudaMemcpy(cache, h.data(), seg_bytes * segs, cudaMemcpyHostToDevice));
-    }
-    // the first T slots of whole pages in random order
-    std::vector<int64_t> order(pages);
-    for (int64_t i = 0; i < pages; ++i) order[i] = i;
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<int64_t> slots(c.T);
-    for (int t = 0; t < c.T; ++t) slots[t] = order[t / page] * page + t % page;
-    int64_t* d_slots;
-    CHECK(cudaMalloc(&d_slots, c.T * 8));
-    CHECK(cudaMemcpy(d_slots, slots.data(), c.T * 8, cudaMemcpyHostToDevice));
-
-    Params p{};
-    p.a.src_geom = RowGeometry{cache_slots, page, int64_t(page) * c.row_bytes, c.row_bytes, 0};
-    p.a.dst_geom = RowGeometry{c.T, 1, c.row_bytes, c.row_bytes, 0};
-    p.a.src_slots = SlotArray{d_slots, 1, 8, 0};
-    p.a.dst_slots = SlotArray::identity_slots();
-    p.a.skip_prefix = 0;
-    p.a.tokens = c.T;
-    p.a.num_segments = segs;
-    p.a.status = status;
-    p.a.src_recorded_from = kRecordEverything;
-    p.a.dst_recorded_from = kRecordEverything;
-    prepare_copy_rows_args(p.a, 1, c.row_bytes / 16);
-    for (int s = 0; s < segs; ++s) {
-      p.src_base[s] = cache + s * seg_bytes;
-      p.dst_base[s] = chunk + s * chunk_seg_bytes;
-    }
-    const int64_t items = int64_t(c.T) * segs * (c.row_bytes / 16);
-
-    auto time_launch = [&](auto&& launch, double& median, double& p10, double& p90) {
-      std::vector<float> ms;
-      for (int r = 0; r < reps + 3; ++r) {
-        flush_kernel<<<sms * 4, 512>>>(flush_buf, flush_n, sink);
-        CHECK(cudaEventRecord(e0));
-        launch();
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float t;
-        CHECK(cudaEventElapsedTime(&t, e0, e1));
-        if (r >= 3) ms.push_back(t);
-      }
-      std::sort(ms.begin(), ms.end());
-      median = ms[ms.size() / 2] * 1e3;
-      p10 = ms[ms.size() / 10] * 1e3;
-      p90 = ms[ms.size() * 9 / 10] * 1e3;
-    };
-    auto same_as_ref = [&]() {
-      std::vector<char> a(chunk_seg_bytes * segs), b(chunk_seg_bytes * segs);
-      CHECK(cudaMemcpy(a.data(), chunk, a.size(), cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(b.data(), ref, b.size(), cudaMemcpyDeviceToHost));
-      return std::memcmp(a.data(), b.data(), a.size()) == 0;
-    };
-
+    Tensors x(probe, c.shape, c.T, false);
+    const Params p = x.params(probe, c.shape, c.T, true, 16);
+    const int64_t bytes = x.chunk_seg_bytes * x.segs;
+    char* ref;
+    CHECK(cudaMalloc(&ref, bytes));
+    const int64_t items = int64_t(c.T) * x.segs * (c.shape.row_bytes / 16);
     bool first = true;
-    for (const Variant& v : variants) {
+    for (const DeviceVariant& v : variants) {
       cudaFuncAttributes attr{};
       CHECK(cudaFuncGetAttributes(&attr, v.kernel));
       int resident = 0;
       CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, v.kernel, v.threads, 0));
       const int64_t full = (items + v.threads - 1) / v.threads;
       int64_t grid = v.waves == 0 ? (items + int64_t(v.threads) * v.unroll - 1) / (int64_t(v.threads) * v.unroll)
-                                  : int64_t(sms) * std::max(resident, 1) * v.waves;
+                                  : int64_t(probe.sms) * std::max(resident, 1) * v.waves;
       grid = std::max<int64_t>(1, std::min(grid, full));
-      CHECK(cudaMemset(chunk, 0, chunk_seg_bytes * segs));
-      auto launch = [&] { v.kernel<<<unsigned(grid), v.threads>>>(p); };
+      CHECK(cudaMemset(x.chunk, 0, bytes));
       double med, p10, p90;
-      time_launch(launch, med, p10, p90);
-      CHECK(cudaGetLastError());
+      probe.time([&] { v.kernel<<<unsigned(grid), v.threads>>>(p); }, med, p10, p90);
       CHECK(cudaDeviceSynchronize());
-      if (first) CHECK(cudaMemcpy(ref, chunk, chunk_seg_bytes * segs, cudaMemcpyDeviceToDevice));
-      const bool ok = first || same_as_ref();
+      if (first) CHECK(cudaMemcpy(ref, x.chunk, bytes, cudaMemcpyDeviceToDevice));
+      const bool ok = first || probe.differing(ref, x.chunk, bytes) == 0;
       first = false;
-      std::printf("%-14s %6d  %-32s %8.2f %4.2f-%-4.2f %4d %7lld%s\n", c.name, c.T, v.name.c_str(), med, p10, p90,
-                  attr.numRegs, (long long)grid, ok ? "" : "  OUTPUT DIFFERS");
+      print_row(c.shape.name, c.T, v.name, med, p10, p90, attr.numRegs, grid, "", ok);
     }
-    {
-      CHECK(cudaMemset(chunk, 0, chunk_seg_bytes * segs));
-      const dim3 grid(c.T, segs);
-      auto launch = [&] { row_per_cta_kernel<<<grid, 128>>>(p); };
-      double med, p10, p90;
-      time_launch(launch, med, p10, p90);
-      CHECK(cudaGetLastError());
-      CHECK(cudaDeviceSynchronize());
-      cudaFuncAttributes attr{};
-      CHECK(cudaFuncGetAttributes(&attr, row_per_cta_kernel));
-      std::printf("%-14s %6d  %-32s %8.2f %4.2f-%-4.2f %4d %7lld%s\n", c.name, c.T, "row per CTA, 128 threads", med,
-                  p10, p90, attr.numRegs, (long long)(grid.x * grid.y), same_as_ref() ? "" : "  OUTPUT DIFFERS");
-    }
-    CHECK(cudaFree(cache));
-    CHECK(cudaFree(chunk));
+    CHECK(cudaMemset(x.chunk, 0, bytes));
+    const dim3 grid(c.T, x.segs);
+    double med, p10, p90;
+    probe.time([&] { row_per_cta_kernel<<<grid, 128>>>(p); }, med, p10, p90);
+    CHECK(cudaDeviceSynchronize());
+    cudaFuncAttributes attr{};
+    CHECK(cudaFuncGetAttributes(&attr, row_per_cta_kernel));
+    print_row(c.shape.name, c.T, "row per CTA, 128 threads", med, p10, p90, attr.numRegs,
+              (long long)(grid.x) * grid.y, "", probe.differing(ref, x.chunk, bytes) == 0);
     CHECK(cudaFree(ref));
-    CHECK(cudaFree(d_slots));
   }
+}
+
+// ---------------------------------------------------------------------------
+// budget: device cache <-> pinned host chunk on N SMs
+
+struct BudgetVariant {
+  std::string name;
+  void (*kernel)(Params);
+  int vec;
+  size_t dynamic_smem;
+};
+
+template <int VEC, int U, class Mem>
+BudgetVariant budget_walk(const char* name) {
+  return BudgetVariant{name, walk_kernel<VEC, U, 1024, 1, Mem>, VEC, 0};
+}
+template <int S>
+BudgetVariant budget_async(const char* name) {
+  const size_t smem = size_t(S) * 1024 * 16;
+  CHECK(cudaFuncSetAttribute(async_pipeline_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  return BudgetVariant{name, async_pipeline_kernel<S>, 16, smem};
+}
+
+void run_budget(Probe& probe) {
+  const std::vector<BudgetVariant> variants = {
+      budget_walk<16, 4, DefaultHints<16>>("walk v16 u4 default (library)"),
+      budget_walk<16, 4, StreamingHints<16>>("walk v16 u4 streaming"),
+      budget_walk<8, 8, DefaultHints<8>>("walk v8 u8 default"),
+      budget_walk<8, 16, DefaultHints<8>>("walk v8 u16 default"),
+      budget_async<4>("shared-memory pipeline S=4"),
+      budget_async<8>("shared-memory pipeline S=8"),
+      budget_async<12>("shared-memory pipeline S=12"),
+  };
+  const Shape shapes[] = {kH8, kH1, kMLA};
+  const int T = 4096;
+  std::printf("\n== budget: N CTAs of 1024 threads, device cache <-> pinned host chunk, T = %d\n", T);
+  std::printf("%-14s %6s  %-34s %9s %17s %4s %7s %s\n", "shape", "T", "variant", "us", "p10-p90", "regs", "N",
+              "GB/s (% of pinned copy_)");
+  for (const Shape& sh : shapes) {
+    Tensors x(probe, sh, T, true);
+    const int64_t bytes = x.chunk_seg_bytes * x.segs;
+    for (const bool to_host : {true, false}) {
+      // the pinned ceiling: one copy of the chunk's bytes across, timed alike
+      char* dev;
+      CHECK(cudaMalloc(&dev, bytes));
+      double cmed, c10, c90;
+      probe.time([&] { CHECK(cudaMemcpyAsync(to_host ? x.chunk : dev, to_host ? dev : x.chunk, bytes,
+                                             to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice)); },
+                 cmed, c10, c90);
+      CHECK(cudaFree(dev));
+      const double ceiling = bytes / cmed / 1e3;
+      std::printf("%-14s %6d  %-34s %9.2f %8.2f-%-8.2f      %7s %.1f GB/s\n", sh.name, T,
+                  to_host ? "pinned copy_ to host" : "pinned copy_ from host", cmed, c10, c90, "", ceiling);
+      char* out = to_host ? x.chunk : x.cache;
+      const int64_t out_bytes = to_host ? bytes : x.seg_bytes * x.segs;
+      // every variant starts from the same output: a zeroed chunk, or the cache as filled
+      char *ref, *pristine = nullptr;
+      if (to_host) {
+        CHECK(cudaMallocHost(&ref, out_bytes));
+      } else {
+        CHECK(cudaMalloc(&ref, out_bytes));
+        CHECK(cudaMalloc(&pristine, out_bytes));
+        CHECK(cudaMemcpy(pristine, out, out_bytes, cudaMemcpyDeviceToDevice));
+      }
+      const auto restore = [&] {
+        if (to_host)
+          std::memset(out, 0, out_bytes);
+        else
+          CHECK(cudaMemcpy(out, pristine, out_bytes, cudaMemcpyDeviceToDevice));
+      };
+      bool first = true;
+      for (const BudgetVariant& v : variants) {
+        const Params p = x.params(probe, sh, T, to_host, v.vec);
+        cudaFuncAttributes attr{};
+        CHECK(cudaFuncGetAttributes(&attr, v.kernel));
+        for (const int n : {1, 2, 4}) {
+          restore();
+          double med, p10, p90;
+          probe.time([&] { v.kernel<<<unsigned(n), 1024, v.dynamic_smem>>>(p); }, med, p10, p90);
+          CHECK(cudaDeviceSynchronize());
+          if (first) CHECK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDefault));
+          const bool ok = first || probe.differing(ref, out, out_bytes) == 0;
+          first = false;
+          char extra[64];
+          std::snprintf(extra, sizeof extra, "%.1f GB/s (%.1f %%)", bytes / med / 1e3, 100.0 * bytes / med / 1e3 / ceiling);
+          print_row(sh.name, T, std::string(to_host ? "to host, " : "from host, ") + v.name, med, p10, p90,
+                    attr.numRegs, n, extra, ok);
+        }
+      }
+      if (to_host) {
+        CHECK(cudaFreeHost(ref));
+      } else {
+        CHECK(cudaFree(ref));
+        CHECK(cudaFree(pristine));
+      }
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  const std::string what = argc > 1 ? argv[1] : "all";
+  if (what != "device" && what != "budget" && what != "all") {
+    std::fprintf(stderr, "usage: walk_grid_probe [device|budget|all] [reps]\n");
+    return 2;
+  }
+  Probe probe(argc > 2 ? std::atoi(argv[2]) : 50);
+  std::printf("%s, %d SMs, L2 %d MiB, %d reps\n", probe.prop.name, probe.sms, probe.prop.l2CacheSize >> 20,
+              probe.reps);
+  if (what != "budget") run_device(probe);
+  if (what != "device") run_budget(probe);
   return 0;
 }
