@@ -28,6 +28,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvlayout/copy_rows_kernel.h"
@@ -78,16 +79,20 @@ __global__ void __launch_bounds__(THREADS, MIN_CTAS) walk_kernel(const __grid_co
   copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
 }
 
-// One (token, segment) row per CTA, 16-byte vectors strided by the CTA's threads.
+// One (token, segment) row per CTA, VEC-byte words strided by the CTA's
+// threads (the peers' shape: LMCache's kernel takes 8-byte words and
+// min(words per row, 128) threads).
+template <int VEC>
 __global__ void __launch_bounds__(128) row_per_cta_kernel(const __grid_constant__ Params p) {
+  using Mem = StreamingHints<VEC>;
+  using V = typename Mem::vec_type;
   const int64_t t = blockIdx.x, seg = blockIdx.y;
   const int64_t s = p.a.src_slots.load(t), d = p.a.dst_slots.load(t);
   if (s < 0 || d < 0) return;
   const char* src = p.src_base[seg] + row_offset(p.a.src_geom, p.a.src_by_page, s);
   char* dst = p.dst_base[seg] + row_offset(p.a.dst_geom, p.a.dst_by_page, d);
   for (int64_t v = threadIdx.x; v < p.a.vecs_per_row; v += blockDim.x)
-    StreamingHints<16>::store(reinterpret_cast<uint4*>(dst) + v,
-                       StreamingHints<16>::load(reinterpret_cast<const uint4*>(src) + v));
+    Mem::store(reinterpret_cast<V*>(dst) + v, Mem::load(reinterpret_cast<const V*>(src) + v));
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* global) {
@@ -386,15 +391,22 @@ void run_device(Probe& probe) {
       first = false;
       print_row(c.shape.name, c.T, v.name, med, p10, p90, attr.numRegs, grid, "", ok);
     }
-    CHECK(cudaMemset(x.chunk, 0, bytes));
-    const dim3 grid(c.T, x.segs);
-    double med, p10, p90;
-    probe.time([&] { row_per_cta_kernel<<<grid, 128>>>(p); }, med, p10, p90);
-    CHECK(cudaDeviceSynchronize());
-    cudaFuncAttributes attr{};
-    CHECK(cudaFuncGetAttributes(&attr, row_per_cta_kernel));
-    print_row(c.shape.name, c.T, "row per CTA, 128 threads", med, p10, p90, attr.numRegs,
-              (long long)(grid.x) * grid.y, "", probe.differing(ref, x.chunk, bytes) == 0);
+    const auto row_per_cta = [&](auto vec_tag, const char* name) {
+      constexpr int kVec = decltype(vec_tag)::value;
+      const Params pv = x.params(probe, c.shape, c.T, true, kVec);
+      const int threads = int(std::min<int64_t>(pv.a.vecs_per_row, 128));
+      const dim3 grid(c.T, x.segs);
+      CHECK(cudaMemset(x.chunk, 0, bytes));
+      double med, p10, p90;
+      probe.time([&] { row_per_cta_kernel<kVec><<<grid, threads>>>(pv); }, med, p10, p90);
+      CHECK(cudaDeviceSynchronize());
+      cudaFuncAttributes attr{};
+      CHECK(cudaFuncGetAttributes(&attr, row_per_cta_kernel<kVec>));
+      print_row(c.shape.name, c.T, name, med, p10, p90, attr.numRegs, (long long)(grid.x) * grid.y, "",
+                probe.differing(ref, x.chunk, bytes) == 0);
+    };
+    row_per_cta(std::integral_constant<int, 16>{}, "row per CTA, 16 B, <=128 threads");
+    row_per_cta(std::integral_constant<int, 8>{}, "row per CTA, 8 B, <=128 threads");
     CHECK(cudaFree(ref));
   }
 }
