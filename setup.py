@@ -105,6 +105,12 @@ def native_status() -> tuple[bool, str]:
     return True, f"torch_ext/, setup.py and torch {torch.__version__} unchanged since the last build"
 
 
+# nvcc's flags for the CUDA sources (scripts/cuda_compile_check.py reads them from here), and the architectures
+# built where TORCH_CUDA_ARCH_LIST does not name others: Hopper code, and its PTX for later GPUs.
+NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+NVCC_DEFAULT_ARCHES = ["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
+
+
 def _extension():
     include_dirs = [os.path.join(ROOT, EXT, "include"), os.path.join(ROOT, EXT)]
     sources = _sources("registration.cpp", "python_module.cpp", "program.cpp", "copy_plan.cpp", "slots.cpp",
@@ -122,12 +128,9 @@ def _extension():
 
     if _want_cuda():
         sources += _sources("cuda/*.cu")
-        nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        nvcc_flags = list(NVCC_FLAGS)
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            nvcc_flags += [
-                "-gencode", "arch=compute_90,code=sm_90",
-                "-gencode", "arch=compute_90,code=compute_90",
-            ]
+            nvcc_flags += NVCC_DEFAULT_ARCHES
         define_macros.append(("KVLAYOUT_WITH_CUDA", None))
         return cpp_extension.CUDAExtension(
             "kvlayout._C",

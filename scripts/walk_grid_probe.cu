@@ -12,7 +12,8 @@
 //   the kind the peers use.
 // budget: transfers between the device cache and a pinned host chunk under an
 //   SM budget of N = 1, 2, 4 CTAs of 1024 threads (what max_ctas = N
-//   launches): the library's budget variant with either cache hint, 8-byte
+//   launches): the library's budget variant with either cache hint (one walk
+//   per kernel, and both walks in one kernel as it was built before), 8-byte
 //   lanes with more loads per thread, and a walk that keeps its loads in
 //   flight in shared memory (cp.async, a rolling pipeline of S stages) rather
 //   than registers; GB/s against the pinned copy_ ceiling measured alike.
@@ -77,6 +78,27 @@ __global__ void __launch_bounds__(THREADS, MIN_CTAS) walk_kernel(const __grid_co
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
   copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
+}
+
+// Both walks in one kernel, the cache hints chosen per thread from
+// p.a.cache_hints (how the library's host variant was built before each
+// kernel compiled one walk: more registers spilled at 1024 threads).
+template <int VEC, int UNROLL>
+__global__ void __launch_bounds__(1024, 1) two_walk_kernel(const __grid_constant__ Params p) {
+  __shared__ const char* src_base[kSegs];
+  __shared__ char* dst_base[kSegs];
+  for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
+    src_base[j] = p.src_base[j];
+    dst_base[j] = p.dst_base[j];
+  }
+  __syncthreads();
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
+  if (p.a.cache_hints == kDefaultHints) {
+    copy_rows_walk<VEC, UNROLL, DefaultHints<VEC>>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
+    return;
+  }
+  copy_rows_walk<VEC, UNROLL, StreamingHints<VEC>>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
 }
 
 // One (token, segment) row per CTA, VEC-byte words strided by the CTA's
@@ -419,11 +441,16 @@ struct BudgetVariant {
   void (*kernel)(Params);
   int vec;
   size_t dynamic_smem;
+  int32_t hints = kStreamingHints;  // p.a.cache_hints (read by the two-walk kernel only)
 };
 
 template <int VEC, int U, class Mem>
 BudgetVariant budget_walk(const char* name) {
   return BudgetVariant{name, walk_kernel<VEC, U, 1024, 1, Mem>, VEC, 0};
+}
+template <int VEC, int U>
+BudgetVariant budget_two_walks(const char* name, int32_t hints) {
+  return BudgetVariant{name, two_walk_kernel<VEC, U>, VEC, 0, hints};
 }
 template <int S>
 BudgetVariant budget_async(const char* name) {
@@ -435,7 +462,9 @@ BudgetVariant budget_async(const char* name) {
 void run_budget(Probe& probe) {
   const std::vector<BudgetVariant> variants = {
       budget_walk<16, 4, DefaultHints<16>>("walk v16 u4 default (library)"),
-      budget_walk<16, 4, StreamingHints<16>>("walk v16 u4 streaming"),
+      budget_walk<16, 4, StreamingHints<16>>("walk v16 u4 streaming (library)"),
+      budget_two_walks<16, 4>("two walks v16 u4 default", kDefaultHints),
+      budget_two_walks<16, 4>("two walks v16 u4 streaming", kStreamingHints),
       budget_walk<8, 8, DefaultHints<8>>("walk v8 u8 default"),
       budget_walk<8, 16, DefaultHints<8>>("walk v8 u16 default"),
       budget_async<4>("shared-memory pipeline S=4"),
@@ -481,7 +510,8 @@ void run_budget(Probe& probe) {
       };
       bool first = true;
       for (const BudgetVariant& v : variants) {
-        const Params p = x.params(probe, sh, T, to_host, v.vec);
+        Params p = x.params(probe, sh, T, to_host, v.vec);
+        p.a.cache_hints = v.hints;
         cudaFuncAttributes attr{};
         CHECK(cudaFuncGetAttributes(&attr, v.kernel));
         for (const int n : {1, 2, 4}) {

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "../copy_rows_launch.h"
 #include "../program.h"
@@ -38,10 +39,11 @@ constexpr int kDefaultCtasPerSmHost = 1;
 // 256-thread CTA cannot keep an SM's store path busy (a 256-thread CTA
 // stored about a third of what 1024 threads of one SM store to pinned
 // memory). At 1024 threads a thread has 64 registers: the loads in flight
-// per thread drop so that the walk does not spill (2: 62 registers for the
-// 16-byte device variant) or spills a few words (4 for the host variant:
-// 1024 x 4 x 16 B = 64 KiB in flight per SM, what the 256-thread host
-// variant keeps).
+// per thread drop so that the walk does not spill (2: 62-64 registers for
+// the device variant) or spills little (4 for the host variant: 1024 x 4 x
+// 16 B = 64 KiB in flight per SM, what the 256-thread host variant keeps;
+// the 16-byte walk spills 56-68 bytes, nvcc 13.0, `scripts/
+// cuda_compile_check.py --registers`).
 constexpr int kBudgetThreads = 1024;
 // The host variant is the one launch_variant instantiates with kHostUnroll.
 template <int UNROLL>
@@ -130,13 +132,17 @@ struct WaitOnce {
 // p.a.next_start (NextStart) says when the next kernel may start: a launch
 // without programmatic dependent launch never lets it start early, so that
 // it is an ordinary kernel to the launches after it.
-// HOST: a kernel of the host variant, whose launch picks its cache hints
-// (p.a.cache_hints); a device-memory kernel always streams, and compiles that
-// one walk only (both walks doubled the 16-byte device variant's code: 3,171
-// PTX instructions against 1,548).
-template <int VEC, int UNROLL, class P, bool EARLY_LOADS, bool HOST,
+// HINTS (CacheHints): the loads' and stores' cache operators. A kernel
+// compiles one walk: the launch picks the kernel of its hints
+// (p.a.cache_hints; a device-memory launch always streams). Both walks in
+// one kernel, chosen per thread, doubled the code (3,171 PTX instructions
+// against 1,548 for the 16-byte device variant) and, at the 64 registers of
+// a 1024-thread CTA, spilled 128-144 bytes of the 16-byte budget host walk
+// (stores; 208-232 loaded back) where one walk spills 56-108 (80-136).
+template <int VEC, int UNROLL, class P, bool EARLY_LOADS, int HINTS,
           int THREADS = kCopyThreadsPerBlock>
 __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constant__ P p) {
+  using Mem = std::conditional_t<HINTS == kDefaultHints, DefaultMem<VEC>, StreamingMem<VEC>>;
   if constexpr (EARLY_LOADS) {
     if (p.a.next_start == kNextAtOnce) let_next_kernel_start();
   } else {
@@ -155,23 +161,29 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
   __syncthreads();
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  // the launch's cache hints: one walk or the other, chosen once per thread (a uniform branch)
-  const auto walk = [&](auto mem) {
-    using Mem = decltype(mem);
-    if constexpr (EARLY_LOADS) {
-      WaitOnce before_write{true, p.a.next_start == kNextAfterWait};
-      copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
-                                       cuda::StatusRecorder{p.a.status}, before_write);
-      before_write();
-    } else {
-      copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
-                                       cuda::StatusRecorder{p.a.status});
-    }
-  };
-  if constexpr (HOST) {
-    if (p.a.cache_hints == kDefaultHints) return walk(DefaultMem<VEC>{});
+  if constexpr (EARLY_LOADS) {
+    WaitOnce before_write{true, p.a.next_start == kNextAfterWait};
+    copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
+                                     cuda::StatusRecorder{p.a.status}, before_write);
+    before_write();
+  } else {
+    copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
+                                     cuda::StatusRecorder{p.a.status});
   }
-  walk(StreamingMem<VEC>{});
+}
+
+// The kernel of a launch of the host (HOST) or device variant, with these
+// loads in flight, loads' start and CTA size: for the host variant, the one
+// of p.a.cache_hints; the device variant is compiled with streaming hints
+// only, which a device-memory launch always has.
+template <int VEC, int UNROLL, class P, bool EARLY_LOADS, bool HOST,
+          int THREADS = kCopyThreadsPerBlock>
+auto* kernel_for(const P& p) {
+  if constexpr (HOST) {
+    if (p.a.cache_hints == kDefaultHints)
+      return &copy_rows_kernel<VEC, UNROLL, P, EARLY_LOADS, kDefaultHints, THREADS>;
+  }
+  return &copy_rows_kernel<VEC, UNROLL, P, EARLY_LOADS, kStreamingHints, THREADS>;
 }
 
 // CTAs of one kernel instance resident on one SM at once, from the compiled
@@ -182,8 +194,7 @@ int64_t resident_ctas_per_sm() {
   static const int64_t ctas = [] {
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, copy_rows_kernel<VEC, UNROLL, P, false, kIsHostVariant<UNROLL>>, kCopyThreadsPerBlock,
-        0));
+        &n, copy_rows_kernel<VEC, UNROLL, P, false, kStreamingHints>, kCopyThreadsPerBlock, 0));
     return std::max(n, 1);
   }();
   return ctas;
@@ -206,14 +217,14 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
   const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
   int threads = kCopyThreadsPerBlock;
   int64_t budget;
-  auto* kernel = copy_rows_kernel<VEC, UNROLL, P, false, kHost>;
+  auto* kernel = kernel_for<VEC, UNROLL, P, false, kHost>(p);
   if (max_ctas > 0) {
     threads = kBudgetThreads;
     budget = max_ctas;
     constexpr int kUnroll = budget_unroll<UNROLL>();
-    kernel = copy_rows_kernel<VEC, kUnroll, P, false, kHost, kBudgetThreads>;
+    kernel = kernel_for<VEC, kUnroll, P, false, kHost, kBudgetThreads>(p);
     if constexpr (kHost) {
-      if (early_loads) kernel = copy_rows_kernel<VEC, kUnroll, P, true, kHost, kBudgetThreads>;
+      if (early_loads) kernel = kernel_for<VEC, kUnroll, P, true, kHost, kBudgetThreads>(p);
     }
   } else {
     const int64_t sms = cuda::num_sms();
@@ -221,7 +232,7 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
              : host      ? sms * kDefaultCtasPerSmHost
                          : sms * resident_ctas_per_sm<VEC, UNROLL, P>();
     if constexpr (kHost) {
-      if (early_loads) kernel = copy_rows_kernel<VEC, UNROLL, P, true, kHost>;
+      if (early_loads) kernel = kernel_for<VEC, UNROLL, P, true, kHost>(p);
     }
   }
   const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
