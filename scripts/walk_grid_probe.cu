@@ -378,6 +378,8 @@ void run_device(Probe& probe) {
       device_variant<4, 256, 3>("u4 t256 min3 2 waves", 2),
       device_variant<4, 256, 3>("u4 t256 min3 4 waves", 4),
       device_variant<4, 256, 3>("u4 t256 min3 one batch/thread", 0),
+      device_variant<3, 256, 4>("u3 t256 min4 1 wave", 1),
+      device_variant<3, 256, 4>("u3 t256 min4 one batch/thread", 0),
       device_variant<2, 256, 4>("u2 t256 min4 1 wave", 1),
       device_variant<2, 256, 4>("u2 t256 min4 one batch/thread", 0),
       device_variant<4, 128, 1>("u4 t128 1 wave", 1),
@@ -463,6 +465,7 @@ void run_budget(Probe& probe) {
   const std::vector<BudgetVariant> variants = {
       budget_walk<16, 4, DefaultHints<16>>("walk v16 u4 default (library)"),
       budget_walk<16, 4, StreamingHints<16>>("walk v16 u4 streaming (library)"),
+      budget_walk<16, 3, StreamingHints<16>>("walk v16 u3 streaming"),
       budget_two_walks<16, 4>("two walks v16 u4 default", kDefaultHints),
       budget_two_walks<16, 4>("two walks v16 u4 streaming", kStreamingHints),
       budget_walk<8, 8, DefaultHints<8>>("walk v8 u8 default"),
