@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print("\n".join(errors or output.splitlines()[-20:]))
         elif args.registers:
-            print("\n".join(kernel_table(output)))
+            for line in kernel_table(output):
+                print(line)
     return 1 if failed else 0
 
 

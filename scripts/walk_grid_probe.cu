@@ -378,6 +378,8 @@ void run_device(Probe& probe) {
       device_variant<4, 256, 3>("u4 t256 min3 2 waves", 2),
       device_variant<4, 256, 3>("u4 t256 min3 4 waves", 4),
       device_variant<4, 256, 3>("u4 t256 min3 one batch/thread", 0),
+      device_variant<4, 256, 4>("u4 t256 min4 1 wave", 1),
+      device_variant<4, 256, 4>("u4 t256 min4 one batch/thread", 0),
       device_variant<3, 256, 4>("u3 t256 min4 1 wave", 1),
       device_variant<3, 256, 4>("u3 t256 min4 one batch/thread", 0),
       device_variant<2, 256, 4>("u2 t256 min4 1 wave", 1),

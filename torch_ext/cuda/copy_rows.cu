@@ -42,7 +42,7 @@ constexpr int kDefaultCtasPerSmHost = 1;
 // per thread drop so that the walk does not spill (2: 62-64 registers for
 // the device variant) or spills little (4 for the host variant: 1024 x 4 x
 // 16 B = 64 KiB in flight per SM, what the 256-thread host variant keeps;
-// the 16-byte walk spills 56-68 bytes, nvcc 13.0, `scripts/
+// the 16-byte walk spills 16-32 bytes, nvcc 13.0, `scripts/
 // cuda_compile_check.py --registers`).
 constexpr int kBudgetThreads = 1024;
 // The host variant is the one launch_variant instantiates with kHostUnroll.
@@ -138,7 +138,8 @@ struct WaitOnce {
 // one kernel, chosen per thread, doubled the code (3,171 PTX instructions
 // against 1,548 for the 16-byte device variant) and, at the 64 registers of
 // a 1024-thread CTA, spilled 128-144 bytes of the 16-byte budget host walk
-// (stores; 208-232 loaded back) where one walk spills 56-108 (80-136).
+// (stores; 208-232 loaded back) where one walk spilled 56-108 (80-136), and
+// 16-32 (20-36) since the walk's TokenRows keeps less.
 template <int VEC, int UNROLL, class P, bool EARLY_LOADS, int HINTS,
           int THREADS = kCopyThreadsPerBlock>
 __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constant__ P p) {

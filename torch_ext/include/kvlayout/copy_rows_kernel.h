@@ -42,7 +42,8 @@ constexpr int kCopyThreadsPerBlock = 256;
 // grouping of consecutive work-items, any sub-group size is correct).
 constexpr int kWalkLanes = 32;
 // Loads in flight per thread. Device variant: 4 keeps the 16-byte kernel at
-// 80 registers, so 3 CTAs of 256 threads are resident per SM (48 KiB in
+// 70 registers (80 before TokenRows kept only what the copy needs), so 3
+// CTAs of 256 threads are resident per SM (48 KiB in
 // flight per SM, about twice what HBM needs by Little's law; 8 in flight
 // cost a CTA per SM and measured slower). Host variant (one side is pinned
 // host memory, reached over PCIe with a few microseconds of latency): 16 x
@@ -196,54 +197,54 @@ inline void prepare_copy_rows_args(CopyRowsArgs& a, int64_t num_pieces, int64_t 
 }
 
 // Rows of one token on both sides: the row offsets from a segment's base, or
-// why there is no row (a negative slot: skipped; an out-of-range slot:
-// skipped and, as the launch's recorded_from bounds say, recorded once, by the lane
-// that owns the token's first item).
+// no row (a negative slot: skipped; an out-of-range slot: skipped and, as the
+// launch's recorded_from bounds say, recorded once, by the lane that owns
+// the token's first item, when it resolves the token).
 // The slot pair of the lane's next token is loaded ahead (each slot is still
 // loaded once, checked, and that value used).
+// The walk keeps one in every thread across its loads in flight: its fields
+// are what the copy needs (an error is recorded where it is found, not
+// kept), so that four 16-byte loads in flight fit 256-thread CTAs at 70
+// registers and the 1024-thread budget walk spills little at 64.
 struct TokenRows {
   int64_t src_row, dst_row;
-  int64_t bad_value;   // the out-of-range slot, when `invalid`
-  int64_t next_token;  // token whose slots next_src/next_dst hold (-1: none)
-  int64_t next_src, next_dst;
-  int32_t bad_which;   // kStatusSrcSlots or kStatusDstSlots
+  int64_t next_src, next_dst;  // the slots of the token after the last resolved one
+  bool has_next;       // next_src/next_dst hold them (that token is handled too)
   bool live;           // both slots valid: the rows are copied
-  bool invalid;        // a slot is out of range and this launch records it
 
   // Resolves token t (an index into the slot arrays, skip_prefix included)
-  // and loads the slots of t + 1 ahead when it is handled too.
-  KVL_D inline void resolve(const CopyRowsArgs& a, int64_t t) {
+  // and loads the slots of t + 1 ahead when it is handled too. after_last: t
+  // is the token after the one resolved before. An out-of-range slot this
+  // launch records is passed to on_bad(value, bound, which) when `owner`.
+  template <class OnBad>
+  KVL_D inline void resolve(const CopyRowsArgs& a, int64_t t, bool after_last, bool owner,
+                            const OnBad& on_bad) {
     int64_t s, d;
-    if (t == next_token) {
+    if (after_last && has_next) {
       s = next_src;
       d = next_dst;
     } else {
       s = a.src_slots.load(t);
       d = a.dst_slots.load(t);
     }
-    next_token = -1;
-    if (t + 1 < a.skip_prefix + a.tokens) {
-      next_token = t + 1;
+    has_next = t + 1 < a.skip_prefix + a.tokens;
+    if (has_next) {
       next_src = a.src_slots.load(t + 1);
       next_dst = a.dst_slots.load(t + 1);
     }
     live = false;
-    invalid = false;
     if (s < 0 || d < 0) return;
     if (s >= a.src_geom.num_slots || d >= a.dst_geom.num_slots) {
-      invalid = s < a.src_recorded_from && d < a.dst_recorded_from;
-      const bool src_bad = s >= a.src_geom.num_slots;
-      bad_value = src_bad ? s : d;
-      bad_which = src_bad ? int32_t(kStatusSrcSlots) : int32_t(kStatusDstSlots);
+      if (owner && s < a.src_recorded_from && d < a.dst_recorded_from) {
+        const bool src_bad = s >= a.src_geom.num_slots;
+        on_bad(src_bad ? s : d, src_bad ? a.src_geom.num_slots : a.dst_geom.num_slots,
+               src_bad ? int64_t(kStatusSrcSlots) : int64_t(kStatusDstSlots));
+      }
       return;
     }
     src_row = row_offset(a.src_geom, a.src_by_page, s);
     dst_row = row_offset(a.dst_geom, a.dst_by_page, d);
     live = true;
-  }
-
-  KVL_D inline int64_t bad_bound(const CopyRowsArgs& a) const {
-    return bad_which == kStatusSrcSlots ? a.src_geom.num_slots : a.dst_geom.num_slots;
   }
 };
 
@@ -290,8 +291,11 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
   range = (range + kWalkLanes - 1) / kWalkLanes * kWalkLanes;
   const int64_t begin = group * range;
   const int64_t end = begin + range < total ? begin + range : total;
-  int64_t i = begin + lane;
+  const int64_t i = begin + lane;
   if (i >= end) return;
+  // this lane's items: i, i + kWalkLanes, ... below end (a count, not the two
+  // bounds: registers are what limits the loads in flight)
+  int64_t left = (end - i + kWalkLanes - 1) / kWalkLanes;
 
   // Position of item i. Segment and vector indices fit 32 bits
   // (prepare_copy_rows_args).
@@ -309,21 +313,27 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
   const int64_t dst_sp = a.dst_geom.stride_piece;
   const bool one_piece = a.by_piece.divisor == V_row;  // rows are one contiguous piece
 
+  // an out-of-range slot of the token whose first item this lane holds
+  const auto on_bad = [&](int64_t value, int64_t bound, int64_t which) {
+    before_write();
+    record(a.skip_prefix + t, value, bound, which);
+  };
   TokenRows rows;
-  rows.next_token = -1;
-  rows.resolve(a, a.skip_prefix + t);
-  int64_t rows_token = t;
+  rows.has_next = false;
+  rows.resolve(a, a.skip_prefix + t, false, seg == 0 && v == 0, on_bad);
+  bool stale = false;          // t moved past the token of `rows`
+  bool next_adjacent = false;  // by one token: its slots were loaded ahead
 
-  while (i < end) {
+  while (left > 0) {
     V buf[UNROLL];
     char* out[UNROLL];
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k) {
       out[k] = nullptr;
-      if (i < end) {
-        if (t != rows_token) {
-          rows.resolve(a, a.skip_prefix + t);
-          rows_token = t;
+      if (left > 0) {
+        if (stale) {
+          rows.resolve(a, a.skip_prefix + t, next_adjacent, seg == 0 && v == 0, on_bad);
+          stale = false;
         }
         if (rows.live) {
           int64_t so, dof;
@@ -338,12 +348,9 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
           }
           buf[k] = Mem::load(reinterpret_cast<const V*>(src_base[seg] + rows.src_row + so));
           out[k] = dst_base[seg] + rows.dst_row + dof;
-        } else if (rows.invalid && seg == 0 && v == 0) {
-          before_write();
-          record(a.skip_prefix + t, rows.bad_value, rows.bad_bound(a), int64_t(rows.bad_which));
         }
         // Next item of this lane: kWalkLanes further.
-        i += kWalkLanes;
+        --left;
         v += step_v;
         seg += step_seg;
         if (v >= vecs) {
@@ -354,6 +361,8 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
           int64_t dt, s;
           a.by_segments.divmod(seg, dt, s);
           t += dt;
+          next_adjacent = dt == 1;
+          stale = true;
           seg = static_cast<int32_t>(s);
         }
       }
