@@ -65,16 +65,21 @@ struct NoRecord {
   __device__ void operator()(int64_t, int64_t, int64_t, int64_t) const {}
 };
 
-// The library kernel's body (segment table into shared memory, then the walk).
-template <int VEC, int UNROLL, int THREADS, int MIN_CTAS, class Mem>
-__global__ void __launch_bounds__(THREADS, MIN_CTAS) walk_kernel(const __grid_constant__ Params p) {
-  __shared__ const char* src_base[kSegs];
-  __shared__ char* dst_base[kSegs];
+// The segment table into shared memory, as the library's kernel reads it.
+__device__ void load_segment_table(const Params& p, const char** src_base, char** dst_base) {
   for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
     src_base[j] = p.src_base[j];
     dst_base[j] = p.dst_base[j];
   }
   __syncthreads();
+}
+
+// The library kernel's body (segment table into shared memory, then the walk).
+template <int VEC, int UNROLL, int THREADS, int MIN_CTAS, class Mem>
+__global__ void __launch_bounds__(THREADS, MIN_CTAS) walk_kernel(const __grid_constant__ Params p) {
+  __shared__ const char* src_base[kSegs];
+  __shared__ char* dst_base[kSegs];
+  load_segment_table(p, src_base, dst_base);
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
   copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads, NoRecord{});
@@ -87,11 +92,7 @@ template <int VEC, int UNROLL>
 __global__ void __launch_bounds__(1024, 1) two_walk_kernel(const __grid_constant__ Params p) {
   __shared__ const char* src_base[kSegs];
   __shared__ char* dst_base[kSegs];
-  for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
-    src_base[j] = p.src_base[j];
-    dst_base[j] = p.dst_base[j];
-  }
-  __syncthreads();
+  load_segment_table(p, src_base, dst_base);
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
   if (p.a.cache_hints == kDefaultHints) {
@@ -136,11 +137,7 @@ __global__ void __launch_bounds__(1024, 1) async_pipeline_kernel(const __grid_co
   extern __shared__ uint4 stage[];  // [S][blockDim.x]
   __shared__ const char* src_base[kSegs];
   __shared__ char* dst_base[kSegs];
-  for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
-    src_base[j] = p.src_base[j];
-    dst_base[j] = p.dst_base[j];
-  }
-  __syncthreads();
+  load_segment_table(p, src_base, dst_base);
   const int64_t vecs = p.a.vecs_per_row;
   const int64_t per_token = p.a.num_segments * vecs;
   const int64_t total = p.a.tokens * per_token;
