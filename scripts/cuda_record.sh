@@ -123,10 +123,15 @@ for step in "${steps[@]}"; do
                    done
                }
                run_step probe probe.txt probe ;;
-        walk-probe) probe_bin=$(mktemp -d)/walk_grid_probe
-                    run_step walk-probe walk_probe.txt bash -c "nvcc -O3 -std=c++17 --expt-relaxed-constexpr \
-                        -arch=sm_90 -Xptxas -v -I torch_ext/include scripts/walk_grid_probe.cu -o $probe_bin \
-                        2>&1 | grep -E 'registers|spill' ; $probe_bin all 30" ;;
+        walk-probe) probe_dir=$(mktemp -d)
+                    walk_probe() {   # ptxas's registers and spills of each variant, then the timings
+                        nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -Xptxas -v -I torch_ext/include \
+                            scripts/walk_grid_probe.cu -o "$probe_dir/walk_grid_probe" > "$probe_dir/nvcc.txt" 2>&1 \
+                            || { cat "$probe_dir/nvcc.txt"; return 1; }
+                        grep -E 'Function properties|registers|spill' "$probe_dir/nvcc.txt"
+                        "$probe_dir/walk_grid_probe" all 30
+                    }
+                    run_step walk-probe walk_probe.txt walk_probe ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"
             if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
             run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "$ab_dir" "${AB_ROUNDS:-3}" \
