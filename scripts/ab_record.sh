@@ -80,17 +80,15 @@ for n in $(seq 1 "$rounds"); do
     echo "round $n done"
 done
 stem=$(basename "$(ls "$out"/new_1/*.jsonl | head -1)" .jsonl)
+kinds=(new)
+[ "$cross" = 1 ] && kinds+=(cross)   # (cross: this library under the older bench)
 {
-    for n in $(seq 1 "$rounds"); do
-        echo "# old_$n against every new run"
-        $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out"/new_*/"$stem.jsonl"
-    done
-    if [ "$cross" = 1 ]; then
+    for kind in "${kinds[@]}"; do
         for n in $(seq 1 "$rounds"); do
-            echo "# old_$n against every cross run (this library, the older bench)"
-            $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out"/cross_*/"$stem.jsonl"
+            echo "# old_$n against every $kind run"
+            $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out/${kind}"_*/"$stem.jsonl"
         done
-    fi
+    done
 } | tee "$out/compare.txt"
 # every run's record in one file, beside compare.txt
 (cd "$out" && tar czf runs.tgz old_[0-9]* new_[0-9]* $(ls -d cross_[0-9]* 2>/dev/null))
