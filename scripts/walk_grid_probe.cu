@@ -546,6 +546,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: walk_grid_probe [device|budget|all] [reps]\n");
     return 2;
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row out as it is timed (a run cut short keeps them)
   Probe probe(argc > 2 ? std::atoi(argv[2]) : 50);
   std::printf("%s, %d SMs, L2 %d MiB, %d reps\n", probe.prop.name, probe.sms, probe.prop.l2CacheSize >> 20,
               probe.reps);
