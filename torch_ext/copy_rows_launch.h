@@ -1,8 +1,8 @@
 // The copy_rows launcher of every device backend, written once and templated
 // on a small backend policy: the launch bound to tensors that prepared copy
 // programs run (RowsLaunch, a BoundLaunch; see program.h), its factory, and
-// the raw op kvlayout::copy_rows (copy_rows_impl). A backend's file
-// (cuda/copy_rows.cu, sycl/copy_rows.sycl) keeps only its kernel, its policy,
+// the raw op kvlayout::copy_rows (copy_rows_impl). A backend's files
+// (cuda/copy_rows*.cu and .cuh, sycl/copy_rows.sycl) keep only its kernel, its policy,
 // the factory registration and TORCH_LIBRARY_IMPL. This header needs ATen, so
 // it lives beside program.h, not in the torch-free include/kvlayout/.
 //

@@ -10,7 +10,7 @@
 
 namespace {
 
-// The walk runs as an early-loads kernel does (copy_rows.cu): each thread
+// The walk runs as an early-loads kernel does (copy_rows_cuda.cuh): each thread
 // waits once, before its first write and at its end. These count, over the
 // last emulated launch, the waits, and the loads and writes made by a thread
 // that had not waited yet (writes must be none).

@@ -1,267 +1,28 @@
-// CUDA implementation of kvlayout::copy_rows: the kernel and the policy
-// (CudaRows) that the launcher shared with SYCL (copy_rows_launch.h) runs it
-// with.
-//
-// No host synchronisation, no allocation: the segment base pointers travel
-// by value in the kernel parameters (__grid_constant__), so the op can be
-// captured in a CUDA graph. Out-of-range slots are skipped on the device and
-// recorded in `status` (see copy_rows_kernel.h). Source and destination may
-// be CUDA tensors of the launch device or pinned host memory (zero-copy).
-//
-// Two variants of one kernel body (copy_rows_walk in copy_rows_kernel.h): the
-// device variant (both sides in device memory; kDeviceUnroll loads in flight
-// per thread) and the host variant (either side pinned host memory;
-// kHostUnroll loads in flight per thread for PCIe latency).
-//
-// CTA budget (max_ctas): 0 selects the default, one full wave of resident
-// 256-thread CTAs (occupancy of the compiled kernel) for the device variant
-// and 1 per SM for the host variant (a transfer beside the forward pass
-// should leave SMs to it; an early-loads launch a quarter of that, see
-// CudaRows::launch); n > 0 means n SMs: at most n CTAs of 1024 threads, the
-// most one CTA may have, so that each SM of the budget is used fully.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+// kvlayout::copy_rows on CUDA: registers the launcher of copy_rows_launch.h
+// with the CudaRows policy (copy_rows_cuda.cuh). The kernels are compiled in
+// copy_rows_vec*.cu.
 #include <torch/library.h>
-
-#include <algorithm>
-#include <type_traits>
 
 #include "../copy_rows_launch.h"
 #include "../program.h"
-#include "cuda_common.h"
-#include "kvlayout/copy_rows_kernel.h"
+#include "copy_rows_cuda.cuh"
 
 namespace kvlayout {
+namespace cuda_rows {
+
+KVLAYOUT_CUDA_ROWS_INSTANCES(extern, 16);
+KVLAYOUT_CUDA_ROWS_INSTANCES(extern, 8);
+KVLAYOUT_CUDA_ROWS_INSTANCES(extern, 4);
+KVLAYOUT_CUDA_ROWS_INSTANCES(extern, 2);
+KVLAYOUT_CUDA_ROWS_INSTANCES(extern, 1);
+
 namespace {
-
-constexpr int kDefaultCtasPerSmHost = 1;
-// A budgeted launch (max_ctas = n > 0) runs n CTAs of kBudgetThreads: one
-// 256-thread CTA cannot keep an SM's store path busy (a 256-thread CTA
-// stored about a third of what 1024 threads of one SM store to pinned
-// memory). At 1024 threads a thread has 64 registers: the loads in flight
-// per thread drop so that the walk does not spill (2: 62-64 registers for
-// the device variant) or spills little (4 for the host variant: 1024 x 4 x
-// 16 B = 64 KiB in flight per SM, what the 256-thread host variant keeps;
-// the 16-byte walk spills 16-32 bytes, nvcc 13.0, `scripts/
-// cuda_compile_check.py --registers`).
-constexpr int kBudgetThreads = 1024;
-// The host variant is the one launch_variant instantiates with kHostUnroll.
-template <int UNROLL>
-constexpr bool kIsHostVariant = UNROLL == kHostUnroll;
-template <int UNROLL>
-constexpr int budget_unroll() {
-  return kIsHostVariant<UNROLL> ? 4 : 2;
-}
-
-// Vector loads/stores with streaming (evict-first) cache hints
-// (kStreamingHints), or with the default cache operators (kDefaultHints).
-template <int VEC>
-struct StreamingMem {
-  using vec_type = VecOf<VEC, uint4, uint2>;
-  static_assert(sizeof(vec_type) == VEC, "vector type of the wrong width");
-  __device__ static vec_type load(const vec_type* p) { return __ldcs(p); }
-  __device__ static void store(vec_type* p, vec_type v) { __stcs(p, v); }
-};
-template <int VEC>
-struct DefaultMem {
-  using vec_type = VecOf<VEC, uint4, uint2>;
-  __device__ static vec_type load(const vec_type* p) { return *p; }
-  __device__ static void store(vec_type* p, vec_type v) { *p = v; }
-};
-
-// The CUDA backend of copy_rows_launch.h.
-struct CudaRows : cuda::Backend {
-  // Segment tables per launch, in two sizes: a launch passes its whole
-  // parameter block, and its host cost grows with it, so a layer call (K and
-  // V of one layer: 2 segments) carries a table of 8, others one of 128
-  // (about 2 KiB, under the classic 4 KiB parameter limit); calls with more
-  // segments are split into launches of 128.
-  static constexpr int kFewSegments = 8;
-  static constexpr int kMaxSegmentsPerLaunch = 128;
-  static constexpr size_t kMaxParamBytes = 4096;
-
-
-  // Programmatic dependent launch needs compute capability 9.0 or later.
-  static bool supports_dependent_launch(c10::Device dev) {
-    return at::cuda::getDeviceProperties(dev.index())->major >= 9;
-  }
-
-  template <int VEC, int UNROLL, class P>
-  static void launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
-                     cudaStream_t stream);
-};
-
-// Programmatic dependent launch (consecutive layer calls): a kernel launched
-// with that attribute may start while the previous kernel of the stream still
-// runs. griddepcontrol.wait waits for that kernel to end and its writes to be
-// visible (without the attribute it returns at once);
-// griddepcontrol.launch_dependents lets the next kernel, if launched with the
-// attribute, start once every CTA of this grid has issued it or ended.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_kernel_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
-// The walk's before_write of an early-loads kernel: the thread's first write
-// waits for the previous kernel (once), then lets the next one start if the
-// launch says so (kNextAfterWait).
-struct WaitOnce {
-  bool pending = true;
-  bool next_after_wait = false;
-  __device__ void operator()() {
-    if (pending) {
-      wait_for_previous_kernel();
-      if (next_after_wait) let_next_kernel_start();
-      pending = false;
-    }
-  }
-};
-
-// EARLY_LOADS: the launcher proved that no kernel that may still run when
-// this one starts writes anything this launch reads (LaunchOrder in
-// cuda_common.h), so the loads of a thread's first batch are issued before
-// the wait and their PCIe round trip overlaps the previous kernels; every
-// write still waits. Each thread waits before it exits, so this grid never
-// ends before the previous one (the launcher's record relies on that).
-// p.a.next_start (NextStart) says when the next kernel may start: a launch
-// without programmatic dependent launch never lets it start early, so that
-// it is an ordinary kernel to the launches after it.
-// HINTS (CacheHints): the loads' and stores' cache operators. A kernel
-// compiles one walk: the launch picks the kernel of its hints
-// (p.a.cache_hints; a device-memory launch always streams). Both walks in
-// one kernel, chosen per thread, doubled the code (3,171 PTX instructions
-// against 1,548 for the 16-byte device variant) and, at the 64 registers of
-// a 1024-thread CTA, spilled 128-144 bytes of the 16-byte budget host walk
-// (stores; 208-232 loaded back) where one walk spilled 56-108 (80-136), and
-// 16-32 (20-36) since the walk's TokenRows keeps less.
-template <int VEC, int UNROLL, class P, bool EARLY_LOADS, int HINTS,
-          int THREADS = kCopyThreadsPerBlock>
-__global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constant__ P p) {
-  using Mem = std::conditional_t<HINTS == kDefaultHints, DefaultMem<VEC>, StreamingMem<VEC>>;
-  if constexpr (EARLY_LOADS) {
-    if (p.a.next_start == kNextAtOnce) let_next_kernel_start();
-  } else {
-    wait_for_previous_kernel();  // before touching memory
-    if (p.a.next_start != kNextAfterEnd) let_next_kernel_start();
-  }
-  // The segment table, read once per CTA from the parameter block: lanes of
-  // one warp index it with different segments, which the constant cache
-  // would serialize.
-  __shared__ const char* src_base[P::kMaxSegments];
-  __shared__ char* dst_base[P::kMaxSegments];
-  for (int64_t j = threadIdx.x; j < p.a.num_segments; j += blockDim.x) {
-    src_base[j] = p.src_base[j];
-    dst_base[j] = p.dst_base[j];
-  }
-  __syncthreads();
-  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
-  if constexpr (EARLY_LOADS) {
-    WaitOnce before_write{true, p.a.next_start == kNextAfterWait};
-    copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
-                                     cuda::StatusRecorder{p.a.status}, before_write);
-    before_write();
-  } else {
-    copy_rows_walk<VEC, UNROLL, Mem>(p.a, src_base, dst_base, thread, num_threads,
-                                     cuda::StatusRecorder{p.a.status});
-  }
-}
-
-// The kernel of a launch of the host (HOST) or device variant, with these
-// loads in flight, loads' start and CTA size: for the host variant, the one
-// of p.a.cache_hints; the device variant is compiled with streaming hints
-// only, which a device-memory launch always has.
-template <int VEC, int UNROLL, class P, bool EARLY_LOADS, bool HOST,
-          int THREADS = kCopyThreadsPerBlock>
-auto* kernel_for(const P& p) {
-  if constexpr (HOST) {
-    if (p.a.cache_hints == kDefaultHints)
-      return &copy_rows_kernel<VEC, UNROLL, P, EARLY_LOADS, kDefaultHints, THREADS>;
-  }
-  return &copy_rows_kernel<VEC, UNROLL, P, EARLY_LOADS, kStreamingHints, THREADS>;
-}
-
-// CTAs of one kernel instance resident on one SM at once, from the compiled
-// kernel's registers and shared memory (same for every device of one build's
-// architecture).
-template <int VEC, int UNROLL, class P>
-int64_t resident_ctas_per_sm() {
-  static const int64_t ctas = [] {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, copy_rows_kernel<VEC, UNROLL, P, false, kStreamingHints>, kCopyThreadsPerBlock, 0));
-    return std::max(n, 1);
-  }();
-  return ctas;
-}
-
-// Grid size: max_ctas CTAs of kBudgetThreads when given; else one CTA per SM for host memory (the
-// host variant keeps 64 KiB in flight per CTA), and for device memory every
-// CTA that is resident at once (one full wave: the work is split evenly over
-// the grid, so CTAs beyond one wave would run a second, partial wave at a
-// fraction of the occupancy). An early-loads launch (a dependent launch of
-// the host variant that LaunchOrder allowed) takes at most a quarter of the
-// SMs, so that the launches of a layer pipeline that run at once find SMs for
-// their early loads (eight CTAs already carry a PCIe link's bandwidth, while a
-// launch that holds every SM keeps the next one from starting until its CTAs
-// exit). Never more threads than items.
-template <int VEC, int UNROLL, class P>
-void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
-                      cudaStream_t stream) {
-  constexpr bool kHost = kIsHostVariant<UNROLL>;
-  const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
-  int threads = kCopyThreadsPerBlock;
-  int64_t budget;
-  auto* kernel = kernel_for<VEC, UNROLL, P, false, kHost>(p);
-  if (max_ctas > 0) {
-    threads = kBudgetThreads;
-    budget = max_ctas;
-    constexpr int kUnroll = budget_unroll<UNROLL>();
-    kernel = kernel_for<VEC, kUnroll, P, false, kHost, kBudgetThreads>(p);
-    if constexpr (kHost) {
-      if (early_loads) kernel = kernel_for<VEC, kUnroll, P, true, kHost, kBudgetThreads>(p);
-    }
-  } else {
-    const int64_t sms = cuda::num_sms();
-    budget = early_loads ? std::max<int64_t>(1, sms / 4)
-             : host      ? sms * kDefaultCtasPerSmHost
-                         : sms * resident_ctas_per_sm<VEC, UNROLL, P>();
-    if constexpr (kHost) {
-      if (early_loads) kernel = kernel_for<VEC, UNROLL, P, true, kHost>(p);
-    }
-  }
-  const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
-  int64_t blocks = (items + threads - 1) / threads;
-  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
-  if (!dependent) {
-    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-}
-
 const bool registered =
     (register_bound_launch_factory(c10::DeviceType::CUDA, &make_rows_launch<CudaRows>), true);
 
 }  // namespace
+}  // namespace cuda_rows
 
-TORCH_LIBRARY_IMPL(kvlayout, CUDA, m) { m.impl("copy_rows", &copy_rows_impl<CudaRows>); }
+TORCH_LIBRARY_IMPL(kvlayout, CUDA, m) { m.impl("copy_rows", &copy_rows_impl<cuda_rows::CudaRows>); }
 
 }  // namespace kvlayout

@@ -96,7 +96,7 @@ inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProce
 
 // What may still run when a launch starts on a stream, so that a dependent
 // launch may load before the previous kernel ends (the early-loads kernel of
-// copy_rows.cu) only where that is safe. Every dependent kvlayout launch is
+// copy_rows_cuda.cuh) only where that is safe. Every dependent kvlayout launch is
 // recorded with the bytes it writes. Every one waits for its predecessor
 // before its writes and before it exits, so kernels end in stream order. A
 // launch lets its successor start once it has waited (so when the successor
@@ -241,7 +241,7 @@ class LaunchOrder {
   cudaGraphNode_t only_dep_ = nullptr;
 };
 
-// What every CUDA launch policy shares (copy_rows.cu and rope.cu derive their
+// What every CUDA launch policy shares (copy_rows_cuda.cuh and rope.cu derive their
 // policies from it): the device type, its guard and current stream, and the
 // addresses a kernel sees.
 struct Backend {

@@ -270,7 +270,7 @@ using VecOf = std::conditional_t<
 // before_write() is called before the thread's first store and its first
 // error record (and may be called again: it must act once). A kernel that
 // loads before the previous kernel of its stream has finished (early loads,
-// see copy_rows.cu) waits there; the others pass NoWait.
+// see copy_rows_cuda.cuh) waits there; the others pass NoWait.
 template <int VEC, int UNROLL, class Mem, class Record, class BeforeWrite>
 KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_base,
                                  char* const* dst_base, int64_t thread, int64_t num_threads,
