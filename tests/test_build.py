@@ -8,6 +8,7 @@ the PATH.
 """
 
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -21,8 +22,10 @@ SHARED_HEADERS = ("kvlayout/copy_rows_kernel.h", "kvlayout/rope_kernel.h")
 
 @pytest.mark.parametrize("backend,suffix,key", [("cuda", "cu", "CUDA"), ("sycl", "sycl", "XPU")])
 def test_device_sources_share_the_kernel_headers_and_register_their_key(backend, suffix, key):
-    sources = {p.stem: p.read_text() for p in (ROOT / "torch_ext" / backend).glob(f"*.{suffix}")}
-    assert {"copy_rows", "rope"} <= set(sources)
+    # an op's sources: its files of the backend (copy_rows.cu with copy_rows_cuda.cuh and its kernels' files)
+    files = sorted((ROOT / "torch_ext" / backend).glob(f"*.{suffix}*"))
+    sources = {op: "".join(p.read_text() for p in files if p.stem.startswith(op)) for op in ("copy_rows", "rope")}
+    assert all(sources.values())
     assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["copy_rows"]
     assert f"TORCH_LIBRARY_IMPL(kvlayout, {key}, m)" in sources["rope"]
     assert SHARED_HEADERS[0] in sources["copy_rows"] and SHARED_HEADERS[1] in sources["rope"]
@@ -33,6 +36,20 @@ def test_device_sources_share_the_kernel_headers_and_register_their_key(backend,
     # no backend knows layout names: the address math lives in the shared header
     for text in sources.values():
         assert "vllm" not in text and "hicache" not in text and "sglang" not in text
+
+
+def test_every_cuda_vector_width_is_compiled_once_and_declared_where_launched():
+    """copy_rows_launch.h launches widths 16/8/4/2/1; CUDA compiles each width's kernels in a file of its own
+    (copy_rows_vecW.cu), which copy_rows.cu declares extern so that it compiles none of them itself."""
+    cuda = ROOT / "torch_ext" / "cuda"
+    launcher = (ROOT / "torch_ext" / "copy_rows_launch.h").read_text()
+    widths = sorted(int(w) for w in re.findall(r"(?:case \d+|default): launch_variant<(\d+)>", launcher))
+    assert widths == [1, 2, 4, 8, 16]
+    registering = (cuda / "copy_rows.cu").read_text()
+    for w in widths:
+        assert f"KVLAYOUT_CUDA_ROWS_INSTANCES(extern, {w});" in registering
+        compiled = [p.name for p in cuda.glob("*.cu") if f"KVLAYOUT_CUDA_ROWS_INSTANCES(, {w});" in p.read_text()]
+        assert compiled == [f"copy_rows_vec{w}.cu"]
 
 
 def _run_setup(monkeypatch, *, xpu: bool, icpx: bool, sanitize: str = ""):
