@@ -98,6 +98,7 @@ def walk_lib(tmp_path_factory):
     lib.kvl_emulate_walk.restype = ctypes.c_int
     lib.kvl_fast_divmod.argtypes = [i64, i64, i64, p, p]
     lib.kvl_wait_counts.argtypes = [p]
+    lib.kvl_walk_unrolls.argtypes = [p]
     lib.kvl_set_recording.argtypes = [i64, i64]
     lib.kvl_max_walk_count.restype = ctypes.c_int64
     return lib

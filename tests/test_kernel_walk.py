@@ -7,8 +7,8 @@ into a small library (tests/native/walk_emulator.cpp) that runs every thread of 
 the other, and checks the bytes it writes against the address formula of
 address.h computed here in numpy, for random geometries: pages, pieces laid
 out inside or outside the slots, negative and out-of-range slots, int32 and
-int64 slots with strides, skip_prefix, every vector width, both unroll
-variants, grids of many sizes. It also checks the precomputed division.
+int64 slots with strides, skip_prefix, every vector width, every count of
+loads in flight a launch walks with (kWalkUnrolls), grids of many sizes. It also checks the precomputed division.
 """
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import ctypes
 
 import numpy as np
 import pytest
-
-DEVICE_UNROLL, HOST_UNROLL = 4, 16  # kDeviceUnroll, kHostUnroll
 
 
 def _ptr(a: np.ndarray | None):
@@ -136,6 +134,14 @@ def _run(walk_lib, c, unroll, num_threads):
     return dst, status
 
 
+def _unrolls(walk_lib) -> tuple[int, ...]:
+    """kWalkUnrolls: the loads in flight of the device and host variants, and of each under an SM budget."""
+    out = np.zeros(4, np.int32)
+    walk_lib.kvl_walk_unrolls(_ptr(out))
+    assert len(set(out.tolist())) == 4 and out.min() >= 1
+    return tuple(int(x) for x in out)
+
+
 def _wait_counts(walk_lib) -> tuple[int, int, int]:
     out = np.zeros(3, np.int64)
     walk_lib.kvl_wait_counts(_ptr(out))
@@ -146,7 +152,7 @@ def _wait_counts(walk_lib) -> tuple[int, int, int]:
 def test_walk_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
     rng = np.random.default_rng(seed)
     c = _case(rng, walk_lib)
-    for unroll in (DEVICE_UNROLL, HOST_UNROLL):
+    for unroll in _unrolls(walk_lib):
         for num_threads in (32, 96, 256, 32 * int(rng.integers(1, 70))):
             dst, status = _run(walk_lib, c, unroll, num_threads)
             bad = np.flatnonzero(dst != c["expected"])
@@ -167,17 +173,21 @@ def test_a_threads_first_batch_loads_before_its_wait(walk_lib):
     offsets = np.zeros(1, np.int64)
     status = np.zeros(5, np.int64)
     # identity slots, one segment, 32 threads: each lane moves 2 of the 64 rows, both in its first batch
-    rc = walk_lib.kvl_emulate_walk(_ptr(geometry), _ptr(geometry), None, 1, None, 1, 8, 0, tokens, 1,
-                                   _ptr(offsets), _ptr(offsets), _ptr(src), _ptr(dst), 1, row, 16, HOST_UNROLL,
-                                   32, _ptr(status))
-    assert rc == 0 and np.array_equal(dst, src) and status[0] == 0
-    assert _wait_counts(walk_lib) == (32, 0, tokens)
+    # (early loads run in the host variant, with and without an SM budget)
+    _, host, _, budget_host = _unrolls(walk_lib)
+    for unroll in (host, budget_host):
+        dst[:] = 0
+        rc = walk_lib.kvl_emulate_walk(_ptr(geometry), _ptr(geometry), None, 1, None, 1, 8, 0, tokens, 1,
+                                       _ptr(offsets), _ptr(offsets), _ptr(src), _ptr(dst), 1, row, 16, unroll,
+                                       32, _ptr(status))
+        assert rc == 0 and np.array_equal(dst, src) and status[0] == 0
+        assert _wait_counts(walk_lib) == (32, 0, tokens)
 
 
 def test_walk_with_a_thousand_segments(walk_lib):
     rng = np.random.default_rng(7)
     c = _case(rng, walk_lib, num_segments=1024)
-    for unroll in (DEVICE_UNROLL, HOST_UNROLL):
+    for unroll in _unrolls(walk_lib):
         dst, status = _run(walk_lib, c, unroll, 256 * 5)
         assert np.array_equal(dst, c["expected"])
         assert status[0] == len(c["invalid"])

@@ -5,6 +5,7 @@
 // through ctypes.
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 
 #include "kvlayout/copy_rows_kernel.h"
 
@@ -95,6 +96,19 @@ int walk_vec(int vec, const kvlayout::CopyRowsArgs& a, const char* const* src, c
   }
 }
 
+// walk_vec with the UNROLL of kWalkUnrolls (from the I-th on) that equals `unroll`; -1 where none does.
+template <size_t I = 0>
+int walk_unroll(int unroll, int vec, const kvlayout::CopyRowsArgs& a, const char* const* src,
+                char* const* dst, int64_t num_threads) {
+  if constexpr (I == std::size(kvlayout::kWalkUnrolls)) {
+    return -1;
+  } else {
+    if (unroll == kvlayout::kWalkUnrolls[I])
+      return walk_vec<kvlayout::kWalkUnrolls[I]>(vec, a, src, dst, num_threads);
+    return walk_unroll<I + 1>(unroll, vec, a, src, dst, num_threads);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -128,9 +142,12 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
     src[j] = src_buffer + src_offsets[j];
     dst[j] = dst_buffer + dst_offsets[j];
   }
-  if (unroll == kvlayout::kDeviceUnroll) return walk_vec<kvlayout::kDeviceUnroll>(vec, a, src, dst, num_threads);
-  if (unroll == kvlayout::kHostUnroll) return walk_vec<kvlayout::kHostUnroll>(vec, a, src, dst, num_threads);
-  return -1;
+  return walk_unroll(unroll, vec, a, src, dst, num_threads);
+}
+
+// kWalkUnrolls: every loads-in-flight count a launch walks with, the ones kvl_emulate_walk takes.
+void kvl_walk_unrolls(int32_t* out) {
+  for (size_t i = 0; i < std::size(kvlayout::kWalkUnrolls); ++i) out[i] = kvlayout::kWalkUnrolls[i];
 }
 
 // The recording of the launches emulated from now on (mode: a RecordErrors value).

@@ -43,19 +43,16 @@ constexpr int kDefaultCtasPerSmHost = 1;
 // A budgeted launch (max_ctas = n > 0) runs n CTAs of kBudgetThreads: one
 // 256-thread CTA cannot keep an SM's store path busy (a 256-thread CTA
 // stored about a third of what 1024 threads of one SM store to pinned
-// memory). At 1024 threads a thread has 64 registers: the loads in flight
-// per thread drop so that the walk does not spill (2: 62-64 registers for
-// the device variant) or spills little (4 for the host variant: 1024 x 4 x
-// 16 B = 64 KiB in flight per SM, what the 256-thread host variant keeps;
-// the 16-byte walk spills 16-32 bytes, nvcc 13.0, `scripts/
-// cuda_compile_check.py --registers`).
+// memory). At 1024 threads a thread has 64 registers, and the loads in
+// flight per thread drop to what fits them (kBudgetDeviceUnroll,
+// kBudgetHostUnroll in copy_rows_kernel.h).
 constexpr int kBudgetThreads = 1024;
 // The host variant is the one launch_variant instantiates with kHostUnroll.
 template <int UNROLL>
 constexpr bool kIsHostVariant = UNROLL == kHostUnroll;
 template <int UNROLL>
 constexpr int budget_unroll() {
-  return kIsHostVariant<UNROLL> ? 4 : 2;
+  return kIsHostVariant<UNROLL> ? kBudgetHostUnroll : kBudgetDeviceUnroll;
 }
 
 // Vector loads/stores with streaming (evict-first) cache hints
