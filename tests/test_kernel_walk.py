@@ -8,7 +8,8 @@ the other, and checks the bytes it writes against the address formula of
 address.h computed here in numpy, for random geometries: pages, pieces laid
 out inside or outside the slots, negative and out-of-range slots, int32 and
 int64 slots with strides, skip_prefix, every vector width, every count of
-loads in flight a launch walks with (kWalkUnrolls), grids of many sizes. It also checks the precomputed division.
+loads in flight a launch walks with (kWalkUnrolls), grids of many sizes. It
+also checks the precomputed division.
 """
 from __future__ import annotations
 
