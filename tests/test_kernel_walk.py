@@ -135,6 +135,21 @@ def _run(walk_lib, c, unroll, num_threads):
     return dst, status
 
 
+def _run_rows(walk_lib, c, lanes):
+    """The case moved one row per CTA (copy_one_row), ``lanes`` threads per row."""
+    status = np.zeros(5, np.int64)
+    dst = c["dst_buf"].copy()
+    src_before = c["src_buf"].copy()
+    rc = walk_lib.kvl_emulate_rows(
+        _ptr(c["sg"]), _ptr(c["dg"]), _ptr(c["src_arr"]), c["stride"], _ptr(c["dst_arr"]),
+        c["stride"], c["slot_bytes"], c["skip"], c["num_tokens"], c["S"], _ptr(c["src_off"]),
+        _ptr(c["dst_off"]), _ptr(c["src_buf"]), _ptr(dst), c["num_pieces"], c["piece_bytes"],
+        c["vec"], lanes, _ptr(status))
+    assert rc == 0
+    assert np.array_equal(c["src_buf"], src_before), "the row copy wrote its source"
+    return dst, status
+
+
 def _unrolls(walk_lib) -> tuple[int, ...]:
     """kWalkUnrolls: the loads in flight of the device and host variants, and of each under an SM budget."""
     out = np.zeros(4, np.int32)
@@ -163,6 +178,21 @@ def test_walk_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
             assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
             if c["invalid"]:
                 assert tuple(int(x) for x in status[1:5]) in c["invalid"]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_one_row_per_cta_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
+    """copy_one_row (the CUDA device variant's wide rows, one per CTA): the same bytes and records as the
+    walk, whatever the number of lanes per row."""
+    rng = np.random.default_rng(seed)
+    c = _case(rng, walk_lib)
+    for lanes in (1, 32, 128, int(rng.integers(2, 200))):
+        dst, status = _run_rows(walk_lib, c, lanes)
+        bad = np.flatnonzero(dst != c["expected"])
+        assert bad.size == 0, f"{lanes} lanes: {bad.size} bytes differ, first at {bad[:4]}"
+        assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
+        if c["invalid"]:
+            assert tuple(int(x) for x in status[1:5]) in c["invalid"]
 
 
 def test_a_threads_first_batch_loads_before_its_wait(walk_lib):

@@ -109,6 +109,53 @@ int walk_unroll(int unroll, int vec, const kvlayout::CopyRowsArgs& a, const char
   }
 }
 
+// A launch as a backend passes it: its arguments and segment table.
+struct Launch {
+  kvlayout::CopyRowsArgs a{};
+  const char* src[1024];
+  char* dst[1024];
+};
+
+// `launch` from kvl_emulate_*'s arguments; false where they have too many segments.
+bool make_launch(Launch& launch, const int64_t* src_geometry, const int64_t* dst_geometry,
+                 const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
+                 int64_t dst_slot_stride, int32_t slot_bytes, int64_t skip_prefix,
+                 int64_t num_tokens, int64_t num_segments, const int64_t* src_offsets,
+                 const int64_t* dst_offsets, char* src_buffer, char* dst_buffer,
+                 int64_t num_pieces, int64_t piece_bytes, int32_t vec, int64_t* status) {
+  kvlayout::CopyRowsArgs& a = launch.a;
+  a.src_geom = geometry(src_geometry);
+  a.dst_geom = geometry(dst_geometry);
+  a.src_slots = {src_slots, src_slot_stride, slot_bytes, src_slots == nullptr ? 1 : 0};
+  a.dst_slots = {dst_slots, dst_slot_stride, slot_bytes, dst_slots == nullptr ? 1 : 0};
+  a.skip_prefix = skip_prefix;
+  a.tokens = num_tokens - skip_prefix;
+  a.num_segments = num_segments;
+  a.status = status;
+  a.src_recorded_from = g_recording.src_from;
+  a.dst_recorded_from = g_recording.dst_from;
+  kvlayout::prepare_copy_rows_args(a, num_pieces, piece_bytes / vec);
+  if (num_segments > 1024) return false;
+  for (int64_t j = 0; j < num_segments; ++j) {
+    launch.src[j] = src_buffer + src_offsets[j];
+    launch.dst[j] = dst_buffer + dst_offsets[j];
+  }
+  return true;
+}
+
+// Every (token, segment) row by copy_one_row, `lanes` lanes each, in the
+// order of a CUDA grid of (tokens, segments) CTAs; the kernel has waited.
+template <int VEC>
+void rows_all(const Launch& launch, int64_t lanes) {
+  g_counts = WaitCounts{};
+  g_counts.waited = true;
+  for (int64_t seg = 0; seg < launch.a.num_segments; ++seg)
+    for (int64_t t = 0; t < launch.a.tokens; ++t)
+      for (int64_t lane = 0; lane < lanes; ++lane)
+        kvlayout::copy_one_row<VEC, HostMem<VEC>>(launch.a, launch.src[seg], launch.dst[seg], t,
+                                                  seg, lane, lanes, HostRecorder{launch.a.status});
+}
+
 }  // namespace
 
 extern "C" {
@@ -123,26 +170,35 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                      const int64_t* dst_offsets, char* src_buffer, char* dst_buffer,
                      int64_t num_pieces, int64_t piece_bytes, int32_t vec, int32_t unroll,
                      int64_t num_threads, int64_t* status) {
-  kvlayout::CopyRowsArgs a{};
-  a.src_geom = geometry(src_geometry);
-  a.dst_geom = geometry(dst_geometry);
-  a.src_slots = {src_slots, src_slot_stride, slot_bytes, src_slots == nullptr ? 1 : 0};
-  a.dst_slots = {dst_slots, dst_slot_stride, slot_bytes, dst_slots == nullptr ? 1 : 0};
-  a.skip_prefix = skip_prefix;
-  a.tokens = num_tokens - skip_prefix;
-  a.num_segments = num_segments;
-  a.status = status;
-  a.src_recorded_from = g_recording.src_from;
-  a.dst_recorded_from = g_recording.dst_from;
-  kvlayout::prepare_copy_rows_args(a, num_pieces, piece_bytes / vec);
-  const char* src[1024];
-  char* dst[1024];
-  if (num_segments > 1024) return -1;
-  for (int64_t j = 0; j < num_segments; ++j) {
-    src[j] = src_buffer + src_offsets[j];
-    dst[j] = dst_buffer + dst_offsets[j];
+  Launch launch;
+  if (!make_launch(launch, src_geometry, dst_geometry, src_slots, src_slot_stride, dst_slots,
+                   dst_slot_stride, slot_bytes, skip_prefix, num_tokens, num_segments, src_offsets,
+                   dst_offsets, src_buffer, dst_buffer, num_pieces, piece_bytes, vec, status))
+    return -1;
+  return walk_unroll(unroll, vec, launch.a, launch.src, launch.dst, num_threads);
+}
+
+// The same launch moved one row per CTA (copy_one_row), `lanes` threads per row.
+int kvl_emulate_rows(const int64_t* src_geometry, const int64_t* dst_geometry,
+                     const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
+                     int64_t dst_slot_stride, int32_t slot_bytes, int64_t skip_prefix,
+                     int64_t num_tokens, int64_t num_segments, const int64_t* src_offsets,
+                     const int64_t* dst_offsets, char* src_buffer, char* dst_buffer,
+                     int64_t num_pieces, int64_t piece_bytes, int32_t vec, int64_t lanes,
+                     int64_t* status) {
+  Launch launch;
+  if (!make_launch(launch, src_geometry, dst_geometry, src_slots, src_slot_stride, dst_slots,
+                   dst_slot_stride, slot_bytes, skip_prefix, num_tokens, num_segments, src_offsets,
+                   dst_offsets, src_buffer, dst_buffer, num_pieces, piece_bytes, vec, status))
+    return -1;
+  switch (vec) {
+    case 16: rows_all<16>(launch, lanes); return 0;
+    case 8: rows_all<8>(launch, lanes); return 0;
+    case 4: rows_all<4>(launch, lanes); return 0;
+    case 2: rows_all<2>(launch, lanes); return 0;
+    case 1: rows_all<1>(launch, lanes); return 0;
+    default: return -1;
   }
-  return walk_unroll(unroll, vec, a, src, dst, num_threads);
 }
 
 // kWalkUnrolls: every loads-in-flight count a launch walks with, the ones kvl_emulate_walk takes.

@@ -13,7 +13,9 @@
 // Two variants of one kernel body (copy_rows_walk in copy_rows_kernel.h): the
 // device variant (both sides in device memory; kDeviceUnroll loads in flight
 // per thread) and the host variant (either side pinned host memory;
-// kHostUnroll loads in flight per thread for PCIe latency).
+// kHostUnroll loads in flight per thread for PCIe latency). The device
+// variant's wide rows move one per CTA instead (copy_one_row, the same
+// address math; see kRowPerCtaMinBytes).
 //
 // CTA budget (max_ctas): 0 selects the default, one full wave of resident
 // 256-thread CTAs (occupancy of the compiled kernel) for the device variant
@@ -175,6 +177,25 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
   }
 }
 
+// The device variant's rows of kRowPerCtaMinBytes and more move one per CTA
+// (copy_one_row): blockIdx.x the token, blockIdx.y the segment, the row's
+// vectors strided over the CTA's threads. On an H100 (scripts/
+// walk_grid_probe.cu, the gathers of the bench's shapes) this shape took
+// 0.86-0.93x the walk's time on rows of 1,152 and 2,048 bytes at T = 256,
+// 1,024 and 4,096, and 1.7-2.9x on 256-byte rows (16 of its threads busy).
+constexpr int64_t kRowPerCtaMinBytes = 1024;
+constexpr int kRowPerCtaThreads = 128;
+
+template <int VEC, class P>
+__global__ void __launch_bounds__(kRowPerCtaThreads) copy_row_per_cta_kernel(
+    const __grid_constant__ P p) {
+  wait_for_previous_kernel();  // before touching memory
+  if (p.a.next_start != kNextAfterEnd) let_next_kernel_start();
+  copy_one_row<VEC, StreamingMem<VEC>>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y],
+                                       blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x,
+                                       cuda::StatusRecorder{p.a.status});
+}
+
 // The kernel of a launch of the host (HOST) or device variant, with these
 // loads in flight, loads' start and CTA size: for the host variant, the one
 // of p.a.cache_hints; the device variant is compiled with streaming hints
@@ -212,11 +233,46 @@ int64_t resident_ctas_per_sm() {
 // SMs, so that the launches of a layer pipeline that run at once find SMs for
 // their early loads (eight CTAs already carry a PCIe link's bandwidth, while a
 // launch that holds every SM keeps the next one from starting until its CTAs
-// exit). Never more threads than items.
+// exit). Never more threads than items. A device-memory launch without a
+// budget whose rows hold kRowPerCtaMinBytes or more in 8- or 16-byte words
+// runs one CTA per row instead (copy_row_per_cta_kernel).
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
   constexpr bool kHost = kIsHostVariant<UNROLL>;
+  // launches `kernel` on grid x threads, as a dependent launch where asked
+  const auto issue = [&](auto* kernel, dim3 grid, int threads) {
+    if (!dependent) {
+      kernel<<<grid, threads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  };
+  if constexpr (!kHost && VEC >= 8) {
+    // (8- and 16-byte words only: the widths measured so)
+    static_assert(kMaxSegmentsPerLaunch <= 65535, "a launch's segments are its grid's y extent");
+    const int64_t row_bytes = p.a.vecs_per_row * VEC;
+    if (max_ctas == 0 && row_bytes >= kRowPerCtaMinBytes && p.a.tokens > 0 &&
+        p.a.tokens < (int64_t(1) << 31)) {
+      const int64_t warps = (p.a.vecs_per_row + kWalkLanes - 1) / kWalkLanes;
+      const int threads = static_cast<int>(std::min<int64_t>(warps * kWalkLanes, kRowPerCtaThreads));
+      issue(&copy_row_per_cta_kernel<VEC, P>,
+            dim3(static_cast<unsigned>(p.a.tokens), static_cast<unsigned>(p.a.num_segments)),
+            threads);
+      return;
+    }
+  }
   const int64_t items = p.a.tokens * p.a.num_segments * p.a.vecs_per_row;
   int threads = kCopyThreadsPerBlock;
   int64_t budget;
@@ -241,22 +297,7 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
   const int64_t max_blocks = std::min<int64_t>(budget, (int64_t(1) << 31) - 1);
   int64_t blocks = (items + threads - 1) / threads;
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks));
-  if (!dependent) {
-    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  issue(kernel, dim3(static_cast<unsigned>(blocks)), threads);
 }
 
 // The instances of CudaRows::launch of one vector width: both variants, both

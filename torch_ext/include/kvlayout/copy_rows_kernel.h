@@ -208,6 +208,27 @@ inline void prepare_copy_rows_args(CopyRowsArgs& a, int64_t num_pieces, int64_t 
   a.dst_by_page = FastDivmod::make(a.dst_geom.page_size, a.dst_geom.num_slots - 1);
 }
 
+// The row offsets of the slot pair (s, d) from a segment's base, or false
+// where it has no row: a negative slot (skipped) or an out-of-range one
+// (skipped, and passed to on_bad(value, bound, which) when `owner` and the
+// launch's recorded_from bounds say it is recorded).
+template <class OnBad>
+KVL_D inline bool resolve_slot_pair(const CopyRowsArgs& a, int64_t s, int64_t d, bool owner,
+                                    const OnBad& on_bad, int64_t& src_row, int64_t& dst_row) {
+  if (s < 0 || d < 0) return false;
+  if (s >= a.src_geom.num_slots || d >= a.dst_geom.num_slots) {
+    if (owner && s < a.src_recorded_from && d < a.dst_recorded_from) {
+      const bool src_bad = s >= a.src_geom.num_slots;
+      on_bad(src_bad ? s : d, src_bad ? a.src_geom.num_slots : a.dst_geom.num_slots,
+             src_bad ? int64_t(kStatusSrcSlots) : int64_t(kStatusDstSlots));
+    }
+    return false;
+  }
+  src_row = row_offset(a.src_geom, a.src_by_page, s);
+  dst_row = row_offset(a.dst_geom, a.dst_by_page, d);
+  return true;
+}
+
 // Rows of one token on both sides: the row offsets from a segment's base, or
 // no row (a negative slot: skipped; an out-of-range slot: skipped and, as the
 // launch's recorded_from bounds say, recorded once, by the lane that owns
@@ -244,21 +265,26 @@ struct TokenRows {
       next_src = a.src_slots.load(t + 1);
       next_dst = a.dst_slots.load(t + 1);
     }
-    live = false;
-    if (s < 0 || d < 0) return;
-    if (s >= a.src_geom.num_slots || d >= a.dst_geom.num_slots) {
-      if (owner && s < a.src_recorded_from && d < a.dst_recorded_from) {
-        const bool src_bad = s >= a.src_geom.num_slots;
-        on_bad(src_bad ? s : d, src_bad ? a.src_geom.num_slots : a.dst_geom.num_slots,
-               src_bad ? int64_t(kStatusSrcSlots) : int64_t(kStatusDstSlots));
-      }
-      return;
-    }
-    src_row = row_offset(a.src_geom, a.src_by_page, s);
-    dst_row = row_offset(a.dst_geom, a.dst_by_page, d);
-    live = true;
+    live = resolve_slot_pair(a, s, d, owner, on_bad, src_row, dst_row);
   }
 };
+
+// Offsets of vector v of a row from the row's start on both sides: rows of
+// one piece are contiguous; others hold vecs_per_row / by_piece.divisor
+// pieces, stride_piece apart on each side.
+template <int VEC>
+KVL_D inline void vector_offsets(const CopyRowsArgs& a, bool one_piece, int32_t v, int64_t& src,
+                                 int64_t& dst) {
+  if (one_piece) {
+    src = int64_t(v) * VEC;
+    dst = src;
+  } else {
+    int64_t h, w;
+    a.by_piece.divmod(v, h, w);
+    src = h * a.src_geom.stride_piece + w * VEC;
+    dst = h * a.dst_geom.stride_piece + w * VEC;
+  }
+}
 
 // The type a backend moves one VEC-byte vector in (VEC = 16, 8, 4, 2 or 1):
 // Wide16 and Wide8 are the backend's 16- and 8-byte vector types (CUDA
@@ -321,8 +347,6 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
   // Advance of one step (kWalkLanes items).
   const int32_t step_seg = kWalkLanes / vecs;
   const int32_t step_v = kWalkLanes % vecs;
-  const int64_t src_sp = a.src_geom.stride_piece;
-  const int64_t dst_sp = a.dst_geom.stride_piece;
   const bool one_piece = a.by_piece.divisor == V_row;  // rows are one contiguous piece
 
   // an out-of-range slot of the token whose first item this lane holds
@@ -349,15 +373,7 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
         }
         if (rows.live) {
           int64_t so, dof;
-          if (one_piece) {
-            so = int64_t(v) * VEC;
-            dof = so;
-          } else {
-            int64_t h, w;
-            a.by_piece.divmod(v, h, w);
-            so = h * src_sp + w * VEC;
-            dof = h * dst_sp + w * VEC;
-          }
+          vector_offsets<VEC>(a, one_piece, v, so, dof);
           buf[k] = Mem::load(reinterpret_cast<const V*>(src_base[seg] + rows.src_row + so));
           out[k] = dst_base[seg] + rows.dst_row + dof;
         }
@@ -398,6 +414,37 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
                                  const Record& record) {
   const NoWait no_wait;
   copy_rows_walk<VEC, UNROLL, Mem>(a, src_base, dst_base, thread, num_threads, record, no_wait);
+}
+
+// One row of a launch moved by `lanes` cooperating threads, of which this is
+// lane `lane`: segment `seg`'s row of token t (0 <= t < a.tokens;
+// skip_prefix not included), vectors lane, lane + lanes, ... The peers' shape
+// (one row per CTA), which moves rows of 1 KiB and more faster than the walk
+// on the device (scripts/walk_grid_probe.cu); a backend that uses it runs
+// every (token, segment) row once. src_base/dst_base: the segment's bases.
+// The token's out-of-range slot is recorded by lane 0 of segment 0, as
+// record(token, value, bound, which). The caller has waited for whatever
+// its writes must follow.
+template <int VEC, class Mem, class Record>
+KVL_D inline void copy_one_row(const CopyRowsArgs& a, const char* src_base, char* dst_base,
+                               int64_t t, int64_t seg, int64_t lane, int64_t lanes,
+                               const Record& record) {
+  using V = typename Mem::vec_type;
+  const int64_t token = a.skip_prefix + t;
+  const auto on_bad = [&](int64_t value, int64_t bound, int64_t which) {
+    record(token, value, bound, which);
+  };
+  int64_t src_row, dst_row;
+  if (!resolve_slot_pair(a, a.src_slots.load(token), a.dst_slots.load(token),
+                         seg == 0 && lane == 0, on_bad, src_row, dst_row))
+    return;
+  const bool one_piece = a.by_piece.divisor == a.vecs_per_row;
+  for (int64_t v = lane; v < a.vecs_per_row; v += lanes) {
+    int64_t so, dof;
+    vector_offsets<VEC>(a, one_piece, static_cast<int32_t>(v), so, dof);
+    Mem::store(reinterpret_cast<V*>(dst_base + dst_row + dof),
+               Mem::load(reinterpret_cast<const V*>(src_base + src_row + so)));
+  }
 }
 
 }  // namespace kvlayout
