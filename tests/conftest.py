@@ -96,9 +96,6 @@ def walk_lib(tmp_path_factory):
     lib.kvl_emulate_walk.argtypes = [p, p, p, i64, p, i64, i32, i64, i64, i64, p, p, p, p,
                                      i64, i64, i32, i32, i64, p]
     lib.kvl_emulate_walk.restype = ctypes.c_int
-    lib.kvl_emulate_rows.argtypes = [p, p, p, i64, p, i64, i32, i64, i64, i64, p, p, p, p,
-                                     i64, i64, i32, i64, p]
-    lib.kvl_emulate_rows.restype = ctypes.c_int
     lib.kvl_fast_divmod.argtypes = [i64, i64, i64, p, p]
     lib.kvl_wait_counts.argtypes = [p]
     lib.kvl_walk_unrolls.argtypes = [p]

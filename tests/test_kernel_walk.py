@@ -117,7 +117,9 @@ def _case(rng, walk_lib, *, num_segments=None):
                 slot_bytes=np.dtype(slot_dtype).itemsize, expected=expected, invalid=invalid)
 
 
-def _run(walk_lib, c, unroll, num_threads):
+def _emulate(walk_lib, c, unroll, num_threads):
+    """The case's launch emulated (unroll 0: one row per CTA, ``num_threads`` lanes each): its
+    destination and status; the source is left as it was."""
     status = np.zeros(5, np.int64)
     dst = c["dst_buf"].copy()
     src_before = c["src_buf"].copy()
@@ -127,26 +129,16 @@ def _run(walk_lib, c, unroll, num_threads):
         _ptr(c["dst_off"]), _ptr(c["src_buf"]), _ptr(dst), c["num_pieces"], c["piece_bytes"],
         c["vec"], unroll, num_threads, _ptr(status))
     assert rc == 0
-    assert np.array_equal(c["src_buf"], src_before), "the walk wrote its source"
+    assert np.array_equal(c["src_buf"], src_before), "the copy wrote its source"
+    return dst, status
+
+
+def _run(walk_lib, c, unroll, num_threads):
+    dst, status = _emulate(walk_lib, c, unroll, num_threads)
     waits, writes_before, loads_before = _wait_counts(walk_lib)
     # every thread waits once (an early-loads grid ends after the previous kernel), and nothing is
     # written before its wait
     assert waits == num_threads and writes_before == 0
-    return dst, status
-
-
-def _run_rows(walk_lib, c, lanes):
-    """The case moved one row per CTA (copy_one_row), ``lanes`` threads per row."""
-    status = np.zeros(5, np.int64)
-    dst = c["dst_buf"].copy()
-    src_before = c["src_buf"].copy()
-    rc = walk_lib.kvl_emulate_rows(
-        _ptr(c["sg"]), _ptr(c["dg"]), _ptr(c["src_arr"]), c["stride"], _ptr(c["dst_arr"]),
-        c["stride"], c["slot_bytes"], c["skip"], c["num_tokens"], c["S"], _ptr(c["src_off"]),
-        _ptr(c["dst_off"]), _ptr(c["src_buf"]), _ptr(dst), c["num_pieces"], c["piece_bytes"],
-        c["vec"], lanes, _ptr(status))
-    assert rc == 0
-    assert np.array_equal(c["src_buf"], src_before), "the row copy wrote its source"
     return dst, status
 
 
@@ -187,7 +179,7 @@ def test_one_row_per_cta_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
     rng = np.random.default_rng(seed)
     c = _case(rng, walk_lib)
     for lanes in (1, 32, 128, int(rng.integers(2, 200))):
-        dst, status = _run_rows(walk_lib, c, lanes)
+        dst, status = _emulate(walk_lib, c, 0, lanes)
         bad = np.flatnonzero(dst != c["expected"])
         assert bad.size == 0, f"{lanes} lanes: {bad.size} bytes differ, first at {bad[:4]}"
         assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"

@@ -162,7 +162,8 @@ extern "C" {
 
 // geometry: [num_slots, page_size, stride_page, stride_in_page, stride_piece]
 // per side; slots: nullptr for identity (the SlotArray flag); segment offsets index the buffers.
-// Returns 0, or -1 for an unsupported vec/unroll.
+// unroll: one of kWalkUnrolls, num_threads threads walking; or 0, one row per CTA
+// (copy_one_row) with num_threads lanes each. Returns 0, or -1 for an unsupported vec/unroll.
 int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                      const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
                      int64_t dst_slot_stride, int32_t slot_bytes, int64_t skip_prefix,
@@ -175,28 +176,13 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                    dst_slot_stride, slot_bytes, skip_prefix, num_tokens, num_segments, src_offsets,
                    dst_offsets, src_buffer, dst_buffer, num_pieces, piece_bytes, vec, status))
     return -1;
-  return walk_unroll(unroll, vec, launch.a, launch.src, launch.dst, num_threads);
-}
-
-// The same launch moved one row per CTA (copy_one_row), `lanes` threads per row.
-int kvl_emulate_rows(const int64_t* src_geometry, const int64_t* dst_geometry,
-                     const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
-                     int64_t dst_slot_stride, int32_t slot_bytes, int64_t skip_prefix,
-                     int64_t num_tokens, int64_t num_segments, const int64_t* src_offsets,
-                     const int64_t* dst_offsets, char* src_buffer, char* dst_buffer,
-                     int64_t num_pieces, int64_t piece_bytes, int32_t vec, int64_t lanes,
-                     int64_t* status) {
-  Launch launch;
-  if (!make_launch(launch, src_geometry, dst_geometry, src_slots, src_slot_stride, dst_slots,
-                   dst_slot_stride, slot_bytes, skip_prefix, num_tokens, num_segments, src_offsets,
-                   dst_offsets, src_buffer, dst_buffer, num_pieces, piece_bytes, vec, status))
-    return -1;
+  if (unroll != 0) return walk_unroll(unroll, vec, launch.a, launch.src, launch.dst, num_threads);
   switch (vec) {
-    case 16: rows_all<16>(launch, lanes); return 0;
-    case 8: rows_all<8>(launch, lanes); return 0;
-    case 4: rows_all<4>(launch, lanes); return 0;
-    case 2: rows_all<2>(launch, lanes); return 0;
-    case 1: rows_all<1>(launch, lanes); return 0;
+    case 16: rows_all<16>(launch, num_threads); return 0;
+    case 8: rows_all<8>(launch, num_threads); return 0;
+    case 4: rows_all<4>(launch, num_threads); return 0;
+    case 2: rows_all<2>(launch, num_threads); return 0;
+    case 1: rows_all<1>(launch, num_threads); return 0;
     default: return -1;
   }
 }
