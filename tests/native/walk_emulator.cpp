@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <type_traits>
 
 #include "kvlayout/copy_rows_kernel.h"
 
@@ -83,17 +84,23 @@ void walk_all(const kvlayout::CopyRowsArgs& a, const char* const* src, char* con
   }
 }
 
+// f(std::integral_constant<int, VEC>) for vec, a width a launch moves; 0, or -1 for another vec.
+template <class F>
+int with_vec(int vec, const F& f) {
+  switch (vec) {
+    case 16: f(std::integral_constant<int, 16>{}); return 0;
+    case 8: f(std::integral_constant<int, 8>{}); return 0;
+    case 4: f(std::integral_constant<int, 4>{}); return 0;
+    case 2: f(std::integral_constant<int, 2>{}); return 0;
+    case 1: f(std::integral_constant<int, 1>{}); return 0;
+    default: return -1;
+  }
+}
+
 template <int UNROLL>
 int walk_vec(int vec, const kvlayout::CopyRowsArgs& a, const char* const* src, char* const* dst,
              int64_t num_threads) {
-  switch (vec) {
-    case 16: walk_all<16, UNROLL>(a, src, dst, num_threads); return 0;
-    case 8: walk_all<8, UNROLL>(a, src, dst, num_threads); return 0;
-    case 4: walk_all<4, UNROLL>(a, src, dst, num_threads); return 0;
-    case 2: walk_all<2, UNROLL>(a, src, dst, num_threads); return 0;
-    case 1: walk_all<1, UNROLL>(a, src, dst, num_threads); return 0;
-    default: return -1;
-  }
+  return with_vec(vec, [&](auto width) { walk_all<width.value, UNROLL>(a, src, dst, num_threads); });
 }
 
 // walk_vec with the UNROLL of kWalkUnrolls (from the I-th on) that equals `unroll`; -1 where none does.
@@ -177,14 +184,7 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                    dst_offsets, src_buffer, dst_buffer, num_pieces, piece_bytes, vec, status))
     return -1;
   if (unroll != 0) return walk_unroll(unroll, vec, launch.a, launch.src, launch.dst, num_threads);
-  switch (vec) {
-    case 16: rows_all<16>(launch, num_threads); return 0;
-    case 8: rows_all<8>(launch, num_threads); return 0;
-    case 4: rows_all<4>(launch, num_threads); return 0;
-    case 2: rows_all<2>(launch, num_threads); return 0;
-    case 1: rows_all<1>(launch, num_threads); return 0;
-    default: return -1;
-  }
+  return with_vec(vec, [&](auto width) { rows_all<width.value>(launch, num_threads); });
 }
 
 // kWalkUnrolls: every loads-in-flight count a launch walks with, the ones kvl_emulate_walk takes.

@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
 // (copy_one_row): blockIdx.x the token, blockIdx.y the segment, the row's
 // vectors strided over the CTA's threads. On an H100 (scripts/
 // walk_grid_probe.cu, the gathers of the bench's shapes) this shape took
-// 0.86-0.93x the walk's time on rows of 1,152 and 2,048 bytes at T = 256,
+// 0.86-0.96x the walk's time on rows of 1,152 and 2,048 bytes at T = 256,
 // 1,024 and 4,096, and 1.7-2.9x on 256-byte rows (16 of its threads busy).
 constexpr int64_t kRowPerCtaMinBytes = 1024;
 constexpr int kRowPerCtaThreads = 128;
