@@ -196,6 +196,11 @@ def markdown(doc: dict) -> str:
     out += ["| limit | start | end |", "|---|---|---|"]
     for k, v in doc["limits"].items():
         out.append(f"| {k} | {v:.1f} | {_fmt(doc.get('limits_end', {}).get(k))} |")
+    if doc.get("same_size"):
+        out += ["", "Pinned copies of each host case's payload size, timed before the first case (the "
+                "\"% same size\" column's yardstick): "
+                + ", ".join(f"{k.split('_')[0]} {int(k.split('_')[1]) / 2**20:g} MiB {v:.1f}"
+                            for k, v in doc["same_size"].items()) + " GB/s."]
     if threads_line(doc):
         out += ["", threads_line(doc)]
     for w in warnings_lines(doc):

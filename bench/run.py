@@ -278,12 +278,18 @@ def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, 
         head, limits = None, None
         if jsonl:
             open(jsonl, "w").close()
+    same_size = None
+    if device.type == "cuda":
+        same_size = SameSizeCopies(timer, head.get("same_size") if head else None)
     if limits is None:
         limits = measure_limits(timer, quick=quick)
         head = {"environment": environment(device), "limits": limits, "quick": quick, "seed": seed}
+        if same_size is not None:
+            same_size.measure(c.payload_bytes() for c in case_list
+                              if c.direction in ("to_host", "from_host") and not c.empty)
+            head["same_size"] = same_size.table()
     if jsonl and not done:
         _append(jsonl, dict(head, kind="run"))
-    same_size = SameSizeCopies(timer) if device.type == "cuda" else None
     inputs = C.Inputs(device, seed)
     results = []
     for i, case in enumerate(case_list):

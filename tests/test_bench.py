@@ -684,3 +684,31 @@ def test_host_hint_rows_run_the_kernel_with_the_default_cache_operators():
             dict(base, group="host_hints", max_ctas=0, gbps=52.0, kernel_gbps=52.0, kernel_us=90.0)]
     table = summary.host_hints(rows).splitlines()
     assert len(table) == 4 and table[2].endswith("| 1.20× |") and table[3].endswith("| – |")
+
+
+def test_same_size_copies_are_timed_once_per_size_up_front_and_kept_in_the_record(monkeypatch):
+    from kvlayout.bench import timing
+
+    timed = []
+
+    def fake_pinned_copy(timer, nbytes):
+        timed.append(nbytes)
+        return float(nbytes), float(2 * nbytes)
+
+    monkeypatch.setattr(timing, "_pinned_copy_gbps", fake_pinned_copy)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    copies = timing.SameSizeCopies(timer=None)
+    big = 4 * timing.SAME_SIZE_MAX
+    copies.measure([4 << 20, 1 << 30, big, 4 << 20])
+    assert timed == [4 << 20, timing.SAME_SIZE_MAX]          # each size once, above the cap the cap's copy
+    assert copies.gbps("from_host", 4 << 20) == float(4 << 20)
+    assert copies.gbps("to_host", big) == float(2 * timing.SAME_SIZE_MAX)
+    assert timed == [4 << 20, timing.SAME_SIZE_MAX]          # nothing timed again between cases
+    copies.gbps("from_host", 9 << 20)                         # a size not planned is timed when first asked
+    assert timed[-1] == 9 << 20
+    kept = timing.SameSizeCopies(timer=None, known=copies.table())   # a resumed run reads the record's table
+    assert kept.gbps("to_host", 9 << 20) == float(2 * (9 << 20)) and timed[-1] == 9 << 20
+    assert kept.table() == copies.table()
+    doc = run(torch.device("cpu"), quick=True, only=ONE_CASE)
+    doc["same_size"] = copies.table()
+    assert "H2D 4 MiB 4194304.0" in markdown(doc) and "D2H 512 MiB" in markdown(doc)
