@@ -759,6 +759,45 @@ def test_ring_is_reused_per_stream_and_stays_exact(cuda_device, direction, ring_
     assert not staged_mod._RINGS
 
 
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("ring", [16 << 10, None])   # many chunks per call / one
+def test_a_staged_call_comes_after_what_its_stream_queued_before_it(cuda_device, direction, ring, ring_bytes):
+    """The caller's stream is held busy, then queues a write of the side the call reads (a store of new bytes
+    into the host chunk before a load from it; a device copy of new bytes into the cache before a store from
+    it), then the staged call, with no sync between: the call moves the new bytes, in calls issued directly,
+    captured and replayed (the copy engine's first copy waits for the caller's work, not only the kernels)."""
+    ring_bytes(ring or staged_mod.STAGING_BYTES)
+    T = 48
+    cache, chunk = _device_cache(cuda_device), _chunk(T, pin=True)
+    slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(3))[:T].to(cuda_device)
+    stream = torch.cuda.Stream(cuda_device)
+    for round_ in range(4):                     # the second call of a shape is captured, the later replayed
+        fresh_cache = _device_cache(cuda_device, seed=100 + round_)
+        fresh_chunk = _chunk(T, fill=round_).tensors[0].to(cuda_device)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)       # (some milliseconds: the writes below land long after the issue)
+            if direction == "from_host":
+                chunk.tensors[0].copy_(fresh_chunk, non_blocking=True)
+                ops.transfer(chunk, cache, None, slots, engine="staged")
+            else:
+                for t, new in zip(cache.tensors, fresh_cache.tensors):
+                    t.copy_(new, non_blocking=True)
+                ops.transfer(cache, chunk, slots, engine="staged")
+        torch.cuda.synchronize()
+        if direction == "from_host":             # the slots' rows read back hold this round's chunk
+            loaded = _device_cache("cpu")
+            for t, on_device in zip(loaded.tensors, cache.tensors):
+                t.copy_(on_device.cpu())
+            read_back = _chunk(T)
+            ops.transfer(loaded, read_back, slots.cpu())
+            assert torch.equal(_bytes(read_back), _bytes(_chunk(T, fill=round_))), round_
+        else:
+            expected = _chunk(T)
+            ops.transfer(_device_cache("cpu", seed=100 + round_), expected, slots.cpu())
+            assert torch.equal(_bytes(chunk), _bytes(expected)), round_
+
+
 def _kept_transfer(choice_src, choice_dst, engine="auto"):
     """The staged transfer the repeated-call path keeps for this pair (``choice.staged_kept``)."""
     kept = checked_choice(choice_src, choice_dst, None, None, None, None, 0, engine).staged_kept

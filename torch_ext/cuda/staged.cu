@@ -259,10 +259,12 @@ class CudaStaged final : public StagedEngine {
         replays_.pop_front();  // (find_replay and capture_replay leave the replay they return first)
       }
     }
+    const cudaStream_t side = reinterpret_cast<cudaStream_t>(s_.side_stream);
+    fork_side(main, side);
     const at::Tensor rows = new_token_rows(a.num_tokens);
     fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, per_chunk, rows, main);
     issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, per_chunk, a.validate, rows, main,
-          reinterpret_cast<cudaStream_t>(s_.side_stream));
+          side);
   }
 
  private:
@@ -316,6 +318,7 @@ class CudaStaged final : public StagedEngine {
     }
     cudaGraph_t graph = nullptr;
     try {
+      fork_side(cap, side);
       fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, key.per_chunk, replay->rows, cap);
       issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, key.per_chunk, false,
             replay->rows, cap, side);
@@ -347,9 +350,16 @@ class CudaStaged final : public StagedEngine {
     return replays_.front().get();
   }
 
-  // The transfer's work in stream order, in chunks of per_chunk tokens:
-  // `main` runs the kernels, `side` the copy engine's copies; `rows` is the
-  // token table fill_token_rows wrote for the same per_chunk.
+  // What the caller queued on `main` before the call (the caches, the host
+  // chunk, an earlier call's kernels that read the ring) comes first on
+  // `side`. Forked before the call's token table is filled: no copy reads
+  // the table, so a load's first copy from the host starts at once rather
+  // than after the table's kernel (in a captured graph: as a root node).
+  void fork_side(cudaStream_t main, cudaStream_t side) { join(events_[0], main, side); }
+
+  // The transfer's work in stream order, in chunks of per_chunk tokens, after
+  // fork_side: `main` runs the kernels, `side` the copy engine's copies;
+  // `rows` is the token table fill_token_rows wrote for the same per_chunk.
   void issue(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
              int64_t max_ctas, int64_t per_chunk, bool validate, const at::Tensor& rows,
              cudaStream_t main, cudaStream_t side) {
@@ -360,8 +370,6 @@ class CudaStaged final : public StagedEngine {
     const at::Tensor ring_rows = rows[0];
     const at::Tensor kept_host_rows = keep ? rows[1] : at::Tensor();
     const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
-    // what the caller queued before (the caches, the host chunk) comes first on the side stream
-    join(events_[0], main, side);
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
       for (int64_t t0 = skip_prefix; t0 < num_tokens; t0 += per_chunk, ++c) {
