@@ -38,12 +38,15 @@
 #   walk-probe   scripts/walk_grid_probe.cu (nvcc, sm_90): the walk alone on the bench's geometries: gathers on
 #                the device at small T under other grids, CTA sizes and loads in flight; host transfers under an
 #                SM budget with other lanes, cache hints and a shared-memory pipeline   -> walk_probe.txt
+#   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
+#                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
+#                rounds (default 2); the staged rows of each run -> staged_settings.txt, staged-settings.tgz
 # A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
 # a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|binding-cost|ab-old|ab|probe|walk-probe ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|binding-cost|ab-old|ab|probe|walk-probe|staged-settings ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -54,6 +57,9 @@ ab_dir=${AB_DIR:-/tmp/kvlayout-ab}
 repo=$(pwd)
 default_probe_keys="L32_MLA_D576 T=256 ps=16 vllm_mla->lmcache_kv_mla gather_device all layers ctas=default,\
 L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd gather_device all layers ctas=default"
+default_staged_only="L32_H1_D128 T=256,L32_MLA_D576 T=256"
+staged_settings=("KVLAYOUT_STAGED_GRAPHS=8 KVLAYOUT_STAGED_CHUNKS=8" "KVLAYOUT_STAGED_GRAPHS=0 KVLAYOUT_STAGED_CHUNKS=8"
+                 "KVLAYOUT_STAGED_GRAPHS=8 KVLAYOUT_STAGED_CHUNKS=1")
 status=0
 
 gpu_header() {
@@ -138,6 +144,19 @@ for step in "${steps[@]}"; do
                 "${AB_ONLY:-T=256,layerwise,headline}"
             cp "$ab_dir/compare.txt" "$out/ab_compare.txt" 2>/dev/null
             cp "$ab_dir/runs.tgz" "$out/ab_runs.tgz" 2>/dev/null ;;
+        staged-settings) staged_runs() {   # every setting once per round, in turn, so that drift slows them alike
+                             local n setting
+                             for n in $(seq 1 "${STAGED_ROUNDS:-2}"); do
+                                 for setting in "${staged_settings[@]}"; do
+                                     echo "== round $n: $setting"
+                                     env $setting $py -m kvlayout bench --device cuda \
+                                         --only "${STAGED_ONLY:-$default_staged_only}" \
+                                         --out "$out/staged-settings/${setting// /_}_$n" | grep -E '^(group|staged) '
+                                 done
+                             done
+                         }
+                         run_step staged-settings staged_settings.txt staged_runs
+                         pack staged-settings staged-settings ;;
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done

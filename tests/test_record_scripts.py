@@ -28,6 +28,7 @@ if [ -n "${dir:-}" ]; then
     mkdir -p "$dir" && echo '{"kind": "case"}' > "$dir/$what.jsonl" && echo "| $what |" > "$dir/$what.md"
 fi
 echo "ran $*"
+echo "staged graphs=${KVLAYOUT_STAGED_GRAPHS:-} chunks=${KVLAYOUT_STAGED_CHUNKS:-}"   # (a row of the bench's table)
 """
 
 
@@ -104,3 +105,20 @@ def test_ab_steps_build_the_older_tree_beside_the_others_and_hand_back_the_compa
     assert members(out / "ab_runs.tgz") == {f"{r}/bench.{ext}" for r in runs for ext in ("jsonl", "md")} | {
         f"{r}.txt" for r in runs}
     assert (out / "ab_compare.txt").read_text().count("kvlayout.bench.compare --same-machine") == 2
+
+
+def test_staged_settings_run_each_setting_in_turn_every_round_and_keep_the_staged_rows(tmp_path: Path,
+                                                                                        stand_in: Path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(stand_in), STAGED_ROUNDS="2")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "staged-settings"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["staged-settings.tgz", "staged_settings.txt", "steps.txt"]
+    log = (out / "staged_settings.txt").read_text().splitlines()
+    log = log[next(i for i, line in enumerate(log) if line.startswith("$ ")) + 1:]    # (after the header)
+    rows = [line for line in log if line.startswith("staged ")]
+    assert rows == ["staged graphs=8 chunks=8", "staged graphs=0 chunks=8", "staged graphs=8 chunks=1"] * 2
+    assert not any(line.startswith("ran ") for line in log)          # only the bench's staged rows are kept
+    runs = {m.split(os.sep)[0] for m in members(out / "staged-settings.tgz")}
+    assert len(runs) == 6 and all(r.endswith(("_1", "_2")) for r in runs)
