@@ -12,11 +12,19 @@ several NEW runs a row counts as slower only when every one of them is
 below OLD by more than the tolerance (the best of the new runs is compared;
 one slow run of a ~10 µs kernel is run-to-run spread).  Prints one line per
 slower row and a summary; exits 1 when a row is slower.
+
+    python -m kvlayout.bench.compare --medians N OLD_1 .. OLD_N NEW_1 .. [--same-machine]
+
+compares instead, row by row, the median of the N old runs with the median of
+the new runs: a row counts as slower when the new median is below the old one
+by more than the tolerance (a row whose rounds split between two speeds is
+judged by where most of them fall).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from .run import document
@@ -65,6 +73,31 @@ def compare(old: dict, news: list[dict], tolerance: float,
     return lines, compared
 
 
+def compare_medians(olds: list[dict], news: list[dict], tolerance: float,
+                    same_machine: bool = False) -> tuple[list[str], int]:
+    """Lines for the rows whose median over ``news`` is below their median over ``olds`` by more than
+    ``tolerance``; rows compared (those in every run)."""
+    lines, compared = [], 0
+    unit = " GB/s" if same_machine else "% of limit"
+    scale = 1 if same_machine else 100
+    for key, first in olds[0].items():
+        if not all(key in run for run in olds + news):
+            continue
+        compared += 1
+        for timing in _fractions(first, same_machine):
+            befores = [_fractions(run[key], same_machine).get(timing) for run in olds]
+            afters = [_fractions(run[key], same_machine).get(timing) for run in news]
+            if None in befores or None in afters:
+                continue
+            before, after = statistics.median(befores), statistics.median(afters)
+            if before > 0 and after < before * (1 - tolerance):
+                lines.append(f"{key} [{timing}]: median {before * scale:.1f}{unit} before "
+                             f"({' '.join(f'{b * scale:.1f}' for b in befores)}), "
+                             f"{after * scale:.1f} now ({' '.join(f'{a * scale:.1f}' for a in afters)}) "
+                             f"({after / before:.2f}x)")
+    return lines, compared
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlayout.bench.compare", description=__doc__.split("\n")[0])
     parser.add_argument("old")
@@ -75,7 +108,23 @@ def main(argv=None) -> int:
     parser.add_argument("--same-machine", action="store_true",
                         help="the runs were made on one machine in one sitting: compare rates, not shares of "
                              "each run's limits")
+    parser.add_argument("--medians", type=int, default=0, metavar="N",
+                        help="the first N runs are old runs, the rest new: compare each row's median over the "
+                             "old runs with its median over the new ones")
     args = parser.parse_args(argv)
+    if args.medians:
+        paths = [args.old] + args.new
+        if not 0 < args.medians < len(paths):
+            parser.error(f"--medians {args.medians}: needs at least one new run after the {args.medians} old ones "
+                         f"({len(paths)} runs given)")
+        olds = [measured_rows(p) for p in paths[:args.medians]]
+        news = [measured_rows(p) for p in paths[args.medians:]]
+        lines, compared = compare_medians(olds, news, args.tolerance, args.same_machine)
+        for line in lines:
+            print(line)
+        print(f"{compared} rows in every run; {len(lines)} figure(s) slower by more than {args.tolerance:.0%} "
+              f"in the median of {len(news)} new run(s) than in the median of {len(olds)} old run(s)")
+        return 1 if lines else 0
     old = measured_rows(args.old)
     news = [measured_rows(p) for p in args.new]
     lines, compared = compare(old, news, args.tolerance, args.same_machine)

@@ -19,7 +19,9 @@
 # tree's library (cross_N/): the two benches differ too (cases, baselines,
 # what runs before a row), and a row that is slower in new_N but not in
 # cross_N is slower by the bench's doing, not the library's. compare.txt
-# then also compares each old_N with every cross run.
+# then also compares each old_N with every cross run, and ends with each
+# row's median over the old runs against its median over the new (and
+# cross) runs.
 #
 # This tree must be built already (scripts/cuda_record.sh OUT build) for
 # ROUNDS > 0. The older tree runs from a package folder that maps its
@@ -88,6 +90,10 @@ kinds=(new)
             echo "# old_$n against every $kind run"
             $py -m kvlayout.bench.compare --same-machine "$out/old_$n/$stem.jsonl" "$out/${kind}"_*/"$stem.jsonl"
         done
+        # a row whose rounds split between two speeds: judged by where most of them fall
+        echo "# the median of the old runs against the median of the $kind runs"
+        $py -m kvlayout.bench.compare --same-machine --medians "$rounds" "$out"/old_*/"$stem.jsonl" \
+            "$out/${kind}"_*/"$stem.jsonl"
     done
 } | tee "$out/compare.txt"
 # every run's record in one file, beside compare.txt

@@ -3,6 +3,8 @@ for runs of one machine in one sitting, by their rates."""
 
 import json
 
+import pytest
+
 from kvlayout.bench import compare
 
 
@@ -41,3 +43,27 @@ def test_rows_missing_from_a_new_run_are_not_compared(tmp_path, capsys):
     new = _record(tmp_path / "new.jsonl", 100, [("a", 55, 60)])
     assert compare.main([old, new]) == 0
     assert capsys.readouterr().out.startswith("1 rows in both; 0 figure(s) slower")
+
+
+def test_medians_judge_a_row_by_where_most_of_its_rounds_fall(tmp_path, capsys):
+    olds = [_record(tmp_path / f"old{i}.jsonl", 100, [("split", 50, 60), ("steady", 50, 60)]) for i in range(3)]
+    # split: one new round as fast as before, two 10 % slower (every-run mode forgives it, the medians do not);
+    # steady: one round 10 % slower, two as fast (the medians forgive it)
+    news = [_record(tmp_path / "new0.jsonl", 100, [("split", 50, 60), ("steady", 45, 60)]),
+            _record(tmp_path / "new1.jsonl", 100, [("split", 45, 60), ("steady", 50, 60)]),
+            _record(tmp_path / "new2.jsonl", 100, [("split", 45, 60), ("steady", 50, 60)])]
+    assert compare.main(["--same-machine", olds[0], *news]) == 0
+    capsys.readouterr()
+    assert compare.main(["--same-machine", "--medians", "3", *olds, *news]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("split [end to end]: median 50.0 GB/s before (50.0 50.0 50.0), 45.0 now (50.0 45.0 45.0) "
+                      "(0.90x)")
+    assert len(out) == 2 and out[-1].startswith("2 rows in every run; 1 figure(s) slower by more than 3% in the "
+                                                "median of 3 new run(s) than in the median of 3 old run(s)")
+
+
+def test_medians_need_a_new_run_after_the_old_ones(tmp_path, capsys):
+    runs = [_record(tmp_path / f"r{i}.jsonl", 100, [("a", 50, 60)]) for i in range(2)]
+    with pytest.raises(SystemExit) as exit_:
+        compare.main(["--medians", "2", *runs])
+    assert exit_.value.code == 2 and "needs at least one new run" in capsys.readouterr().err

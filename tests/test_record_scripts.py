@@ -104,7 +104,10 @@ def test_ab_steps_build_the_older_tree_beside_the_others_and_hand_back_the_compa
     runs = [f"{side}_{n}" for side in ("old", "new") for n in (1, 2)]
     assert members(out / "ab_runs.tgz") == {f"{r}/bench.{ext}" for r in runs for ext in ("jsonl", "md")} | {
         f"{r}.txt" for r in runs}
-    assert (out / "ab_compare.txt").read_text().count("kvlayout.bench.compare --same-machine") == 2
+    compared = (out / "ab_compare.txt").read_text()
+    assert compared.count("kvlayout.bench.compare --same-machine /") == 2          # each old run, every new run
+    medians = [line for line in compared.splitlines() if "--medians 2" in line]   # then the medians, old vs new
+    assert len(medians) == 1 and medians[0].index("old_2") < medians[0].index("new_1")
 
 
 def test_staged_settings_run_each_setting_in_turn_every_round_and_keep_the_staged_rows(tmp_path: Path,
