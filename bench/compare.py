@@ -120,20 +120,16 @@ def main(argv=None) -> int:
         olds = [measured_rows(p) for p in paths[:args.medians]]
         news = [measured_rows(p) for p in paths[args.medians:]]
         lines, compared = compare_medians(olds, news, args.tolerance, args.same_machine)
-        for line in lines:
-            print(line)
-        print(f"{compared} rows in every run; {len(lines)} figure(s) slower by more than {args.tolerance:.0%} "
-              f"in the median of {len(news)} new run(s) than in the median of {len(olds)} old run(s)")
-        return 1 if lines else 0
-    old = measured_rows(args.old)
-    news = [measured_rows(p) for p in args.new]
-    lines, compared = compare(old, news, args.tolerance, args.same_machine)
-    for line in lines:
+        summary = (f"{compared} rows in every run; {len(lines)} figure(s) slower by more than {args.tolerance:.0%} "
+                   f"in the median of {len(news)} new run(s) than in the median of {len(olds)} old run(s)")
+    else:
+        lines, compared = compare(measured_rows(args.old), [measured_rows(p) for p in args.new], args.tolerance,
+                                  args.same_machine)
+        summary = (f"{compared} rows in both; {len(lines)} figure(s) slower than {args.old} by more than "
+                   f"{args.tolerance:.0%} in every new run")
+    for line in lines + [summary]:
         print(line)
-    print(f"{compared} rows in both; {len(lines)} figure(s) slower than {args.old} by more than "
-          f"{args.tolerance:.0%} in every new run")
     return 1 if lines else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
