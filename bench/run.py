@@ -151,11 +151,32 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
     if case.max_ctas == 0 and case.engine == "kernel" and not case.empty and case.group != "host_hints":
         row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))   # (host_hints: its twin's)
+    if host and nbytes <= OWN_HOST_COPY_MAX:
+        # last: a copy to the host overwrites the case's host bytes
+        row["own_host_copy_gbps"] = own_host_copy_gbps(case, data, timer, nbytes)
     if case.engine == "copy":
         row.update(time_run_list(case, data))
     if timer.cuda:
         row.update(C.staged_counts(case, data))
     return row
+
+
+OWN_HOST_COPY_MAX = 64 << 20   # (bytes) host cases whose own host memory's copy rate is timed too
+
+
+def own_host_copy_gbps(case: C.Case, data: dict, timer: Timer, nbytes: int) -> float:
+    """GB/s of one ``copy_`` of ``nbytes`` between a device buffer and the case's own pinned host memory (its
+    first host tensor's bytes, carved from the run's host arena), in the case's direction: beside the same-size
+    copy of a fresh pinned buffer timed before the first case, whether this case's host memory itself copies
+    slowly at this point of the run (a 4 MiB copy timed between cases once ran at a sixth of its rate)."""
+    host = data["buffer"].tensors[0]
+    storage, start = host.untyped_storage(), host.storage_offset() * host.element_size()
+    nbytes = min(nbytes, storage.nbytes() - start)
+    host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
+    device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
+    if case.direction == "to_host":
+        return timer(lambda: host_bytes.copy_(device_bytes, non_blocking=True)).gbps(nbytes)
+    return timer(lambda: device_bytes.copy_(host_bytes, non_blocking=True)).gbps(nbytes)
 
 
 def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:

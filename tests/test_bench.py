@@ -242,6 +242,18 @@ def test_cuda_bench_row_is_compared_with_the_peers_in_both_timings(cuda_device, 
     (out,) = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert out["vs_peer_kernel"] in ("ahead", "behind") and out["vs_peer_end_to_end"] in ("ahead", "behind")
     assert (out["peer_kernel_gbps"], out["peer_end_to_end_gbps"]) == (1700, 1116)
+    assert "own_host_copy_gbps" not in row                             # (a device row)
+
+
+def test_cuda_bench_host_row_times_a_copy_of_its_own_host_memory(cuda_device):
+    """A host row of a few MiB: beside the same-size copy of a fresh buffer (timed before the first case, kept in
+    the run's header), a copy of the same size out of the case's own pinned host memory, both rates."""
+    only = "L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd from_host all layers ctas=default"
+    doc = run(torch.device(cuda_device), quick=True, only=only)
+    (row,) = [r for r in doc["results"] if r["key"] == only]
+    assert row["bit_exact"] and row["own_host_copy_gbps"] > 0 and row["same_size_gbps"] > 0
+    assert doc["same_size"] == {f"H2D_{row['payload_bytes']}": row["same_size_gbps"],
+                                f"D2H_{row['payload_bytes']}": doc["same_size"][f"D2H_{row['payload_bytes']}"]}
 
 
 def test_cuda_bench_rows_under_a_setting_are_exact_and_leave_it_as_it_was(cuda_device):
