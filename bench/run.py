@@ -29,7 +29,7 @@ from kvlayout.conformance.environment import source_digest
 
 from . import cases as C
 from .report import write_reports
-from .timing import SameSizeCopies, Timer, drifted, host_key, measure_limits
+from .timing import SameSizeCopies, Timer, drifted, host_copy_gbps, host_key, measure_limits
 
 # A CPU run sets torch's thread count to this for kvlayout (whose CPU kernel splits tokens over torch's
 # threads) and the torch baseline alike: a fixed count keeps the two comparable and the figures comparable
@@ -174,9 +174,7 @@ def own_host_copy_gbps(case: C.Case, data: dict, timer: Timer, nbytes: int) -> f
     nbytes = min(nbytes, storage.nbytes() - start)
     host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
     device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
-    if case.direction == "to_host":
-        return timer(lambda: host_bytes.copy_(device_bytes, non_blocking=True)).gbps(nbytes)
-    return timer(lambda: device_bytes.copy_(host_bytes, non_blocking=True)).gbps(nbytes)
+    return host_copy_gbps(timer, host_bytes, device_bytes, case.direction)
 
 
 def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:
@@ -305,10 +303,11 @@ def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, 
     if limits is None:
         limits = measure_limits(timer, quick=quick)
         head = {"environment": environment(device), "limits": limits, "quick": quick, "seed": seed}
-        if same_size is not None:
-            same_size.measure(c.payload_bytes() for c in case_list
-                              if c.direction in ("to_host", "from_host") and not c.empty)
-            head["same_size"] = same_size.table()
+    if same_size is not None:
+        # before the first case, also for a resumed run whose header lacks some of its sizes
+        same_size.measure(c.payload_bytes() for c in case_list
+                          if c.direction in ("to_host", "from_host") and not c.empty)
+        head["same_size"] = same_size.table()
     if jsonl and not done:
         _append(jsonl, dict(head, kind="run"))
     inputs = C.Inputs(device, seed)

@@ -141,15 +141,21 @@ LIMIT_SIZES_MIB = (1, 32, 256)
 SAME_SIZE_MAX = 512 * MiB
 
 
+def host_copy_gbps(timer: Timer, host: torch.Tensor, device: torch.Tensor, direction: str) -> float:
+    """GB/s of one ``copy_`` between the byte tensors ``host`` and ``device`` (of one size): into ``host`` for
+    ``direction`` ``"to_host"``, out of it otherwise."""
+    if direction == "to_host":
+        return timer(lambda: host.copy_(device, non_blocking=True)).gbps(host.numel())
+    return timer(lambda: device.copy_(host, non_blocking=True)).gbps(host.numel())
+
+
 def _pinned_copy_gbps(timer: Timer, nbytes: int) -> tuple[float, float]:
     """(H2D, D2H) GB/s of one pinned ``copy_`` of ``nbytes``."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if not host.is_pinned():
         raise RuntimeError(f"a pinned host buffer of {nbytes} bytes came back pageable: no pinned copy to time")
     device = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
-    h2d = timer(lambda: device.copy_(host, non_blocking=True)).gbps(nbytes)
-    d2h = timer(lambda: host.copy_(device, non_blocking=True)).gbps(nbytes)
-    return h2d, d2h
+    return (host_copy_gbps(timer, host, device, "from_host"), host_copy_gbps(timer, host, device, "to_host"))
 
 
 def measure_limits(timer: Timer, *, quick: bool) -> dict[str, float]:
