@@ -156,20 +156,24 @@ def _wait_counts(walk_lib) -> tuple[int, int, int]:
     return tuple(int(x) for x in out)
 
 
+def _assert_the_formulas_rows(c, dst, status, label):
+    """``dst`` holds exactly the case's expected bytes, and ``status`` records one of its out-of-range tokens,
+    each token once."""
+    bad = np.flatnonzero(dst != c["expected"])
+    assert bad.size == 0, f"{label}: {bad.size} bytes differ, first at {bad[:4]}"
+    assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
+    if c["invalid"]:
+        assert tuple(int(x) for x in status[1:5]) in c["invalid"]
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_walk_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
     rng = np.random.default_rng(seed)
     c = _case(rng, walk_lib)
     for unroll in _unrolls(walk_lib):
         for num_threads in (32, 96, 256, 32 * int(rng.integers(1, 70))):
-            dst, status = _run(walk_lib, c, unroll, num_threads)
-            bad = np.flatnonzero(dst != c["expected"])
-            assert bad.size == 0, (f"unroll {unroll}, "
-                                   f"{num_threads} threads: {bad.size} bytes differ, first at "
-                                   f"{bad[:4]}")
-            assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
-            if c["invalid"]:
-                assert tuple(int(x) for x in status[1:5]) in c["invalid"]
+            _assert_the_formulas_rows(c, *_run(walk_lib, c, unroll, num_threads),
+                                      f"unroll {unroll}, {num_threads} threads")
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -179,12 +183,7 @@ def test_one_row_per_cta_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
     rng = np.random.default_rng(seed)
     c = _case(rng, walk_lib)
     for lanes in (1, 32, 128, int(rng.integers(2, 200))):
-        dst, status = _emulate(walk_lib, c, 0, lanes)
-        bad = np.flatnonzero(dst != c["expected"])
-        assert bad.size == 0, f"{lanes} lanes: {bad.size} bytes differ, first at {bad[:4]}"
-        assert status[0] == len(c["invalid"]), "each out-of-range token is recorded once"
-        if c["invalid"]:
-            assert tuple(int(x) for x in status[1:5]) in c["invalid"]
+        _assert_the_formulas_rows(c, *_emulate(walk_lib, c, 0, lanes), f"{lanes} lanes")
 
 
 def test_a_threads_first_batch_loads_before_its_wait(walk_lib):
