@@ -14,8 +14,9 @@ Each ring slot holds a *mini cache*: the host cache's layout with
 ``chunk_layers`` layers and ``chunk_tokens`` slots (as many as fit the slot).
 The transfer is cut into chunks (a group of ``chunk_layers`` chosen layers,
 up to ``chunk_tokens`` tokens: fewer where that gives a call about 8
-chunks of at least 2 MiB, 16 under an SM budget, so that the pipeline's
-start and end, where one stage waits for the other, stay short;
+chunks of at least 8 MiB, 16 of at least 2 MiB under an SM budget, so
+that the pipeline's start and end, where one stage waits for the other,
+stay short and small calls pay one chunk's fixed cost;
 :meth:`StagedPlan.call_chunk_tokens`),
 chunk c through ring slot c % RING_SLOTS:
 
@@ -88,11 +89,11 @@ _ALIGN = 256                # bytes: every mini-cache tensor starts at a multipl
 
 def set_staged_chunks(chunks: int) -> None:
     """The chunks a staged call aims at without an SM budget, twice as many under one (``CHUNKS`` unless set,
-    or ``KVLAYOUT_STAGED_CHUNKS``): each still at least 2 MiB and at most a ring slot. More chunks overlap the
-    kernel and the copy engine better at a call's start and end; fewer cost less host time (driver calls
-    issued directly, nodes of a captured graph). 1: chunks of a ring slot's capacity. Process-wide (in
-    :func:`~kvlayout.ops.cache_info`); a call reads it once, and a repeated call shape is captured again under a
-    new count."""
+    or ``KVLAYOUT_STAGED_CHUNKS``): each still at least 8 MiB (2 MiB under a budget) and at most a ring slot.
+    More chunks overlap the kernel and the copy engine better at a call's start and end; fewer cost less host
+    time (driver calls issued directly, nodes of a captured graph). 1: chunks of a ring slot's capacity.
+    Process-wide (in :func:`~kvlayout.ops.cache_info`); a call reads it once, and a repeated call shape is
+    captured again under a new count."""
     if type(chunks) is not int or not 1 <= chunks <= 1024:
         raise ValueError(f"a staged call's chunks must be an int in [1, 1024], got {chunks!r}")
     _C.set_staged_chunks(chunks)

@@ -107,15 +107,20 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
     return c
 
 
-def test_a_call_is_cut_into_a_few_chunks_of_at_least_two_mib():
+def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_budget():
     """The engine's chunk rule (staged_chunk_tokens): a ring slot's capacity, or fewer tokens (multiples of 16)
-    so that a call has about 8 chunks in all (16 under an SM budget), each of at least 2 MiB; never more than
-    a slot holds."""
+    so that a call has about 8 chunks in all, each of at least 8 MiB (16 of at least 2 MiB under an SM budget);
+    never more than a slot holds."""
     MiB = 1 << 20
     rule = _C.staged_chunk_tokens
-    # the H200 bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 8 chunks of 8 MiB, not 2 of 32 MiB,
+    # the bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 8 chunks of 8 MiB, not 2 of 32 MiB,
     # and 16 of 4 MiB under an SM budget
     assert rule(8192, 1, 4096, 32 * 2 * 256, 0) == 512 and rule(8192, 1, 4096, 32 * 2 * 256, 4) == 256
+    # L32 H1 and L32 MLA at T=256 (4 and 9 MiB): one chunk without a budget, 2 and 4 of them under one;
+    # L32 H8 at T=256 (32 MiB): 4 chunks, 16 under a budget
+    assert rule(8192, 1, 256, 32 * 2 * 256, 0) == 256 and rule(8192, 1, 256, 32 * 2 * 256, 4) == 128
+    assert rule(8192, 1, 256, 32 * 1152, 0) == 256 and rule(8192, 1, 256, 32 * 1152, 4) == 64
+    assert rule(8192, 1, 256, 32 * 2 * 2048, 0) == 64 and rule(8192, 1, 256, 32 * 2 * 2048, 4) == 16
     # L32 H8 T=4096 (16 groups of 2 layers) and T=32768 (32 groups of one layer): slot-sized chunks as before
     for budget in (0, 4):
         assert rule(4096, 16, 4096, 32 * 2 * 2048, budget) == 4096
@@ -138,7 +143,7 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_two_mib():
         if n < min(capacity, tokens):   # a group's tokens cut below a slot's for the chunk count: no further
             assert chunks < (16 if budget else 8) + groups, case
             assert n * token_bytes // groups >= MiB or n == 16, case
-        if tokens * token_bytes < 2 * MiB:
+        if tokens * token_bytes < (2 if budget else 16) * MiB:
             assert n == min(capacity, -(-tokens // 16) * 16), case    # small: one chunk per group
 
 
@@ -887,18 +892,20 @@ def _eight_mib_pair(cuda_device, direction: str, seed: int):
 
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("max_ctas", [0, 2])
-def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_ctas, ring_bytes):
-    """8 MiB through the default ring (every token fits one slot): the call is cut into chunks of fewer tokens
-    than a slot holds (about 8 of at least 2 MiB: 4 of 1,024 tokens here, with or without a budget), issued
-    directly, captured and replayed, each call exact against the CPU, holes and skip_prefix included."""
+def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction, max_ctas, ring_bytes):
+    """8 MiB through the default ring (every token fits one slot): under an SM budget the call is cut into
+    chunks of fewer tokens than a slot holds (4 of 1,024 tokens: about 8 of at least 2 MiB), without one it
+    moves in one chunk (at least 8 MiB each); issued directly, captured and replayed, each call exact against
+    the CPU, holes and skip_prefix included."""
     ring_bytes(64 << 20)
     cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=3)
     slots[::97] = -1                              # tokens without a device row
     src, dst, cpu_src, cpu_dst, args, cpu_args = (
         (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (slots,)) if direction == "to_host" else
         (chunk, cache, cpu_chunk, cpu_cache, (None, slots.to(cuda_device)), (None, slots)))
+    chunks, chunk_tokens = (4, 1024) if max_ctas else (1, 4096)
     explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
-    assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (4, 1024, 0), explained
+    assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (chunks, chunk_tokens, 0)
     ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
     for _ in range(3):                            # issued directly, captured (and launched), replayed
         ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
@@ -909,14 +916,16 @@ def test_chunks_smaller_than_a_slot_move_exactly(cuda_device, direction, max_cta
     # the kept graph: at least a kernel and a copy per chunk (to the host also a kernel keeping rows); a shape
     # not run before has none
     nodes = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")["graph_nodes"]
-    assert nodes >= 4 * (3 if direction == "to_host" else 2), nodes
+    assert nodes >= chunks * (3 if direction == "to_host" else 2), nodes
     assert ops.explain(src, dst, *args, skip_prefix=6, max_ctas=max_ctas, engine="staged")["graph_nodes"] == 0
-    # one chunk of a slot's capacity per call: the same shape is a new graph (captured on its second call),
-    # fewer nodes, the same bytes
+    if not max_ctas:
+        return
+    # one chunk of a slot's capacity per call (two under the budget): the same shape is a new graph (captured
+    # on its second call), fewer nodes, the same bytes
     try:
         ops.set_staged_chunks(1)
         explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
-        assert (explained["chunks"], explained["graph_nodes"]) == (1 if max_ctas == 0 else 2, 0), explained
+        assert (explained["chunks"], explained["graph_nodes"]) == (2, 0), explained
         for _ in range(3):
             ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
             torch.cuda.synchronize()

@@ -53,8 +53,9 @@ int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, in
   if (tokens <= 0 || capacity <= 0) return std::max<int64_t>(capacity, 1);
   const int64_t total = tokens * std::max<int64_t>(bytes_per_token, 0);
   const int64_t chunks = staged_chunks();
-  const int64_t wanted =
-      std::clamp<int64_t>(total / kStagedChunkBytes, 1, max_ctas > 0 ? 2 * chunks : chunks);
+  const bool budget = max_ctas > 0;
+  const int64_t least = budget ? kStagedBudgetChunkBytes : kStagedChunkBytes;
+  const int64_t wanted = std::clamp<int64_t>(total / least, 1, budget ? 2 * chunks : chunks);
   const int64_t layer_groups = std::max<int64_t>(groups, 1);
   const int64_t per_group = (wanted + layer_groups - 1) / layer_groups;
   const int64_t n = (tokens + per_group - 1) / per_group;

@@ -73,7 +73,8 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // groups, through ring slots of `capacity` tokens, under an SM budget of
 // `max_ctas` (0: none). The capacity, or fewer tokens (a multiple of 16) so
 // that the call has about staged_chunks() chunks in all (twice as many
-// under a budget), each still moving at least about kStagedChunkBytes. A
+// under a budget), each still moving at least about kStagedChunkBytes
+// (kStagedBudgetChunkBytes under a budget). A
 // pipeline of two stages idles one stage for one chunk at its start and its
 // end (the first chunk's kernel before the copy engine has work; the last
 // chunk's kernel after it is done), which a transfer of a few slot-sized
@@ -83,12 +84,23 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // behind the copy engine) 79 %. More chunks cost host work where a call is
 // issued directly (a few driver calls each), hence fewer without a budget,
 // where the kernel of a chunk is short, and more nodes in a captured graph,
-// whose launch's host time grows with them. Reads staged_chunks() once: a
-// call computes its chunk once and passes it on.
+// whose launch's host time grows with them. Without a budget the kernel of
+// a chunk is short beside its copy, so a chunk's fixed cost (a copy and an
+// event each way) outweighs the overlap it buys in small calls: in the H100
+// record of 4e3d67a (bench/results/staged_settings_4e3d67a_h100), the 4 MiB
+// L32 H1 transfers at T = 256 ran at 40.7-44.9 GB/s kernel only in one chunk
+// against 35.9-41.3 in two, and the 9 MiB L32 MLA ones as fast in one chunk
+// as in four (45.5-48.9 against 45.7-47.3) with 27-62 us of host work per
+// call against 51-79, and slot-sized chunks of 32 MiB moved a 64 MiB call
+// within a point of eight of 8 MiB (the H200 record); hence chunks of at
+// least 8 MiB without a budget. Under one the kernel is as slow as the
+// copy, and more, smaller chunks overlap them. Reads staged_chunks() once:
+// a call computes its chunk once and passes it on.
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas);
 constexpr int64_t kStagedChunks = 8;
-constexpr int64_t kStagedChunkBytes = int64_t(2) << 20;
+constexpr int64_t kStagedChunkBytes = int64_t(8) << 20;        // without an SM budget
+constexpr int64_t kStagedBudgetChunkBytes = int64_t(2) << 20;  // under one
 
 // The chunks a staged call aims at without an SM budget (twice as many under
 // one; 1: chunks of a ring slot's capacity). Process-wide, kStagedChunks
