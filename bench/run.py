@@ -323,9 +323,8 @@ def _run(device: torch.device, quick: bool, case_list: list[C.Case], seed: int, 
             _append(jsonl, dict(row, kind="case"))
         del data
         if device.type == "cuda":
-            # the next case allocates from an emptied caching allocator: its tensors are not carved from blocks
-            # an earlier case left cached (a merged baseline's device buffer holds a whole payload: 4 GiB at
-            # L32 H8 T = 32768)
+            # what a case allocated besides its tensors (which come from the arenas of `inputs`) goes back: a
+            # merged baseline's device buffer holds a whole payload (4 GiB at L32 H8 T = 32768)
             torch.cuda.empty_cache()
     _progress(len(case_list), len(case_list), "done")
     sys.stderr.write("\n")

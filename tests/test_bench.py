@@ -245,6 +245,80 @@ def test_cuda_bench_row_is_compared_with_the_peers_in_both_timings(cuda_device, 
     assert "own_host_copy_gbps" not in row                             # (a device row)
 
 
+def test_an_arena_hands_each_case_the_same_aligned_memory():
+    """Arena: contiguous tensors of the asked shape and dtype, one after another in one buffer, each at a
+    multiple of the alignment; reset(sizes) hands the same addresses out again, first replacing a buffer too
+    small for all of ``sizes`` (by one of at least twice its size); a tensor beyond an unreserved buffer gets a
+    new one, and tensors taken before keep their bytes."""
+    arena = C.Arena(torch.device("cpu"), align=64)
+    arena.reset([30, 28])
+    a = arena.take((3, 5), torch.bfloat16)                        # 30 bytes at 0
+    b = arena.take((7,), torch.int32)                             # 28 bytes at 64
+    assert a.shape == (3, 5) and a.dtype == torch.bfloat16 and a.is_contiguous()
+    assert b.data_ptr() - a.data_ptr() == 64 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert a.untyped_storage().nbytes() == 92
+    a.fill_(1)
+    b.fill_(2)
+    arena.reset([30, 28])
+    assert [arena.take((3, 5), torch.bfloat16).data_ptr(), arena.take((7,), torch.int32).data_ptr()] == \
+        [a.data_ptr(), b.data_ptr()]
+    arena.reset([30, 28, 400])                                    # 528 bytes: a new buffer holds all three
+    c, d, e = arena.take((3, 5), torch.bfloat16), arena.take((7,), torch.int32), arena.take((100,), torch.int32)
+    assert d.data_ptr() - c.data_ptr() == 64
+    assert c.untyped_storage().data_ptr() == e.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert e.data_ptr() - c.data_ptr() == 128 and c.untyped_storage().nbytes() == 528
+    assert torch.equal(b, torch.full((7,), 2, dtype=torch.int32))   # (the old buffer lives while b does)
+    arena.reset()
+    assert arena.take((100,), torch.int32).data_ptr() == c.data_ptr()
+    beyond = arena.take((200,), torch.int32)                      # 800 bytes past 400, unreserved: a new buffer
+    assert beyond.untyped_storage().nbytes() == 2 * 528 and beyond.data_ptr() != c.data_ptr()
+
+
+def _check_cases_lie_in_their_arenas(inputs: C.Inputs, timer: Timer) -> None:
+    """A gather's 33 device tensors (32 layers of the cache, the chunk) in one device-arena buffer at multiples
+    of 2 MiB, in order; a load from the host beside it; the gather built again lies at the same addresses,
+    random bits, and both move exactly."""
+    gather = C.Case("headline", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 256, 16, "gather_device")
+    load = C.Case("headline", "L32_MLA_D576", "vllm_mla", "lmcache_kv_mla", 256, 16, "from_host")
+
+    def device_tensors(data):
+        return [t for side in ("cache", "buffer") for t in data[side].tensors if not t.is_pinned()]
+
+    data = C.build(gather, inputs, min_cache_slots=1024)
+    tensors = device_tensors(data)
+    base = tensors[0].untyped_storage().data_ptr()
+    assert len(tensors) == 33 and all(t.untyped_storage().data_ptr() == base for t in tensors)
+    offsets = [t.data_ptr() - base for t in tensors]
+    assert offsets == sorted(offsets) and all(o % C.DEVICE_ALIGN == 0 for o in offsets), offsets
+    assert check_bit_exact(gather, data, timer)
+    addresses = [t.data_ptr() for t in tensors]
+    del data, tensors
+    moved = C.build(load, inputs, min_cache_slots=1024)
+    assert moved["buffer"].tensors[0].storage_offset() == 0 and check_bit_exact(load, moved, timer)
+    del moved
+    data = C.build(gather, inputs, min_cache_slots=1024)
+    assert [t.data_ptr() for t in device_tensors(data)] == addresses
+    assert data["cache"].tensors[0].view(torch.int16).unique().numel() > 1000    # random bits, filled in place
+    assert check_bit_exact(gather, data, timer)
+
+
+def test_bench_case_tensors_lie_in_their_arenas():
+    """The arenas' route on the CPU (a GPU run's arenas, unpinned): see _check_cases_lie_in_their_arenas."""
+    inputs = C.Inputs(torch.device("cpu"), seed=7)
+    inputs.device_arena, inputs.host_arena = C.Arena(inputs.device, C.DEVICE_ALIGN), \
+        C.Arena(torch.device("cpu"), C.HOST_ALIGN)
+    _check_cases_lie_in_their_arenas(inputs, Timer(torch.device("cpu"), warmup=0, reps=1))
+
+
+def test_cuda_bench_case_tensors_lie_in_one_device_arena(cuda_device):
+    """On a GPU run: device tensors in one device arena at multiples of 2 MiB, host tensors pinned."""
+    inputs = C.Inputs(torch.device(cuda_device), seed=7)
+    _check_cases_lie_in_their_arenas(inputs, Timer(torch.device(cuda_device), warmup=0, reps=1))
+    data = C.build(C.Case("headline", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 256, 16, "to_host"),
+                   inputs, min_cache_slots=1024)
+    assert data["buffer"].tensors[0].is_pinned() and data["cache"].tensors[0].is_cuda
+
+
 def test_cuda_bench_host_row_times_a_copy_of_its_own_host_memory(cuda_device):
     """A host row of a few MiB: beside the same-size copy of a fresh buffer (timed before the first case, kept in
     the run's header), a copy of the same size out of the case's own pinned host memory, both rates."""
