@@ -37,7 +37,9 @@
 #                AB_DIR, alternately, two processes each        -> probe.txt (one JSON line per tree, key, process)
 #   walk-probe   scripts/walk_grid_probe.cu (nvcc, sm_90): the walk alone on the bench's geometries: gathers on
 #                the device at small T under other grids, CTA sizes and loads in flight; host transfers under an
-#                SM budget with other lanes, cache hints and a shared-memory pipeline   -> walk_probe.txt
+#                SM budget with other lanes, cache hints and a shared-memory pipeline; host transfers at T = 256
+#                and 4096 without a budget under other grids, one row per CTA and the peers' staging; WALK_PROBE
+#                picks the sections (device, budget, host; default all)   -> walk_probe.txt
 #   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
 #                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
 #                rounds (default 2); the staged rows of each run -> staged_settings.txt, staged-settings.tgz
@@ -135,7 +137,7 @@ for step in "${steps[@]}"; do
                             scripts/walk_grid_probe.cu -o "$probe_dir/walk_grid_probe" > "$probe_dir/nvcc.txt" 2>&1 \
                             || { cat "$probe_dir/nvcc.txt"; return 1; }
                         grep -E 'Function properties|registers|spill' "$probe_dir/nvcc.txt"
-                        "$probe_dir/walk_grid_probe" all 30
+                        "$probe_dir/walk_grid_probe" "${WALK_PROBE:-all}" 30
                     }
                     run_step walk-probe walk_probe.txt walk_probe ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"

@@ -5,7 +5,7 @@
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I torch_ext/include \
 //        scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
-//   /tmp/walk_grid_probe [device|budget|all] [reps]
+//   /tmp/walk_grid_probe [device|budget|host|all] [reps]
 //
 // device: gathers on the device at small T (paged cache -> chunk) under other
 //   grids, CTA sizes and loads in flight, beside a one-row-per-CTA kernel of
@@ -17,6 +17,14 @@
 //   lanes with more loads per thread, and a walk that keeps its loads in
 //   flight in shared memory (cp.async, a rolling pipeline of S stages) rather
 //   than registers; GB/s against the pinned copy_ ceiling measured alike.
+//
+// host: transfers between the device cache and a pinned host chunk without an
+//   SM budget at T = 256 and 4096 (the bench's headline host rows): the
+//   library's host variant (16 loads in flight, one 256-thread CTA per SM)
+//   beside more CTAs per SM, fewer loads in flight, the device variant's walk,
+//   one row per CTA, and the peers' staging (the rows gathered into a device
+//   buffer, then one pinned copy_; from the host the copy first); GB/s against
+//   the pinned copy_ of the same bytes timed alike.
 //
 // Per case and variant: the median kernel time over `reps` launches (CUDA
 // events around one launch, L2 flushed by a read before each), the grid, and
@@ -542,17 +550,144 @@ void run_budget(Probe& probe) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// host: device cache <-> pinned host chunk, default grids, small and middle T
+
+struct HostVariant {
+  std::string name;
+  void (*kernel)(Params);
+  int threads;
+  int ctas_per_sm;  // 0: one CTA per (token, segment) row (the kernel is row_per_cta_kernel)
+  int vec;
+};
+
+template <int U, int MB>
+HostVariant host_walk(const char* name, int ctas_per_sm) {
+  return HostVariant{name, walk_kernel<16, U, 256, MB, StreamingHints<16>>, 256, ctas_per_sm, 16};
+}
+
+int64_t walk_grid(const Probe& probe, const HostVariant& v, int64_t items) {
+  const int64_t full = (items + v.threads - 1) / v.threads;
+  return std::max<int64_t>(1, std::min<int64_t>(int64_t(probe.sms) * v.ctas_per_sm, full));
+}
+
+void run_host(Probe& probe) {
+  static_assert(kHostUnroll == 16, "the variants' names below say the library's loads in flight");
+  const std::vector<HostVariant> variants = {
+      host_walk<kHostUnroll, 1>("walk u16, 1 CTA/SM (library)", 1),
+      host_walk<kHostUnroll, 1>("walk u16, 2 CTAs/SM", 2),
+      host_walk<kHostUnroll, 1>("walk u16, 4 CTAs/SM", 4),
+      host_walk<8, 1>("walk u8, 2 CTAs/SM", 2),
+      host_walk<8, 1>("walk u8, 4 CTAs/SM", 4),
+      host_walk<kDeviceUnroll, 3>("walk u4, 3 CTAs/SM (device's)", 3),
+      HostVariant{"row per CTA, 16 B, <=128 threads", row_per_cta_kernel<16>, 128, 0, 16},
+      HostVariant{"row per CTA, 8 B, <=128 threads", row_per_cta_kernel<8>, 128, 0, 8},
+  };
+  const Shape shapes[] = {kH1, kH8, kMLA};
+  std::printf("\n== host: device cache <-> pinned host chunk, default grids\n");
+  std::printf("%-14s %6s  %-34s %9s %17s %4s %7s %s\n", "shape", "T", "variant", "us", "p10-p90", "regs", "grid",
+              "GB/s (% of pinned copy_)");
+  for (const Shape& sh : shapes) {
+    for (const int T : {256, 4096}) {
+      Tensors x(probe, sh, T, true);
+      const int64_t bytes = x.chunk_seg_bytes * x.segs;
+      char* staging;  // the peers' device buffer: the chunk's rows, then one copy_ across
+      CHECK(cudaMalloc(&staging, bytes));
+      for (const bool to_host : {true, false}) {
+        double cmed, c10, c90;
+        probe.time([&] { CHECK(cudaMemcpyAsync(to_host ? x.chunk : staging, to_host ? staging : x.chunk, bytes,
+                                               to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice)); },
+                   cmed, c10, c90);
+        const double ceiling = bytes / cmed / 1e3;
+        std::printf("%-14s %6d  %-34s %9.2f %8.2f-%-8.2f      %7s %.1f GB/s\n", sh.name, T,
+                    to_host ? "pinned copy_ to host" : "pinned copy_ from host", cmed, c10, c90, "", ceiling);
+        char* out = to_host ? x.chunk : x.cache;
+        const int64_t out_bytes = to_host ? bytes : x.seg_bytes * x.segs;
+        char *ref, *pristine = nullptr;
+        if (to_host) {
+          CHECK(cudaMallocHost(&ref, out_bytes));
+        } else {
+          CHECK(cudaMalloc(&ref, out_bytes));
+          CHECK(cudaMalloc(&pristine, out_bytes));
+          CHECK(cudaMemcpy(pristine, out, out_bytes, cudaMemcpyDeviceToDevice));
+        }
+        const auto restore = [&] {
+          if (to_host)
+            std::memset(out, 0, out_bytes);
+          else
+            CHECK(cudaMemcpy(out, pristine, out_bytes, cudaMemcpyDeviceToDevice));
+        };
+        bool first = true;
+        const auto report = [&](const std::string& name, double med, double p10, double p90, int regs,
+                                long long grid) {
+          CHECK(cudaDeviceSynchronize());
+          if (first) CHECK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDefault));
+          const bool ok = first || probe.differing(ref, out, out_bytes) == 0;
+          first = false;
+          char extra[64];
+          std::snprintf(extra, sizeof extra, "%.1f GB/s (%.1f %%)", bytes / med / 1e3,
+                        100.0 * bytes / med / 1e3 / ceiling);
+          print_row(sh.name, T, std::string(to_host ? "to host, " : "from host, ") + name, med, p10, p90, regs,
+                    grid, extra, ok);
+        };
+        for (const HostVariant& v : variants) {
+          const Params p = x.params(probe, sh, T, to_host, v.vec);
+          cudaFuncAttributes attr{};
+          CHECK(cudaFuncGetAttributes(&attr, v.kernel));
+          const int threads = v.ctas_per_sm ? v.threads : int(std::min<int64_t>(p.a.vecs_per_row, v.threads));
+          const dim3 grid = v.ctas_per_sm
+                                ? dim3(unsigned(walk_grid(probe, v, int64_t(T) * x.segs * p.a.vecs_per_row)))
+                                : dim3(unsigned(T), unsigned(x.segs));
+          restore();
+          double med, p10, p90;
+          probe.time([&] { v.kernel<<<grid, threads>>>(p); }, med, p10, p90);
+          report(v.name, med, p10, p90, attr.numRegs, (long long)(grid.x) * grid.y);
+        }
+        // the peers' staging: the rows to or from a device buffer by one row per CTA, and one pinned copy_
+        Params staged = x.params(probe, sh, T, to_host, 16);
+        for (int s = 0; s < x.segs; ++s) {
+          char* rows = staging + s * x.chunk_seg_bytes;
+          if (to_host)
+            staged.dst_base[s] = rows;
+          else
+            staged.src_base[s] = rows;
+        }
+        const int threads = int(std::min<int64_t>(staged.a.vecs_per_row, 128));
+        const dim3 grid(unsigned(T), unsigned(x.segs));
+        restore();
+        double med, p10, p90;
+        probe.time(
+            [&] {
+              if (!to_host) CHECK(cudaMemcpyAsync(staging, x.chunk, bytes, cudaMemcpyHostToDevice));
+              row_per_cta_kernel<16><<<grid, threads>>>(staged);
+              if (to_host) CHECK(cudaMemcpyAsync(x.chunk, staging, bytes, cudaMemcpyDeviceToHost));
+            },
+            med, p10, p90);
+        report("staging: rows per CTA + one copy_", med, p10, p90, 0, (long long)(grid.x) * grid.y);
+        if (to_host) {
+          CHECK(cudaFreeHost(ref));
+        } else {
+          CHECK(cudaFree(ref));
+          CHECK(cudaFree(pristine));
+        }
+      }
+      CHECK(cudaFree(staging));
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "all";
-  if (what != "device" && what != "budget" && what != "all") {
-    std::fprintf(stderr, "usage: walk_grid_probe [device|budget|all] [reps]\n");
+  if (what != "device" && what != "budget" && what != "host" && what != "all") {
+    std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|all] [reps]\n");
     return 2;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row out as it is timed (a run cut short keeps them)
   Probe probe(argc > 2 ? std::atoi(argv[2]) : 50);
   std::printf("%s, %d SMs, L2 %d MiB, %d reps\n", probe.prop.name, probe.sms, probe.prop.l2CacheSize >> 20,
               probe.reps);
-  if (what != "budget") run_device(probe);
-  if (what != "device") run_budget(probe);
+  if (what == "device" || what == "all") run_device(probe);
+  if (what == "budget" || what == "all") run_budget(probe);
+  if (what == "host" || what == "all") run_host(probe);
   return 0;
 }
