@@ -264,10 +264,10 @@ class Arena:
     it allocates at start, and every run of the same cases places them alike
     (with tensors from torch's caching allocator, a 4 MiB gather at T = 256,
     about 9 µs, ran 0.9 µs faster or slower between runs whose earlier cases
-    differed: placement is the likely cause). When a case needs more than the arena holds it grows (at least
-    doubling), so a run allocates a few times, not once per case; tensors
-    handed out before a growth keep the old buffer alive until they are
-    dropped.
+    differed: placement is the likely cause). :meth:`reset` first replaces a
+    buffer too small for the case (at least doubling), so a run allocates a
+    few times, not once per case; tensors handed out before keep the old
+    buffer alive until they are dropped.
     """
 
     def __init__(self, device: torch.device, align: int, pin: bool = False):
