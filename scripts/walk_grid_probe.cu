@@ -442,6 +442,77 @@ void run_device(Probe& probe) {
   }
 }
 
+// One direction of the host transfers of a shape: the pinned copy_ of the
+// chunk's bytes timed alike (the ceiling, printed first), every variant
+// started from the same output (a zeroed chunk, or the cache as filled) and
+// compared with the first variant's, each printed with its GB/s.
+struct HostDirection {
+  Probe& probe;
+  const Tensors& x;
+  const Shape& sh;
+  int T;
+  bool to_host;
+  int64_t bytes, out_bytes;
+  char* out;
+  char* ref = nullptr;
+  char* pristine = nullptr;
+  double ceiling = 0;
+  bool first = true;
+
+  HostDirection(Probe& probe_, const Tensors& x_, const Shape& sh_, int T_, bool to_host_)
+      : probe(probe_), x(x_), sh(sh_), T(T_), to_host(to_host_), bytes(x_.chunk_seg_bytes * x_.segs),
+        out_bytes(to_host_ ? bytes : x_.seg_bytes * x_.segs), out(to_host_ ? x_.chunk : x_.cache) {
+    char* dev;
+    CHECK(cudaMalloc(&dev, bytes));
+    double med, p10, p90;
+    probe.time([&] { CHECK(cudaMemcpyAsync(to_host ? x.chunk : dev, to_host ? dev : x.chunk, bytes,
+                                           to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice)); },
+               med, p10, p90);
+    CHECK(cudaFree(dev));
+    ceiling = bytes / med / 1e3;
+    std::printf("%-14s %6d  %-34s %9.2f %8.2f-%-8.2f      %7s %.1f GB/s\n", sh.name, T,
+                to_host ? "pinned copy_ to host" : "pinned copy_ from host", med, p10, p90, "", ceiling);
+    if (to_host) {
+      CHECK(cudaMallocHost(&ref, out_bytes));
+    } else {
+      CHECK(cudaMalloc(&ref, out_bytes));
+      CHECK(cudaMalloc(&pristine, out_bytes));
+      CHECK(cudaMemcpy(pristine, out, out_bytes, cudaMemcpyDeviceToDevice));
+    }
+  }
+  ~HostDirection() {
+    if (to_host) {
+      cudaFreeHost(ref);
+    } else {
+      cudaFree(ref);
+      cudaFree(pristine);
+    }
+  }
+
+  void restore() {
+    if (to_host)
+      std::memset(out, 0, out_bytes);
+    else
+      CHECK(cudaMemcpy(out, pristine, out_bytes, cudaMemcpyDeviceToDevice));
+  }
+
+  // times `launch` from a restored output and prints its row
+  template <class Launch>
+  void run(const std::string& name, int regs, long long grid, Launch&& launch) {
+    restore();
+    double med, p10, p90;
+    probe.time(launch, med, p10, p90);
+    CHECK(cudaDeviceSynchronize());
+    if (first) CHECK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDefault));
+    const bool ok = first || probe.differing(ref, out, out_bytes) == 0;
+    first = false;
+    char extra[64];
+    std::snprintf(extra, sizeof extra, "%.1f GB/s (%.1f %%)", bytes / med / 1e3, 100.0 * bytes / med / 1e3 / ceiling);
+    print_row(sh.name, T, std::string(to_host ? "to host, " : "from host, ") + name, med, p10, p90, regs, grid,
+              extra, ok);
+  }
+};
+
 // ---------------------------------------------------------------------------
 // budget: device cache <-> pinned host chunk on N SMs
 
@@ -490,61 +561,15 @@ void run_budget(Probe& probe) {
               "GB/s (% of pinned copy_)");
   for (const Shape& sh : shapes) {
     Tensors x(probe, sh, T, true);
-    const int64_t bytes = x.chunk_seg_bytes * x.segs;
     for (const bool to_host : {true, false}) {
-      // the pinned ceiling: one copy of the chunk's bytes across, timed alike
-      char* dev;
-      CHECK(cudaMalloc(&dev, bytes));
-      double cmed, c10, c90;
-      probe.time([&] { CHECK(cudaMemcpyAsync(to_host ? x.chunk : dev, to_host ? dev : x.chunk, bytes,
-                                             to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice)); },
-                 cmed, c10, c90);
-      CHECK(cudaFree(dev));
-      const double ceiling = bytes / cmed / 1e3;
-      std::printf("%-14s %6d  %-34s %9.2f %8.2f-%-8.2f      %7s %.1f GB/s\n", sh.name, T,
-                  to_host ? "pinned copy_ to host" : "pinned copy_ from host", cmed, c10, c90, "", ceiling);
-      char* out = to_host ? x.chunk : x.cache;
-      const int64_t out_bytes = to_host ? bytes : x.seg_bytes * x.segs;
-      // every variant starts from the same output: a zeroed chunk, or the cache as filled
-      char *ref, *pristine = nullptr;
-      if (to_host) {
-        CHECK(cudaMallocHost(&ref, out_bytes));
-      } else {
-        CHECK(cudaMalloc(&ref, out_bytes));
-        CHECK(cudaMalloc(&pristine, out_bytes));
-        CHECK(cudaMemcpy(pristine, out, out_bytes, cudaMemcpyDeviceToDevice));
-      }
-      const auto restore = [&] {
-        if (to_host)
-          std::memset(out, 0, out_bytes);
-        else
-          CHECK(cudaMemcpy(out, pristine, out_bytes, cudaMemcpyDeviceToDevice));
-      };
-      bool first = true;
+      HostDirection d(probe, x, sh, T, to_host);
       for (const BudgetVariant& v : variants) {
         Params p = x.params(probe, sh, T, to_host, v.vec);
         p.a.cache_hints = v.hints;
         cudaFuncAttributes attr{};
         CHECK(cudaFuncGetAttributes(&attr, v.kernel));
-        for (const int n : {1, 2, 4}) {
-          restore();
-          double med, p10, p90;
-          probe.time([&] { v.kernel<<<unsigned(n), 1024, v.dynamic_smem>>>(p); }, med, p10, p90);
-          CHECK(cudaDeviceSynchronize());
-          if (first) CHECK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDefault));
-          const bool ok = first || probe.differing(ref, out, out_bytes) == 0;
-          first = false;
-          char extra[64];
-          std::snprintf(extra, sizeof extra, "%.1f GB/s (%.1f %%)", bytes / med / 1e3, 100.0 * bytes / med / 1e3 / ceiling);
-          print_row(sh.name, T, std::string(to_host ? "to host, " : "from host, ") + v.name, med, p10, p90,
-                    attr.numRegs, n, extra, ok);
-        }
-      }
-      if (to_host) {
-        CHECK(cudaFreeHost(ref));
-      } else {
-        CHECK(cudaFree(ref));
-        CHECK(cudaFree(pristine));
+        for (const int n : {1, 2, 4})
+          d.run(v.name, attr.numRegs, n, [&] { v.kernel<<<unsigned(n), 1024, v.dynamic_smem>>>(p); });
       }
     }
   }
@@ -594,42 +619,7 @@ void run_host(Probe& probe) {
       char* staging;  // the peers' device buffer: the chunk's rows, then one copy_ across
       CHECK(cudaMalloc(&staging, bytes));
       for (const bool to_host : {true, false}) {
-        double cmed, c10, c90;
-        probe.time([&] { CHECK(cudaMemcpyAsync(to_host ? x.chunk : staging, to_host ? staging : x.chunk, bytes,
-                                               to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice)); },
-                   cmed, c10, c90);
-        const double ceiling = bytes / cmed / 1e3;
-        std::printf("%-14s %6d  %-34s %9.2f %8.2f-%-8.2f      %7s %.1f GB/s\n", sh.name, T,
-                    to_host ? "pinned copy_ to host" : "pinned copy_ from host", cmed, c10, c90, "", ceiling);
-        char* out = to_host ? x.chunk : x.cache;
-        const int64_t out_bytes = to_host ? bytes : x.seg_bytes * x.segs;
-        char *ref, *pristine = nullptr;
-        if (to_host) {
-          CHECK(cudaMallocHost(&ref, out_bytes));
-        } else {
-          CHECK(cudaMalloc(&ref, out_bytes));
-          CHECK(cudaMalloc(&pristine, out_bytes));
-          CHECK(cudaMemcpy(pristine, out, out_bytes, cudaMemcpyDeviceToDevice));
-        }
-        const auto restore = [&] {
-          if (to_host)
-            std::memset(out, 0, out_bytes);
-          else
-            CHECK(cudaMemcpy(out, pristine, out_bytes, cudaMemcpyDeviceToDevice));
-        };
-        bool first = true;
-        const auto report = [&](const std::string& name, double med, double p10, double p90, int regs,
-                                long long grid) {
-          CHECK(cudaDeviceSynchronize());
-          if (first) CHECK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDefault));
-          const bool ok = first || probe.differing(ref, out, out_bytes) == 0;
-          first = false;
-          char extra[64];
-          std::snprintf(extra, sizeof extra, "%.1f GB/s (%.1f %%)", bytes / med / 1e3,
-                        100.0 * bytes / med / 1e3 / ceiling);
-          print_row(sh.name, T, std::string(to_host ? "to host, " : "from host, ") + name, med, p10, p90, regs,
-                    grid, extra, ok);
-        };
+        HostDirection d(probe, x, sh, T, to_host);
         for (const HostVariant& v : variants) {
           const Params p = x.params(probe, sh, T, to_host, v.vec);
           cudaFuncAttributes attr{};
@@ -638,10 +628,7 @@ void run_host(Probe& probe) {
           const dim3 grid = v.ctas_per_sm
                                 ? dim3(unsigned(walk_grid(probe, v, int64_t(T) * x.segs * p.a.vecs_per_row)))
                                 : dim3(unsigned(T), unsigned(x.segs));
-          restore();
-          double med, p10, p90;
-          probe.time([&] { v.kernel<<<grid, threads>>>(p); }, med, p10, p90);
-          report(v.name, med, p10, p90, attr.numRegs, (long long)(grid.x) * grid.y);
+          d.run(v.name, attr.numRegs, (long long)(grid.x) * grid.y, [&] { v.kernel<<<grid, threads>>>(p); });
         }
         // the peers' staging: the rows to or from a device buffer by one row per CTA, and one pinned copy_
         Params staged = x.params(probe, sh, T, to_host, 16);
@@ -654,22 +641,11 @@ void run_host(Probe& probe) {
         }
         const int threads = int(std::min<int64_t>(staged.a.vecs_per_row, 128));
         const dim3 grid(unsigned(T), unsigned(x.segs));
-        restore();
-        double med, p10, p90;
-        probe.time(
-            [&] {
-              if (!to_host) CHECK(cudaMemcpyAsync(staging, x.chunk, bytes, cudaMemcpyHostToDevice));
-              row_per_cta_kernel<16><<<grid, threads>>>(staged);
-              if (to_host) CHECK(cudaMemcpyAsync(x.chunk, staging, bytes, cudaMemcpyDeviceToHost));
-            },
-            med, p10, p90);
-        report("staging: rows per CTA + one copy_", med, p10, p90, 0, (long long)(grid.x) * grid.y);
-        if (to_host) {
-          CHECK(cudaFreeHost(ref));
-        } else {
-          CHECK(cudaFree(ref));
-          CHECK(cudaFree(pristine));
-        }
+        d.run("staging: rows per CTA + one copy_", 0, (long long)(grid.x) * grid.y, [&] {
+          if (!to_host) CHECK(cudaMemcpyAsync(staging, x.chunk, d.bytes, cudaMemcpyHostToDevice));
+          row_per_cta_kernel<16><<<grid, threads>>>(staged);
+          if (to_host) CHECK(cudaMemcpyAsync(x.chunk, staging, d.bytes, cudaMemcpyDeviceToHost));
+        });
       }
       CHECK(cudaFree(staging));
     }
