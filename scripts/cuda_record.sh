@@ -20,7 +20,8 @@
 #                counters of the cases that miss their targets)     -> ncu.txt, ncu.tgz (<gpu>_ncu.{json,md})
 #   host-profile scripts/host_profile.py on the staged rows over 50 us of host
 #                time per call in this OUTDIR's bench record (else
-#                bench/results/h200.jsonl)                          -> host_profile.txt
+#                bench/results/h200.jsonl; HOST_PROFILE_CALL: only rows of that call, e.g. transfer, the rows
+#                replayed from their graphs)                        -> host_profile.txt
 #   host-path    scripts/host_path.py: an all-layer call's host time by part (Python,
 #                the C++ checks, the launch), warm and with the device idle -> host_path.txt
 #   binding-cost scripts/binding_cost.py: calls with tensors bound at every call (ops, LMCache and
@@ -111,7 +112,7 @@ for step in "${steps[@]}"; do
                       record=$(ls "$recorded"/*.jsonl 2>/dev/null | head -1)
                       record=${record:-bench/results/h200.jsonl}
                       run_step host-profile host_profile.txt $py scripts/host_profile.py \
-                          --record "$record" --over 50 --rows 6 --calls 30
+                          --record "$record" --over 50 --rows 6 --calls 30 ${HOST_PROFILE_CALL:+--call "$HOST_PROFILE_CALL"}
                       rm -rf "$recorded" ;;
         host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
         binding-cost) run_step binding-cost binding_cost.txt $py scripts/binding_cost.py --device cuda ;;

@@ -2,6 +2,7 @@
 
     python scripts/host_profile.py "L32_H8_D128 T=4096 ps=16 ... staged" [KEY ...] [--calls 50] [--device cuda]
     python scripts/host_profile.py --record bench/results/h200.jsonl [--over 50] [--group staged] [--rows 8]
+        [--call transfer]
 
 Builds each case as ``kvlayout bench`` does, runs its call a few times first (a staged call of a repeated
 shape is captured on its second call and replayed after), then:
@@ -12,8 +13,8 @@ shape is captured on its second call and replayed after), then:
   or ``cudaMemcpyAsync``, and torch operators), how often it ran per call and its host µs per call (self
   time), largest first.
 
-``--record``: the rows of a bench record (of ``--group``) whose host time per call was over ``--over`` µs,
-slowest first, at most ``--rows`` of them.
+``--record``: the rows of a bench record (of ``--group``, and of ``--call`` where given) whose host time per
+call was over ``--over`` µs, slowest first, at most ``--rows`` of them.
 
 A diagnostic, not a measurement of record: the profiler adds its own cost to every event it sees.
 """
@@ -29,13 +30,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def keys_over(record: str, group: str, over_us: float, rows: int) -> list[str]:
-    """The keys of ``record``'s rows of ``group`` whose host time per call was over ``over_us``, slowest first."""
+def keys_over(record: str, group: str, over_us: float, rows: int, call: str | None = None) -> list[str]:
+    """The keys of ``record``'s rows of ``group`` (and of ``call``, where given: ``transfer`` for the staged
+    rows replayed from their graphs, ``direct`` for those issued directly, ...) whose host time per call was
+    over ``over_us``, slowest first."""
     found = []
     with open(record) as f:
         for line in f:
             r = json.loads(line)
-            if r.get("kind") == "case" and r.get("group") == group and r.get("host_us_per_call", 0) > over_us:
+            if r.get("kind") == "case" and r.get("group") == group and r.get("host_us_per_call", 0) > over_us \
+                    and call in (None, r.get("call")):
                 found.append((r["host_us_per_call"], r["key"]))
     return [key for _, key in sorted(found, reverse=True)[:rows]]
 
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--over", type=float, default=50.0, help="with --record: host µs per call above which")
     parser.add_argument("--group", default="staged", help="with --record: the bench group")
     parser.add_argument("--rows", type=int, default=8, help="with --record: at most this many rows")
+    parser.add_argument("--call", help="with --record: only rows of this call (transfer: staged rows replayed)")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=20, help="events listed")
@@ -92,7 +97,8 @@ def main() -> None:
     from kvlayout.bench import cases as C
 
     device = torch.device(args.device)
-    keys = list(args.keys) + (keys_over(args.record, args.group, args.over, args.rows) if args.record else [])
+    keys = list(args.keys) + (keys_over(args.record, args.group, args.over, args.rows, args.call)
+                                   if args.record else [])
     if not keys:
         raise SystemExit("no rows to profile: give keys, or --record with rows over --over µs")
     try:

@@ -641,18 +641,21 @@ def test_host_path_script_splits_an_all_layer_call_into_its_parts():
 
 
 def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
-    """scripts/host_profile.py --record: the rows of the group whose host time per call was over the bound,
-    slowest first, at most --rows of them; nothing else (other groups, rows at the bound, the header)."""
+    """scripts/host_profile.py --record: the rows of the group (and of --call, where given) whose host time per
+    call was over the bound, slowest first, at most --rows of them; nothing else (other groups, other calls, rows
+    at the bound, the header)."""
     host_profile = _script("host_profile")
-    rows = [{"kind": "run"}, {"kind": "case", "group": "staged", "key": "a", "host_us_per_call": 60.0},
-            {"kind": "case", "group": "staged", "key": "b", "host_us_per_call": 50.0},
-            {"kind": "case", "group": "staged", "key": "c", "host_us_per_call": 700.0},
-            {"kind": "case", "group": "headline", "key": "d", "host_us_per_call": 900.0},
-            {"kind": "case", "group": "staged", "key": "e", "host_us_per_call": 80.0}]
+    rows = [{"kind": "run"}, {"kind": "case", "group": "staged", "key": "a", "host_us_per_call": 60.0,
+                              "call": "transfer"},
+            {"kind": "case", "group": "staged", "key": "b", "host_us_per_call": 50.0, "call": "transfer"},
+            {"kind": "case", "group": "staged", "key": "c", "host_us_per_call": 700.0, "call": "direct"},
+            {"kind": "case", "group": "headline", "key": "d", "host_us_per_call": 900.0, "call": "transfer"},
+            {"kind": "case", "group": "staged", "key": "e", "host_us_per_call": 80.0, "call": "transfer"}]
     record = tmp_path / "r.jsonl"
     record.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert host_profile.keys_over(str(record), "staged", 50.0, 8) == ["c", "e", "a"]
     assert host_profile.keys_over(str(record), "staged", 50.0, 2) == ["c", "e"]
+    assert host_profile.keys_over(str(record), "staged", 50.0, 8, call="transfer") == ["e", "a"]   # replayed only
 
 
 def test_copy_engine_rows_time_their_run_list_apart_from_the_call():
