@@ -18,7 +18,9 @@ slower row and a summary; exits 1 when a row is slower.
 compares instead, row by row, the median of the N old runs with the median of
 the new runs: a row counts as slower when the new median is below the old one
 by more than the tolerance (a row whose rounds split between two speeds is
-judged by where most of them fall).
+judged by where most of them fall); each such line says whether every new run
+lies below every old one, the new median below every old run, or the new
+median within the old runs' spread (where a noisy row's median moves).
 """
 
 from __future__ import annotations
@@ -94,8 +96,17 @@ def compare_medians(olds: list[dict], news: list[dict], tolerance: float,
                 lines.append(f"{key} [{timing}]: median {before * scale:.1f}{unit} before "
                              f"({' '.join(f'{b * scale:.1f}' for b in befores)}), "
                              f"{after * scale:.1f} now ({' '.join(f'{a * scale:.1f}' for a in afters)}) "
-                             f"({after / before:.2f}x)")
+                             f"({after / before:.2f}x; {_against_spread(befores, afters)})")
     return lines, compared
+
+
+def _against_spread(befores: list[float], afters: list[float]) -> str:
+    """Where a slower row's new runs lie against the old runs' spread (a noisy row's median moves within it)."""
+    if max(afters) < min(befores):
+        return "every new run below every old run"
+    if statistics.median(afters) < min(befores):
+        return "the new median below every old run"
+    return "the new median within the old runs' spread"
 
 
 def main(argv=None) -> int:

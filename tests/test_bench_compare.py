@@ -57,7 +57,7 @@ def test_medians_judge_a_row_by_where_most_of_its_rounds_fall(tmp_path, capsys):
     assert compare.main(["--same-machine", "--medians", "3", *olds, *news]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("split [end to end]: median 50.0 GB/s before (50.0 50.0 50.0), 45.0 now (50.0 45.0 45.0) "
-                      "(0.90x)")
+                      "(0.90x; the new median below every old run)")
     assert len(out) == 2 and out[-1].startswith("2 rows in every run; 1 figure(s) slower by more than 3% in the "
                                                 "median of 3 new run(s) than in the median of 3 old run(s)")
 
@@ -67,3 +67,18 @@ def test_medians_need_a_new_run_after_the_old_ones(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         compare.main(["--medians", "2", *runs])
     assert exit_.value.code == 2 and "needs at least one new run" in capsys.readouterr().err
+
+
+def test_a_slower_median_says_where_the_new_runs_lie_against_the_old_runs_spread(tmp_path, capsys):
+    """Below the old median by more than the tolerance: every new run below every old one (a real step), or
+    only the new median below every old run, or the new median within the old runs' spread (a noisy row)."""
+    olds = [_record(tmp_path / f"old{i}.jsonl", 100, [("step", 50, 60), ("noisy", g, 60)])
+            for i, g in enumerate((40, 60, 80))]
+    news = [_record(tmp_path / f"new{i}.jsonl", 100, [("step", g, 60), ("noisy", n, 60)])
+            for i, (g, n) in enumerate(((45, 45), (44, 50), (46, 70)))]
+    assert compare.main(["--same-machine", "--medians", "3", *olds, *news]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("(0.90x; every new run below every old run)")
+    assert out[1].startswith("noisy [end to end]: median 60.0 GB/s before (40.0 60.0 80.0), 50.0 now")
+    assert out[1].endswith("(0.83x; the new median within the old runs' spread)")
+    assert len(out) == 3
