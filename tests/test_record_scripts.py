@@ -75,8 +75,13 @@ def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_
     assert record(out, stand_in, "bench", "host-profile").returncode == 0
     assert members(out / "bench.tgz") == {"bench.jsonl", "bench.md", "extra.md"}
     log = (out / "host_profile.txt").read_text()
-    # the profile ran on the record unpacked from bench.tgz, not on the committed one
+    # the profile ran on the record unpacked from bench.tgz, not on the committed one, of every call
     assert "--record" in log and "bench.jsonl" in log and "bench/results/h200.jsonl" not in log
+    assert "--call" not in log
+    env = dict(os.environ, PYTHON=str(stand_in), HOST_PROFILE_CALL="transfer")   # only the replayed rows
+    subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "host-profile"], env=env,
+                   check=True, capture_output=True, timeout=60)
+    assert "--call transfer" in (out / "host_profile.txt").read_text()
     assert record(out, stand_in, "host-path", "binding-cost").returncode == 0
     assert "ran scripts/host_path.py --device cuda" in (out / "host_path.txt").read_text()
     assert "ran scripts/binding_cost.py --device cuda" in (out / "binding_cost.txt").read_text()
