@@ -77,7 +77,7 @@ def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_
     log = (out / "host_profile.txt").read_text()
     # the profile ran on the record unpacked from bench.tgz, not on the committed one, of every call
     assert "--record" in log and "bench.jsonl" in log and "bench/results/h200.jsonl" not in log
-    assert "--call" not in log
+    assert "--call " not in log                                   # (--calls is the call count)
     env = dict(os.environ, PYTHON=str(stand_in), HOST_PROFILE_CALL="transfer")   # only the replayed rows
     subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "host-profile"], env=env,
                    check=True, capture_output=True, timeout=60)
