@@ -112,18 +112,12 @@ __global__ void __launch_bounds__(1024, 1) two_walk_kernel(const __grid_constant
 
 // One (token, segment) row per CTA, VEC-byte words strided by the CTA's
 // threads (the peers' shape: LMCache's kernel takes 8-byte words and
-// min(words per row, 128) threads).
+// min(words per row, 128) threads): the library's copy_one_row, as its
+// copy_row_per_cta_kernel runs it.
 template <int VEC>
 __global__ void __launch_bounds__(128) row_per_cta_kernel(const __grid_constant__ Params p) {
-  using Mem = StreamingHints<VEC>;
-  using V = typename Mem::vec_type;
-  const int64_t t = blockIdx.x, seg = blockIdx.y;
-  const int64_t s = p.a.src_slots.load(t), d = p.a.dst_slots.load(t);
-  if (s < 0 || d < 0) return;
-  const char* src = p.src_base[seg] + row_offset(p.a.src_geom, p.a.src_by_page, s);
-  char* dst = p.dst_base[seg] + row_offset(p.a.dst_geom, p.a.dst_by_page, d);
-  for (int64_t v = threadIdx.x; v < p.a.vecs_per_row; v += blockDim.x)
-    Mem::store(reinterpret_cast<V*>(dst) + v, Mem::load(reinterpret_cast<const V*>(src) + v));
+  copy_one_row<VEC, StreamingHints<VEC>>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], blockIdx.x,
+                                         blockIdx.y, threadIdx.x, blockDim.x, NoRecord{});
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* global) {
