@@ -142,5 +142,6 @@ def main(argv=None) -> int:
         print(line)
     return 1 if lines else 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
