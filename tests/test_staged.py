@@ -402,11 +402,13 @@ def test_engine_choice_is_explained_and_refused_with_a_reason():
         ops.transfer(src, dst, slots[:0], engine=engine)
 
 
-def test_auto_stages_only_where_the_record_shows_staging_no_slower():
-    """engine="auto"'s rule against the H200 record: for every staged row beside the kernel row of the same
-    transfer, where the rule stages, staging was at least as fast in both timings (and it stages some)."""
+@pytest.mark.parametrize("record", ["h200.jsonl", "h100.jsonl"])
+def test_auto_stages_only_where_the_record_shows_staging_no_slower(record):
+    """engine="auto"'s rule against each GPU record it is drawn from: for every staged row beside the kernel row
+    of the same transfer, where the rule stages, staging was at least as fast in both timings (and it stages
+    some)."""
     from kvlayout.bench.run import read_jsonl
-    _, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / "h200.jsonl"))
+    _, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / record))
     by_key = {r["key"]: r for r in rows}
     picked = []
     for r in rows:
@@ -436,6 +438,13 @@ def test_auto_says_why_it_keeps_the_kernel():
     assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=limit["from_host"]), 0) is None
     assert "bytes from host: below" in staged_mod.auto_declines(
         dataclasses.replace(from_host, payload_bytes=limit["from_host"] - 1), 0)
+    # loads: staged from a smaller payload without a budget than under one
+    budgeted = staged_mod.AUTO_MIN_BYTES_UNDER_BUDGET
+    assert limit["from_host"] < budgeted
+    between = dataclasses.replace(from_host, payload_bytes=budgeted - 1)
+    assert staged_mod.auto_declines(between, 0) is None
+    assert f"under max_ctas = 4: below {budgeted}" in staged_mod.auto_declines(between, 4)
+    assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=budgeted), 4) is None
 
 
 def test_default_engine_is_auto_and_repeated_calls_stay_on_the_direct_path(monkeypatch):
@@ -574,6 +583,7 @@ def test_auto_stages_budgeted_loads_from_the_host_only(cuda_device, monkeypatch)
     kernel above it and to the host; each leaves the kernel's bytes."""
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "from_host", 0)
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    monkeypatch.setattr(staged_mod, "AUTO_MIN_BYTES_UNDER_BUDGET", 0)
     T = 32
     slots = _slots_with_holes(T, cuda_device)
     chunk = _chunk(T, pin=True)
