@@ -89,9 +89,12 @@ class Case:
     #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes)
     #                         or "device-launch" (replayed, with ops.set_staged_graph_launch("device"): the
     #                         kept graph the body of a conditional node, one node for the host's launch);
-    #                         host_hints: "default-hints" (ops.set_host_cache_hints("default")); host_cost:
-    #                         "bind-per-call" (both caches bound anew at each call) or "gather" (ops.gather
-    #                         into a view of the buffer made at each call)
+    #                         or "bind-per-call" (both caches bound anew at each call, as an adapter that
+    #                         binds a fresh host chunk per call does: the staged engine plans every call;
+    #                         with engine "kernel" too, its twin); host_hints: "default-hints"
+    #                         (ops.set_host_cache_hints("default")); host_cost: "bind-per-call" (as in the
+    #                         staged group, nothing moved) or "gather" (ops.gather into a view of the buffer
+    #                         made at each call)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
 
     @property
@@ -207,6 +210,14 @@ def plan_cases(quick: bool) -> list[Case]:
             for ctas in (0, 4):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged",
                                   call="slot-chunks"))
+    # loads of 32-80 MiB, which the staged engine moves faster than the kernel when one pair of caches repeats,
+    # between caches bound anew at each call: the staged engine then plans every call; beside the kernel
+    # doing the same (whether auto's load threshold can come down to 32 MiB)
+    if not quick:
+        for (name, T), engine in itertools.product((("L32_H8_D128", 256), ("L32_H1_D128", 4096),
+                                                    ("L80_H8_D128", 256)), ("staged", "kernel")):
+            dev, buf = _default_layouts(SHAPES[name])
+            cases.append(Case("staged", name, dev, buf, T, 16, "from_host", engine=engine, call="bind-per-call"))
     return cases + host_cost_cases("to_host")
 
 
@@ -441,20 +452,28 @@ def _layer_choices(case: Case, data: dict) -> list[dict]:
              "dst_layers": [0 if cache_is_src and chunk else layer]} for layer in range(L)]
 
 
+def _bound_anew(src: KVCache, dst: KVCache) -> tuple[KVCache, KVCache]:
+    """Both caches bound anew to their tensors, as an engine's adapter binds its tensors at every call."""
+    return ops.bind(src.layout, src.value), ops.bind(dst.layout, dst.value)
+
+
 def kvlayout_fn(case: Case, data: dict):
     """The measured kvlayout call(s)."""
     src, ss, dst, ds = endpoints(case, data)
     if not case.layerwise:
         if case.group != "host_cost":
+            if case.call == "bind-per-call":
+                return lambda: ops.transfer(*_bound_anew(src, dst), ss, ds, max_ctas=case.max_ctas,
+                                            engine=case.engine)
             if case.call in SETTING_CALLS:
                 return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
                                                                 engine=case.engine))
             return lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
 
         if case.call == "bind-per-call":
-            def rebinding():   # both caches bound anew at each call, as an engine's adapter binds its tensors
+            def rebinding():
                 for _ in range(case.calls):
-                    ops.transfer(ops.bind(src.layout, src.value), ops.bind(dst.layout, dst.value), ss, ds)
+                    ops.transfer(*_bound_anew(src, dst), ss, ds)
             return rebinding
         if case.call == "gather":
             g = src.geometry

@@ -149,8 +149,9 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
     if host and same_size is not None:
         row["same_size_gbps"] = same_size.gbps(case.direction, nbytes)
         row["pct_of_same_size"] = 100 * row["gbps"] / row["same_size_gbps"]
-    if case.max_ctas == 0 and case.engine == "kernel" and not case.empty and case.group != "host_hints":
-        row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))   # (host_hints: its twin's)
+    if case.max_ctas == 0 and case.engine == "kernel" and not case.empty and case.group not in ("host_hints",
+                                                                                                 "staged"):
+        row.update(time_baseline(case, data, baseline_timer, nbytes, ours.median))   # (those: their twins')
     if host and nbytes <= OWN_HOST_COPY_MAX:
         # last: a copy to the host overwrites the case's host bytes
         row["own_host_copy_gbps"] = own_host_copy_gbps(case, data, timer, nbytes)

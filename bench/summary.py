@@ -106,8 +106,12 @@ def staged(rows: list[dict]) -> str:
     for r in rows:
         if r["group"] != "staged":
             continue
-        kernel = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
-                       direction=r["direction"], max_ctas=r["max_ctas"])
+        if r.get("engine", "staged") != "staged":
+            continue   # (a kernel row of the staged group: the twin of a staged one, below)
+        twin = {"group": "staged", "engine": "kernel", "call": r["call"]} if r.get("call") == "bind-per-call" else \
+            {"group": "ctas" if r["max_ctas"] else "headline"}
+        kernel = _find(rows, **twin, shape=r["shape"], T=r["T"], direction=r["direction"],
+                       max_ctas=r["max_ctas"])
         direction = r["direction"] + (f", {CALL_NAMES[r['call']]}" if r.get("call") in CALL_NAMES else "")
         out.append([r["shape"], str(r["T"]), direction, str(r["max_ctas"] or "default"), _pct(r),
                     _pct(r, "kernel_gbps"), _pct(kernel), f"{r['host_us']:.0f}", _counts(r),

@@ -84,7 +84,7 @@ def auto_rows(rows: list[dict]) -> list[dict]:
 
 # how the staged rows that are not an engine's repeated call are named
 CALL_NAMES = {"direct": "issued directly", "slot-chunks": "in slot-sized chunks",
-              "device-launch": "graph launched on the device"}
+              "device-launch": "graph launched on the device", "bind-per-call": "caches bound anew per call"}
 
 
 def _name(r: dict) -> str:
@@ -133,7 +133,8 @@ def checks(doc: dict) -> list[Check]:
             out.append(Check("host ceiling", _name(r), f"{r['pct_of_limit']:.1f} %", f"≥ {HOST_CEILING_PCT:.0f} %",
                              r["pct_of_limit"] >= HOST_CEILING_PCT))
     for r in rows:
-        if r["group"] == "staged" and "gbps" in r and r.get("call") != "slot-chunks":   # (not a default call)
+        if (r["group"] == "staged" and r["engine"] == "staged" and "gbps" in r
+                and r.get("call") not in ("slot-chunks", "bind-per-call")):   # (not a default call)
             target = {"direct": "staged host work, new shape",
                       "device-launch": "staged host work, graph launched on the device"}.get(r.get("call"),
                                                                                           "staged host work")

@@ -801,3 +801,52 @@ def test_same_size_copies_are_timed_once_per_size_up_front_and_kept_in_the_recor
     doc = run(torch.device("cpu"), quick=True, only=ONE_CASE)
     doc["same_size"] = copies.table()
     assert "H2D 4 MiB 4194304.0" in markdown(doc) and "D2H 512 MiB" in markdown(doc)
+
+
+def test_bind_per_call_loads_run_each_engine_between_caches_bound_anew():
+    """The staged group's bind-per-call rows (loads of 32, 64 and 80 MiB, full runs only) bind both caches
+    anew at every call and run the case's engine on them; the staged table sets each staged row beside the
+    kernel row of the same call, lists no kernel row of its own, and neither is matched to a peer nor judged
+    by the staged host-work target."""
+    from kvlayout.bench import peers as P
+    from kvlayout.bench import summary, targets
+
+    planned = [c for c in C.plan_cases(quick=False) if c.group == "staged" and c.call == "bind-per-call"]
+    assert {(c.shape, c.T, c.direction, c.engine) for c in planned} == {
+        (shape, T, "from_host", engine) for shape, T in (("L32_H8_D128", 256), ("L32_H1_D128", 4096),
+                                                         ("L80_H8_D128", 256)) for engine in ("staged", "kernel")}
+    assert {c.payload_bytes() >> 20 for c in planned} == {32, 64, 80}
+    assert not [c for c in C.plan_cases(quick=True) if c.call == "bind-per-call" and c.group == "staged"]
+    assert all(P.load_peers().matching(c) == [] for c in planned)
+
+    case = C.Case("staged", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", 32, 16, "from_host",
+                  engine="kernel", call="bind-per-call")
+    data = C.build(case, C.Inputs(torch.device("cpu")), min_cache_slots=256)
+    bound = []
+    real_bind = ops.bind
+
+    def counting_bind(layout, value, **kw):
+        bound.append(layout)
+        return real_bind(layout, value, **kw)
+    fn = C.kvlayout_fn(case, data)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "bind", counting_bind)
+        fn()
+        fn()
+    assert len(bound) == 4   # both caches, at each of the two calls
+    # the call moved the chunk's rows into the cache's slots, as the kernel does between the caches themselves
+    expected = C.build(case, C.Inputs(torch.device("cpu")), min_cache_slots=256)
+    ops.transfer(expected["buffer"], expected["cache"], None, expected["cache_slots"], engine="kernel")
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))   # (random bits: NaNs among them)
+               for a, b in zip(data["cache"].tensors, expected["cache"].tensors))
+
+    base = {"group": "staged", "shape": "L32_H8_D128", "T": 256, "direction": "from_host", "max_ctas": 0,
+            "limit_gbps": 55.0, "host_us": 200.0, "host_us_per_call": 200.0, "call": "bind-per-call",
+            "layerwise": False, "page_size": 16, "device_layout": "vllm_flash_attn_nhd",
+            "buffer_layout": "lmcache_kv_2ltd", "payload_bytes": 32 << 20, "pct_of_limit": 90.0}
+    rows = [dict(base, engine="staged", gbps=50.0, kernel_gbps=52.0, chunks=4, graph_nodes=0),
+            dict(base, engine="kernel", gbps=49.0, kernel_gbps=51.0)]
+    table = summary.staged(rows).splitlines()
+    assert len(table) == 3 and "from_host, caches bound anew per call" in table[2]
+    assert table[2].split(" | ")[6].startswith("49.0")   # the kernel's figure: the twin of the same call
+    assert not [c for c in targets.checks({"results": rows}) if c.target.startswith("staged host work")]

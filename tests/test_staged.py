@@ -438,13 +438,6 @@ def test_auto_says_why_it_keeps_the_kernel():
     assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=limit["from_host"]), 0) is None
     assert "bytes from host: below" in staged_mod.auto_declines(
         dataclasses.replace(from_host, payload_bytes=limit["from_host"] - 1), 0)
-    # loads: staged from a smaller payload without a budget than under one
-    budgeted = staged_mod.AUTO_MIN_BYTES_UNDER_BUDGET
-    assert limit["from_host"] < budgeted
-    between = dataclasses.replace(from_host, payload_bytes=budgeted - 1)
-    assert staged_mod.auto_declines(between, 0) is None
-    assert f"under max_ctas = 4: below {budgeted}" in staged_mod.auto_declines(between, 4)
-    assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=budgeted), 4) is None
 
 
 def test_default_engine_is_auto_and_repeated_calls_stay_on_the_direct_path(monkeypatch):
@@ -583,7 +576,6 @@ def test_auto_stages_budgeted_loads_from_the_host_only(cuda_device, monkeypatch)
     kernel above it and to the host; each leaves the kernel's bytes."""
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "from_host", 0)
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
-    monkeypatch.setattr(staged_mod, "AUTO_MIN_BYTES_UNDER_BUDGET", 0)
     T = 32
     slots = _slots_with_holes(T, cuda_device)
     chunk = _chunk(T, pin=True)
