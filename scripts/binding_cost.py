@@ -6,6 +6,8 @@ With nothing to move (every slot -1) on L32 H8 D128 caches (vLLM NHD pages for k
 per-layer K/V buffers), 256 tokens, times in turn within every repetition, 32 calls per sample:
 
 * ``ops.transfer``, the same cache objects each call (the repeated-call path);
+* ``ops.transfer`` from the cache bound once into a chunk bound at each call, the chunks taken in turn from
+  four (an engine that binds its KV cache at start and gets each call's chunk from an allocator);
 * ``ops.transfer`` between caches bound anew at each call (``ops.bind`` of the same tensors);
 * ``ops.gather`` into a view of a chunk made at each call;
 * ``compat.lmcache.multi_layer_kv_transfer`` (paged -> chunk, all layers);
@@ -35,6 +37,8 @@ def calls(device: torch.device) -> dict:
     dtype = torch.bfloat16
     kv = [torch.zeros(2, NB, BS, H, D, dtype=dtype, device=device) for _ in range(L)]
     chunk = torch.zeros(2, L, T, H * D, dtype=dtype, pin_memory=pinned)
+    pool = [torch.zeros(2, L, T, H * D, dtype=dtype, pin_memory=pinned) for _ in range(4)]
+    turn = iter(range(1 << 62))
     k, v = ([torch.zeros(NB * BS, H, D, dtype=dtype, device=device) for _ in range(L)] for _ in range(2))
     host_k, host_v = ([torch.zeros(NB * BS, H, D, dtype=dtype, pin_memory=pinned) for _ in range(L)]
                       for _ in range(2))   # (zeros_like would not pin)
@@ -45,6 +49,8 @@ def calls(device: torch.device) -> dict:
     item = H * D * 2
     one = {
         "ops.transfer, same caches": lambda: ops.transfer(cache, bound_chunk, slots),
+        "ops.transfer, a fresh chunk": lambda: ops.transfer(
+            cache, ops.bind("lmcache_kv_2ltd", pool[next(turn) % len(pool)]), slots),
         "ops.transfer, bound per call": lambda: ops.transfer(ops.bind("vllm_flash_attn_nhd", kv),
                                                              ops.bind("lmcache_kv_2ltd", chunk), slots),
         "ops.gather into a fresh view": lambda: ops.gather(cache, slots, out=chunk.view(2, L, T, H, D)),
