@@ -21,6 +21,7 @@ Only public entry points are called, so the script times an older tree as well (
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -38,7 +39,7 @@ def calls(device: torch.device) -> dict:
     kv = [torch.zeros(2, NB, BS, H, D, dtype=dtype, device=device) for _ in range(L)]
     chunk = torch.zeros(2, L, T, H * D, dtype=dtype, pin_memory=pinned)
     pool = [torch.zeros(2, L, T, H * D, dtype=dtype, pin_memory=pinned) for _ in range(4)]
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
     k, v = ([torch.zeros(NB * BS, H, D, dtype=dtype, device=device) for _ in range(L)] for _ in range(2))
     host_k, host_v = ([torch.zeros(NB * BS, H, D, dtype=dtype, pin_memory=pinned) for _ in range(L)]
                       for _ in range(2))   # (zeros_like would not pin)
