@@ -86,6 +86,10 @@ def profile_cases() -> list[C.Case]:
         for direction, ctas in ((d, c) for d in ("to_host", "from_host") for c in (0, 1, 2, 4)):
             out.append(C.Case("headline" if ctas == 0 else "ctas", shape, dev, buf, 4096, 16, direction,
                               max_ctas=ctas))
+    for shape in (h8, h1, mla):   # host transfers at T=256 (4-32 MiB), behind the peers' kernels and staging
+        dev, buf = C._default_layouts(C.SHAPES[shape])
+        for direction in ("to_host", "from_host"):
+            out.append(C.Case("headline", shape, dev, buf, 256, 16, direction))
     return out
 
 

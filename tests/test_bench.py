@@ -493,7 +493,12 @@ def test_ncu_profile_cases_are_bench_rows_and_counters_fold_per_case():
     from kvlayout.bench import profile as P
 
     planned = {c.key for c in C.plan_cases(quick=False)}
-    assert all(c.key in planned for c in P.profile_cases())   # every profiled case is a measured bench row
+    profiled = P.profile_cases()
+    assert all(c.key in planned for c in profiled)   # every profiled case is a measured bench row
+    assert len({c.key for c in profiled}) == len(profiled)
+    # the host rows at T = 256 that trail the peers are among them, both directions, every headline shape
+    assert {(c.shape, c.direction) for c in profiled if c.T == 256 and c.direction.endswith("_host")} == {
+        (shape, d) for shape in ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576") for d in ("to_host", "from_host")}
     text = "\n".join([
         "==PROF== Connected to process 1",
         '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum",'
