@@ -9,9 +9,11 @@ shape is captured on its second call and replayed after), then:
 
 * times ``--calls`` calls on the host, the device idle before each (the bench's end-to-end host time);
 * for a staged call, gives its chunks and the nodes of the graph it replays (``ops.explain``);
-* profiles as many calls and prints, per event (CUDA runtime and driver calls such as ``cudaGraphLaunch``
-  or ``cudaMemcpyAsync``, and torch operators), how often it ran per call and its host µs per call (self
-  time), largest first.
+* profiles as many calls, the device idle before each as when timed (calls issued back to back would queue
+  behind each other, and the driver's waits for room in its command buffer would be the queue's, not the
+  call's), and prints, per event (CUDA runtime and driver calls such as ``cudaGraphLaunch`` or
+  ``cudaMemcpyAsync``, and torch operators), how often it ran per call and its host µs per call (self time),
+  largest first; the script's own synchronizations between calls are left out.
 
 ``--record``: the rows of a bench record (of ``--group``, and of ``--call`` where given) whose host time per
 call was over ``--over`` µs, slowest first, at most ``--rows`` of them.
@@ -44,6 +46,16 @@ def keys_over(record: str, group: str, over_us: float, rows: int, call: str | No
     return [key for _, key in sorted(found, reverse=True)[:rows]]
 
 
+# the runtime calls of sync() below: the script's waits between calls, not the call's host work
+OWN_SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize"}
+
+
+def host_events(averages, top: int) -> list:
+    """The ``top`` events of a profile's averages (``key``, ``count``, ``self_cpu_time_total``) by host self
+    time, largest first, without the script's own synchronizations."""
+    return sorted((e for e in averages if e.key not in OWN_SYNCS), key=lambda e: -e.self_cpu_time_total)[:top]
+
+
 def profile_case(case, device: torch.device, calls: int, top: int) -> None:
     from kvlayout.bench import cases as C
 
@@ -68,10 +80,11 @@ def profile_case(case, device: torch.device, calls: int, top: int) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(calls):
+            sync()
             fn()
         sync()
     per_call = case.calls * calls
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    events = host_events(prof.key_averages(), top)
     staged = f"; {counts['chunks']} chunks, graph of {counts['graph_nodes']} nodes" if counts else ""
     print(f"{case.key}: host {statistics.median(host) * 1e6 / case.calls:.1f} µs per call (median of "
           f"{calls}, device idle before each){staged}")

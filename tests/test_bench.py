@@ -645,6 +645,18 @@ def test_host_path_script_splits_an_all_layer_call_into_its_parts():
             host_path.parts(row, torch.device("cpu"))
 
 
+def test_host_profile_lists_the_calls_events_without_its_own_syncs():
+    """The events listed are the largest by host self time, the script's synchronizations between the calls
+    (which wait for the device) left out."""
+    import types
+
+    host_profile = _script("host_profile")
+    event = lambda key, us: types.SimpleNamespace(key=key, count=1, self_cpu_time_total=us)   # noqa: E731
+    averages = [event("cudaMemcpyAsync", 9.0), event("cudaDeviceSynchronize", 900.0),
+                event("cudaGraphLaunch", 40.0), event("cudaStreamSynchronize", 50.0), event("aten::empty", 1.0)]
+    assert [e.key for e in host_profile.host_events(averages, 2)] == ["cudaGraphLaunch", "cudaMemcpyAsync"]
+
+
 def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
     """scripts/host_profile.py --record: the rows of the group (and of --call, where given) whose host time per
     call was over the bound, slowest first, at most --rows of them; nothing else (other groups, other calls, rows
