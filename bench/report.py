@@ -36,6 +36,8 @@ def table_rows(doc: dict) -> list[list[str]]:
         mode = "per layer" if r["layerwise"] else "all layers"
         if r.get("call", "transfer") != "transfer":
             mode += f", {r['call']}"
+        if r.get("group") == "staged" and r.get("engine") == "kernel":
+            mode += ", kernel engine"   # (a staged row's twin, in its group)
         if r.get("group") == "host_cost":
             mode += ", nothing to move"
             if "torch_op_host_us" in r:

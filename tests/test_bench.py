@@ -867,3 +867,6 @@ def test_bind_per_call_loads_run_each_engine_between_caches_bound_anew():
     assert len(table) == 3 and "from_host, caches bound anew per call" in table[2]
     assert table[2].split(" | ")[6].startswith("49.0")   # the kernel's figure: the twin of the same call
     assert not [c for c in targets.checks({"results": rows}) if c.target.startswith("staged host work")]
+    from kvlayout.bench.report import table_rows
+    modes = [line[6] for line in table_rows({"results": [dict(r, bit_exact=True) for r in rows]})]
+    assert modes == ["all layers, bind-per-call", "all layers, bind-per-call, kernel engine"]
