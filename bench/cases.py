@@ -292,9 +292,13 @@ class Arena:
         self._used = 0
         need = 0
         for nbytes in sizes:
-            need = -(-need // self.align) * self.align + nbytes
+            need = self._aligned(need) + nbytes
         if need and (self._buffer is None or need > self._buffer.numel()):
             self._grow(need)
+
+    def _aligned(self, offset: int) -> int:
+        """``offset`` rounded up to a multiple of the alignment: where the next tensor starts."""
+        return -(-offset // self.align) * self.align
 
     def _grow(self, nbytes: int) -> None:
         size = max(nbytes, 2 * (self._buffer.numel() if self._buffer is not None else 0))
@@ -304,7 +308,7 @@ class Arena:
     def take(self, shape, dtype) -> torch.Tensor:
         """A contiguous ``[*shape]`` tensor of ``dtype`` (uninitialised), valid until the next :meth:`reset`."""
         nbytes = math.prod(shape) * dtype.itemsize
-        start = -(-self._used // self.align) * self.align
+        start = self._aligned(self._used)
         if self._buffer is None or start + nbytes > self._buffer.numel():
             self._grow(nbytes)
             start = 0
