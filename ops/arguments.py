@@ -263,6 +263,8 @@ class CheckedChoice:
     #                                         checked_choice): it keeps what depends on the shapes alone
     ring_plan: tuple | None = None     # (ring size, the staged plan of these shapes through a ring:
     #                                    ops.staged.static_plan, past its checks of the tensors' memory)
+    handle: int | None = None          # the program's handle once registered (kept on the shared choice, see
+    #                                    routes.pinned_program)
 
     def bind(self, bound) -> None:
         """Keep ``bound`` (a ``_C.PreparedCopy``, or None) and its checked run for the repeated calls."""

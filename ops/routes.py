@@ -29,7 +29,7 @@ from kvlayout import _C
 from . import _native
 from .arguments import CheckedChoice, check_disjoint, check_slots, checked_choice, validating
 from .planner import cache_spec, tensors_of
-from .programs import Launch, compiled_program_handle, program_handle, program_key, unpin
+from .programs import Launch, compiled_program_handle, pin_registered, program_handle, program_key, unpin
 from .views import KVCache
 
 
@@ -44,6 +44,18 @@ def check_not_shared(src: KVCache, dst: KVCache, c: CheckedChoice) -> None:
                               tensors_of(cache_spec(dst), c.dst_layers, c.dst_planes)))
 
 
+def pinned_program(c: CheckedChoice) -> int:
+    """The handle of the choice's program, pinned (:func:`~kvlayout.ops.programs.unpin` it after the run: another
+    thread may fill the registry meanwhile). The handle is kept on the choice of the caches' shapes, which every
+    pair of cache objects of those shapes shares, so a call between caches bound anew finds it without hashing
+    the program key."""
+    owner = c.shared if c.shared is not None else c
+    handle = owner.handle
+    if not pin_registered(handle):
+        handle = owner.handle = program_handle(c.program, pin=True)
+    return handle
+
+
 def try_direct(c: CheckedChoice, src_slots, dst_slots, skip_prefix, validate) -> bool:
     """A repeated call with plain slot tensors, checked and launched by one C++ call; False: not done."""
     run_checking = c.run_checking
@@ -56,10 +68,10 @@ def run_first(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slots
     slots not checked yet: one C++ call checks them (``_C.run_program_checking``) and launches step 0 of the
     choice's program, bound by the tensors' addresses. False: not done (slots other than plain tensors, or
     tensors that need the dispatcher), for the long way, whose errors name the argument."""
-    handle = program_handle(c.program, pin=True)   # (pinned while it runs: another thread may fill the cache)
+    handle = pinned_program(c)
     try:
-        done = _C.run_program_checking(handle, src.tensors, dst.tensors, src_slots, dst_slots, skip_prefix,
-                                       c.max_ctas, c.status, validate, src.geometry.N, dst.geometry.N)
+        done = _C.run_program_checking(handle, src.native_tensors(), dst.native_tensors(), src_slots, dst_slots,
+                                       skip_prefix, c.max_ctas, c.status, validate, src.geometry.N, dst.geometry.N)
     finally:
         unpin(handle)
     if done:
@@ -80,7 +92,7 @@ def run_kernel(src: KVCache, dst: KVCache, c: CheckedChoice, src_slots, dst_slot
     if c.bound is not None and c.bound.run_with(0, src_slots, dst_slots, num_tokens, skip_prefix, c.max_ctas,
                                                 validate):
         return
-    handle = program_handle(c.program, pin=True)   # (pinned while it runs: another thread may fill the cache)
+    handle = pinned_program(c)
     try:
         c.kernel_calls += 1
         if c.kernel_calls >= 2:

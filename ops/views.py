@@ -230,6 +230,7 @@ class KVCache:
         self._parts = None
         # (destination, choice) -> checked transfer arguments (ops.transfer's memo; see checked_choice)
         self._checked_choices: dict = {}
+        self._native = None     # native_tensors(): None, then False after the first call, then the group
 
     @staticmethod
     def _split_parts(layout: Layout, tensors) -> tuple:
@@ -265,6 +266,19 @@ class KVCache:
         name, layer = key
         pv = next(pv for pv in self.parts if pv.part.name == name)
         return pv.tensors[layer if layer is not None else 0]
+
+    def native_tensors(self):
+        """The tensors as a first call between this cache and another hands them to C++: the tuple itself the
+        first time (a cache bound for one call makes nothing more), from the second on one ``_C.TensorGroup``
+        made then, whose binding lookup reads the structure the group recorded instead of every tensor's again
+        (an engine's cache, bound once, meeting a chunk bound anew at every call)."""
+        group = self._native
+        if group is None:
+            self._native = False
+            return self.tensors
+        if group is False:
+            group = self._native = _C.TensorGroup(self.tensors)   # (two threads may both make one: either serves)
+        return group
 
     @property
     def row_width(self) -> int:

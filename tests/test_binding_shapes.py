@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 
-from kvlayout import ops
+from kvlayout import _C, ops
 
 import torch_cases as TC
 
@@ -193,3 +193,70 @@ def test_the_shape_cache_bound_is_read_from_the_environment_at_import():
         else:
             assert run.returncode != 0 and f"KVLAYOUT_SHAPE_CACHE = {value!r}: it must be a positive integer" \
                 in run.stderr
+
+
+def test_a_cache_bound_once_reads_its_tensors_as_they_are_now():
+    """An engine binds its cache once and each call's chunk anew: the cache's tensors travel to C++ as one group
+    made once (``KVCache.native_tensors``), whose binding lookup uses the structure the group recorded; a tensor re-set,
+    resized or freed since must be read as it is now, never through the recorded addresses."""
+    tensors = _layers()
+    kv = ops.bind(CACHE, tensors)
+    slots = torch.tensor([5, 0, 17, 30])
+    chunks = [torch.zeros(2, L, 4, H * E) for _ in range(4)]
+
+    def gathered(chunk):
+        ops.transfer(kv, ops.bind(CHUNK, chunk), slots)
+        return chunk
+
+    def want():
+        return torch.stack([torch.stack([t.reshape(2, NB * BS, H * E)[p][slots] for t in tensors])
+                            for p in range(2)])
+
+    for chunk in chunks:
+        assert torch.equal(gathered(chunk), want())
+    group = kv.native_tensors()
+    assert isinstance(group, _C.TensorGroup) and kv.native_tensors() is group
+    assert len(group) == L and group.unchanged()
+    bindings = ops.cache_info()["bindings"]
+    for chunk in chunks:                       # the same four chunks again: no binding made anew
+        assert torch.equal(gathered(chunk), want())
+    assert ops.cache_info()["bindings"] == bindings
+
+    tensors[1].set_(torch.randn(2, NB, BS, H, E))   # re-set in place to other memory of the same structure
+    assert not group.unchanged()
+    assert torch.equal(gathered(chunks[0]), want())
+    tensors[2].resize_(2, NB // 2, BS, H, E)         # now too small for the layout's slots
+    with pytest.raises((ValueError, RuntimeError), match=r"tensor 2|\[2\]"):
+        gathered(chunks[1])
+    tensors[2].resize_(2, NB, BS, H, E)
+    tensors[0].untyped_storage().resize_(0)          # freed
+    with pytest.raises((ValueError, RuntimeError), match=r"tensor 0|\[0\]"):
+        gathered(chunks[2])
+
+
+def test_a_choice_whose_program_was_evicted_registers_it_again():
+    """The choice of two shapes keeps its program's handle (a repeated call pins it without hashing the program
+    key); when the registry evicted that program meanwhile the next call registers it again and runs."""
+    from kvlayout.ops import programs
+
+    tensors = _layers()
+    slots = torch.tensor([3, 1])
+    saved = programs.program_cache_capacity()
+    try:
+        chunk = ops.bind(CHUNK, torch.zeros(2, L, 2, H * E))
+        ops.transfer(ops.bind(CACHE, tensors), chunk, slots)
+        choice = next(c for key, c in ops.bind(CACHE, tensors)._shape.choices.items()
+                      if key[0] == chunk._shape.serial)
+        first = choice.handle
+        assert first is not None
+        programs.clear_unpinned()                 # evicted: the kept handle names no program now
+        assert not programs.pin_registered(first)
+        out = torch.zeros(2, L, 2, H * E)
+        ops.transfer(ops.bind(CACHE, tensors), ops.bind(CHUNK, out), slots)
+        assert choice.handle != first and programs.pin_registered(choice.handle)
+        programs.unpin(choice.handle)
+        want = torch.stack([torch.stack([t.reshape(2, NB * BS, H * E)[p][slots] for t in tensors])
+                            for p in range(2)])
+        assert torch.equal(out, want)
+    finally:
+        programs.set_program_cache_capacity(saved)

@@ -146,18 +146,47 @@ void resolve_side(const LaunchSide& side, const std::vector<TensorAxes>& axes,
   }
 }
 
+// A binding's key: (handle, device, status), the source tensors' words, a
+// separator, the destination tensors' words. Its hash combines the hashes of
+// the three runs of words, so a TensorGroup's run is hashed once, when the
+// group is made.
 struct CacheKey {
   std::vector<uintptr_t> words;
-  bool operator==(const CacheKey& o) const { return words == o.words; }
+  uint64_t hash = 0;
+  bool operator==(const CacheKey& o) const { return hash == o.hash && words == o.words; }
 };
 
 struct CacheKeyHash {
-  size_t operator()(const CacheKey& k) const {
-    uint64_t h = 1469598103934665603ull;
-    for (uintptr_t w : k.words) h = (h ^ static_cast<uint64_t>(w)) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
+  size_t operator()(const CacheKey& k) const { return static_cast<size_t>(k.hash); }
 };
+
+uint64_t hash_words(const uintptr_t* words, size_t n) {
+  uint64_t h = 1469598103934665603ull;  // (FNV-1a over words)
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(words[i])) * 1099511628211ull;
+  return h;
+}
+
+uint64_t combine_hashes(uint64_t a, uint64_t b) {
+  return a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
+}
+
+constexpr size_t kKeyPrefixWords = 3;
+
+// The key's (handle, device, status) words.
+void push_key_prefix(std::vector<uintptr_t>& words, int64_t handle, c10::Device device,
+                     const at::Tensor& status) {
+  words.push_back(static_cast<uintptr_t>(handle));
+  words.push_back(static_cast<uintptr_t>(device.type()) * 1024u +
+                  static_cast<uintptr_t>(device.index() + 1));
+  words.push_back(reinterpret_cast<uintptr_t>(status.defined() ? status.data_ptr() : nullptr));
+}
+
+// The key's hash from those of its three runs (source words from
+// kKeyPrefixWords, `dst_begin` past the separator).
+void hash_key(CacheKey& key, uint64_t src_hash, uint64_t dst_hash) {
+  key.hash = combine_hashes(
+      combine_hashes(hash_words(key.words.data(), kKeyPrefixWords), src_hash), dst_hash);
+}
 
 // What a binding's checks depend on: device, dtype, where the data and its
 // storage are, the storage's size, and the tensor's sizes and strides.
@@ -214,6 +243,27 @@ const bool fork_handlers_registered = [] {
 }();
 
 }  // namespace
+
+TensorGroup::TensorGroup(std::vector<at::Tensor> tensors, bool kept) : tensors_(std::move(tensors)) {
+  if (kept) prints_.reserve(tensors_.size());
+  words_.reserve(12 * tensors_.size());
+  for (const at::Tensor& t : tensors_) {
+    if (kept) prints_.push_back(TensorFingerprint::of(t));
+    // (meta and fake tensors have no address to read: a call with them goes
+    // through the dispatcher, never to the binding cache)
+    if (t.defined() && (t.is_meta() || t.key_set().has(c10::DispatchKey::Python)))
+      words_.push_back(~uintptr_t(2));
+    else
+      push_tensor_words(words_, t);
+  }
+  words_hash_ = hash_words(words_.data(), words_.size());
+}
+
+bool TensorGroup::unchanged() const {
+  for (size_t i = 0; i < prints_.size(); ++i)  // (none for a group of one call)
+    if (!prints_[i].matches(tensors_[i])) return false;
+  return true;
+}
 
 int64_t register_program(CopyProgram program) {
   TORCH_CHECK(!program.steps.empty(), "kvlayout: a copy program needs at least one step");
@@ -476,19 +526,12 @@ void BoundProgram::run(int64_t step, const RunArgs& args) const {
   }
 }
 
-std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList src,
-                                                  at::TensorList dst, c10::Device device,
-                                                  const at::Tensor& status) {
-  CacheKey key;
-  key.words.reserve(4 + 12 * (src.size() + dst.size()));
-  key.words.push_back(static_cast<uintptr_t>(handle));
-  key.words.push_back(static_cast<uintptr_t>(device.type()) * 1024u +
-                      static_cast<uintptr_t>(device.index() + 1));
-  key.words.push_back(reinterpret_cast<uintptr_t>(status.defined() ? status.data_ptr() : nullptr));
-  for (const at::Tensor& t : src) push_tensor_words(key.words, t);
-  key.words.push_back(~uintptr_t(0));
-  for (const at::Tensor& t : dst) push_tensor_words(key.words, t);
+namespace {
 
+// The binding cache's entry for `key`, bound and checked on a miss.
+std::shared_ptr<const BoundProgram> cached_binding(CacheKey key, int64_t handle,
+                                                   at::TensorList src, at::TensorList dst,
+                                                   c10::Device device, const at::Tensor& status) {
   BindingCache& cache = binding_cache();
   {
     std::lock_guard<std::mutex> lock(cache.mutex);
@@ -513,6 +556,38 @@ std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList
     cache.trim();
   }
   return bound;
+}
+
+}  // namespace
+
+std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList src,
+                                                  at::TensorList dst, c10::Device device,
+                                                  const at::Tensor& status) {
+  CacheKey key;
+  key.words.reserve(kKeyPrefixWords + 1 + 12 * (src.size() + dst.size()));
+  push_key_prefix(key.words, handle, device, status);
+  for (const at::Tensor& t : src) push_tensor_words(key.words, t);
+  const size_t dst_begin = key.words.size() + 1;
+  key.words.push_back(~uintptr_t(0));
+  for (const at::Tensor& t : dst) push_tensor_words(key.words, t);
+  hash_key(key, hash_words(key.words.data() + kKeyPrefixWords, dst_begin - 1 - kKeyPrefixWords),
+           hash_words(key.words.data() + dst_begin, key.words.size() - dst_begin));
+  return cached_binding(std::move(key), handle, src, dst, device, status);
+}
+
+std::shared_ptr<const BoundProgram> bound_program(int64_t handle, const TensorGroup& src,
+                                                  const TensorGroup& dst, c10::Device device,
+                                                  const at::Tensor& status) {
+  if (!src.unchanged() || !dst.unchanged())  // (a tensor resized or re-set since: as it is now)
+    return bound_program(handle, src.tensors(), dst.tensors(), device, status);
+  CacheKey key;
+  key.words.reserve(kKeyPrefixWords + 1 + src.words().size() + dst.words().size());
+  push_key_prefix(key.words, handle, device, status);
+  key.words.insert(key.words.end(), src.words().begin(), src.words().end());
+  key.words.push_back(~uintptr_t(0));
+  key.words.insert(key.words.end(), dst.words().begin(), dst.words().end());
+  hash_key(key, src.words_hash(), dst.words_hash());
+  return cached_binding(std::move(key), handle, src.tensors(), dst.tensors(), device, status);
 }
 
 void set_binding_cache_capacity(int64_t capacity) {

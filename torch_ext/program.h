@@ -219,6 +219,34 @@ struct TensorFingerprint {
   bool matches(const at::Tensor& t) const;
 };
 
+// A cache's tensors as one native object, made once per bound cache
+// (kvlayout.ops.views.KVCache.native): a call hands C++ the group instead of
+// every tensor again, and the binding lookup checks the group's fingerprints
+// in place instead of building its key from each tensor. Immutable: threads
+// share it.
+class TensorGroup {
+ public:
+  // `kept`: the group outlives this call (a cache's), so each use checks its
+  // tensors against their fingerprints; a group of one call's tensors
+  // (kept = false) is read as it was just made.
+  explicit TensorGroup(std::vector<at::Tensor> tensors, bool kept = true);
+  at::TensorList tensors() const { return tensors_; }
+  // Whether every tensor is still where and as it was when the group was
+  // made (a tensor resized, re-set or freed since is not).
+  bool unchanged() const;
+  // The binding key's words of the tensors as they were made (see
+  // bound_program), and their hash.
+  const std::vector<uintptr_t>& words() const { return words_; }
+  uint64_t words_hash() const { return words_hash_; }
+  size_t size() const { return tensors_.size(); }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<TensorFingerprint> prints_;
+  std::vector<uintptr_t> words_;
+  uint64_t words_hash_ = 0;
+};
+
 // A program bound to tensors: resolved and checked once, then run per call.
 class BoundProgram {
  public:
@@ -278,6 +306,11 @@ class BoundProgram {
 // bindings (they hold no tensors: data pointers and checked plans only).
 std::shared_ptr<const BoundProgram> bound_program(int64_t handle, at::TensorList src,
                                                   at::TensorList dst, c10::Device device,
+                                                  const at::Tensor& status);
+// The same for two groups' tensors, the key made from the words each group
+// kept (its tensors as they are now where one changed since).
+std::shared_ptr<const BoundProgram> bound_program(int64_t handle, const TensorGroup& src,
+                                                  const TensorGroup& dst, c10::Device device,
                                                   const at::Tensor& status);
 void set_binding_cache_capacity(int64_t capacity);
 int64_t binding_cache_capacity();

@@ -5,6 +5,7 @@
 //
 //   register_program, drop_program the planner's output, registered once
 //   PreparedCopy                   a program bound to tensors, run per call
+//   TensorGroup                    a cache's tensors, made once per bound cache
 //   run_program                    a program run on these tensors (bindings
 //                                  cached by address); False when the call
 //                                  must go through the dispatcher instead
@@ -353,13 +354,20 @@ std::unique_ptr<PreparedCopy> bind_program(int64_t handle, std::vector<at::Tenso
                                         src_positions, dst_positions);
 }
 
+// Whether a call with these arguments must go through the dispatcher (a
+// dispatch mode, fake or meta tensors, subclasses).
+bool call_needs_dispatcher(at::TensorList src, at::TensorList dst,
+                           const std::optional<at::Tensor>& src_slots,
+                           const std::optional<at::Tensor>& dst_slots) {
+  return c10::impl::TorchDispatchModeTLS::stack_len() > 0 || needs_dispatcher(src) ||
+         needs_dispatcher(dst) || needs_dispatcher(src_slots) || needs_dispatcher(dst_slots);
+}
+
 bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
                  const std::vector<at::Tensor>& dst, const std::optional<at::Tensor>& src_slots,
                  const std::optional<at::Tensor>& dst_slots, int64_t step, int64_t num_tokens,
                  int64_t skip_prefix, int64_t max_ctas, const at::Tensor& status, bool validate) {
-  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || needs_dispatcher(src) ||
-      needs_dispatcher(dst) || needs_dispatcher(src_slots) || needs_dispatcher(dst_slots))
-    return false;
+  if (call_needs_dispatcher(src, dst, src_slots, dst_slots)) return false;
   const c10::Device device = program_device(src, dst, src_slots, dst_slots);
   const auto bound = bound_program(handle, src, dst, device, status);
   run_bound(*bound, step, dst,
@@ -367,21 +375,54 @@ bool run_program(int64_t handle, const std::vector<at::Tensor>& src,
   return true;
 }
 
+// One side's tensors of a call: a cache's TensorGroup, or a sequence of
+// tensors passed for this call.
+struct SideTensors {
+  explicit SideTensors(py::handle h) {
+    if (py::isinstance<TensorGroup>(h))
+      group = h.cast<const TensorGroup*>();
+    else
+      tensors = h.cast<std::vector<at::Tensor>>();
+  }
+  at::TensorList list() const { return group != nullptr ? group->tensors() : tensors; }
+  const TensorGroup* group = nullptr;
+  std::vector<at::Tensor> tensors;
+};
+
+// The binding of a call's two sides: by their groups' words where a side has
+// one (the other side's few tensors grouped for this call), else by the
+// tensors' words as bound_program reads them.
+std::shared_ptr<const BoundProgram> bound_sides(int64_t handle, const SideTensors& src,
+                                                const SideTensors& dst, c10::Device device,
+                                                const at::Tensor& status) {
+  if (src.group == nullptr && dst.group == nullptr)
+    return bound_program(handle, src.tensors, dst.tensors, device, status);
+  std::optional<TensorGroup> src_now, dst_now;
+  if (src.group == nullptr) src_now.emplace(src.tensors, /*kept=*/false);
+  if (dst.group == nullptr) dst_now.emplace(dst.tensors, /*kept=*/false);
+  return bound_program(handle, src_now ? *src_now : *src.group, dst_now ? *dst_now : *dst.group,
+                       device, status);
+}
+
 // run_program of step 0 for slots not checked yet, as PreparedCopy::run_checking: the common
 // call (plain_call_tokens) runs with T from its slots; false (nothing done) for anything else
-// and where the call needs the dispatcher.
-bool run_program_checking(int64_t handle, const std::vector<at::Tensor>& src,
-                          const std::vector<at::Tensor>& dst, py::handle src_slots,
-                          py::handle dst_slots, int64_t skip_prefix, int64_t max_ctas,
-                          const at::Tensor& status, bool validate, int64_t src_positions,
-                          int64_t dst_positions) {
-  if (src.empty() || dst.empty()) return false;
-  const c10::Device device = program_device(src, dst, std::nullopt, std::nullopt);
+// and where the call needs the dispatcher. Each side's tensors are a TensorGroup (a cache used
+// before: KVCache.native_tensors) or a sequence.
+bool run_program_checking(int64_t handle, py::handle src_tensors, py::handle dst_tensors,
+                          py::handle src_slots, py::handle dst_slots, int64_t skip_prefix,
+                          int64_t max_ctas, const at::Tensor& status, bool validate,
+                          int64_t src_positions, int64_t dst_positions) {
+  const SideTensors src(src_tensors), dst(dst_tensors);
+  const at::TensorList src_list = src.list(), dst_list = dst.list();
+  if (src_list.empty() || dst_list.empty()) return false;
+  const c10::Device device = program_device(src_list, dst_list, std::nullopt, std::nullopt);
   std::optional<at::Tensor> ss, ds;
   const int64_t T = plain_call_tokens(src_slots, dst_slots, skip_prefix, device, src_positions,
                                       dst_positions, ss, ds);
-  return T >= 0 &&
-         run_program(handle, src, dst, ss, ds, 0, T, skip_prefix, max_ctas, status, validate);
+  if (T < 0 || call_needs_dispatcher(src_list, dst_list, ss, ds)) return false;
+  const auto bound = bound_sides(handle, src, dst, device, status);
+  run_bound(*bound, 0, dst_list, RunArgs{ss, ds, T, skip_prefix, max_ctas, validate});
+  return true;
 }
 
 // The copy engine's run list for these arguments (those of copy_runs), built
@@ -751,12 +792,20 @@ PYBIND11_MODULE(_C, m) {
         "Per tensor its dimensions, sizes, strides, element type and device, as bytes (equal "
         "exactly when those are equal); None where an item is not a strided tensor of concrete "
         "sizes.");
+  py::class_<TensorGroup>(m, "TensorGroup",
+                          "A cache's tensors as one native object (KVCache.native): what the "
+                          "binding lookup reads, made once.")
+      .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
+      .def("unchanged", &TensorGroup::unchanged,
+           "Whether every tensor is where and as it was when the group was made.")
+      .def("__len__", &TensorGroup::size);
   m.def("run_program_checking", &run_program_checking, py::arg("program"), py::arg("src"),
         py::arg("dst"), py::arg("src_slots"), py::arg("dst_slots"), py::arg("skip_prefix"),
         py::arg("max_ctas"), py::arg("status"), py::arg("validate"), py::arg("src_positions"),
         py::arg("dst_positions"),
-        "run_program of step 0 for slots not checked yet: runs the common call (plain slot "
-        "tensors, T from their length); False (nothing done) for anything else.");
+        "run_program of step 0 for slots not checked yet, each side's tensors a TensorGroup or a "
+        "sequence: runs the common call (plain slot tensors, T from their length); False "
+        "(nothing done) for anything else.");
   m.def("run_program", &run_program, py::arg("program"), py::arg("src"), py::arg("dst"),
         py::arg("src_slots"), py::arg("dst_slots"), py::arg("step"), py::arg("num_tokens"),
         py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("status"), py::arg("validate"),
