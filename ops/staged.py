@@ -79,12 +79,12 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # was faster from 32 MiB on, kernel only (L32 H8 T=256, 32 MiB: 1.01x / 1.04x, H200 / H100; L32 H1 T=4096,
 # 64 MiB: 1.03x / 1.03x; L80 H8 T=256, 80 MiB: 1.02x / 1.04x), but those rows repeat one pair of cache objects,
 # whose staged plan is kept and whose call shape replays a captured graph: a call between caches bound anew
-# (an adapter binding a fresh host chunk per call) plans a staged transfer every time, a host cost the records
-# do not have yet (the staged group's "bind-per-call" rows measure it); until they do, loads keep the
-# threshold. Under a budget of 1, 2 or 4 SMs it was 1.29-3.41x as fast from the host in the H200 record (the
-# copy engine crosses PCIe, the budget's SMs only move rows inside device memory); at 8 SMs slower for 256-byte
-# rows (0.95x). To the host under a budget it was slower end to end for rows under 2 KiB at every budget
-# (0.73-0.98x), and for 2 KiB rows at 1 SM.
+# (an adapter binding a fresh host chunk per call) plans a staged transfer every time, and the staged group's
+# "bind-per-call" rows (H100 record of 0d38bb0) show that costing 872-1,647 us of host work per call, end to
+# end 24.0-31.7 GB/s against the kernel's 46.8-48.5: loads keep the threshold. Under a budget of 1, 2 or 4
+# SMs it was 1.29-3.41x as fast from the host in the H200 record (the copy engine crosses PCIe, the budget's
+# SMs only move rows inside device memory); at 8 SMs slower for 256-byte rows (0.95x). To the host under a
+# budget it was slower end to end for rows under 2 KiB at every budget (0.73-0.98x), and for 2 KiB rows at 1 SM.
 AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
