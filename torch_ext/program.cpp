@@ -181,8 +181,8 @@ void push_key_prefix(std::vector<uintptr_t>& words, int64_t handle, c10::Device 
   words.push_back(reinterpret_cast<uintptr_t>(status.defined() ? status.data_ptr() : nullptr));
 }
 
-// The key's hash from those of its three runs (source words from
-// kKeyPrefixWords, `dst_begin` past the separator).
+// The key's hash: its prefix's, combined with the hashes of its source and
+// destination words.
 void hash_key(CacheKey& key, uint64_t src_hash, uint64_t dst_hash) {
   key.hash = combine_hashes(
       combine_hashes(hash_words(key.words.data(), kKeyPrefixWords), src_hash), dst_hash);

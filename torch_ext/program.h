@@ -219,11 +219,11 @@ struct TensorFingerprint {
   bool matches(const at::Tensor& t) const;
 };
 
-// A cache's tensors as one native object, made once per bound cache
-// (kvlayout.ops.views.KVCache.native): a call hands C++ the group instead of
-// every tensor again, and the binding lookup checks the group's fingerprints
-// in place instead of building its key from each tensor. Immutable: threads
-// share it.
+// A cache's tensors as one native object, made once per cache object used
+// more than once (kvlayout.ops.views.KVCache.native_tensors): a call hands
+// C++ the group instead of every tensor again, and the binding lookup checks
+// the group's fingerprints in place instead of building its key from each
+// tensor. Immutable: threads share it.
 class TensorGroup {
  public:
   // `kept`: the group outlives this call (a cache's), so each use checks its

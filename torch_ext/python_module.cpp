@@ -793,7 +793,7 @@ PYBIND11_MODULE(_C, m) {
         "exactly when those are equal); None where an item is not a strided tensor of concrete "
         "sizes.");
   py::class_<TensorGroup>(m, "TensorGroup",
-                          "A cache's tensors as one native object (KVCache.native): what the "
+                          "A cache's tensors as one native object (KVCache.native_tensors): what the "
                           "binding lookup reads, made once.")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
       .def("unchanged", &TensorGroup::unchanged,
