@@ -274,15 +274,21 @@ def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, l
 
 
 def _apply(copies, host_bytes, ring, to_ring):
-    """Runs (host tensor, host offset, ring offset, bytes, count, host step, ring step) copies between
-    ``host_bytes`` (one flat uint8 tensor per host tensor) and ``ring``."""
-    for tensor, h, o, n, count, hs, rs in copies:
-        for i in range(count):
-            hi, ri = h + i * hs, o + i * rs
-            if to_ring:
-                ring[ri:ri + n] = host_bytes[tensor][hi:hi + n]
-            else:
-                host_bytes[tensor][hi:hi + n] = ring[ri:ri + n]
+    """Runs (host tensor, host offset, ring offset, bytes, count, host step, ring step, blocks, host block step,
+    ring block step) copies between ``host_bytes`` (one flat uint8 tensor per host tensor) and ``ring``, checking
+    that a 3-D copy's shape is one the copy engine takes (pitches of at least a run and below 2^31, block steps
+    whole multiples of them, past a block's last run)."""
+    for tensor, h, o, n, count, hs, rs, blocks, hbs, rbs in copies:
+        if blocks > 1:
+            for pitch, block_step in ((hs, hbs), (rs, rbs)):
+                assert n <= pitch < 1 << 31 and block_step % pitch == 0 and block_step // pitch >= count
+        for b in range(blocks):
+            for i in range(count):
+                hi, ri = h + b * hbs + i * hs, o + b * rbs + i * rs
+                if to_ring:
+                    ring[ri:ri + n] = host_bytes[tensor][hi:hi + n]
+                else:
+                    host_bytes[tensor][hi:hi + n] = ring[ri:ri + n]
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -299,15 +305,16 @@ def test_folded_copies_move_exactly_the_segments_rows(mla, host, pages):
     slot = torch.zeros(slot_bytes, dtype=torch.uint8)
     mini = staged_mod.mini_cache(chunk, n_layers, n_tokens, slot)
     gen = torch.Generator().manual_seed(pages)
-    folded = False
+    folded = blocks = False
     for g0 in range(0, L, n_layers):
         layers = list(range(g0, min(g0 + n_layers, L)))
         segments = sorted(staged_mod.host_segments(chunk, mini, slot, layers, list(range(g.P))))
         for t0 in range(0, T, n_tokens):
             n = min(n_tokens, T - t0)
             copies = _C.staged_copies(segments, t0, n)
-            per_segment = [(tensor, h + t0 * row, o, n * row, 1, 0, 0) for tensor, h, o, row in segments]
+            per_segment = [(tensor, h + t0 * row, o, n * row, 1, 0, 0, 1, 0, 0) for tensor, h, o, row in segments]
             folded |= any(c[4] > 1 for c in copies)
+            blocks |= any(c[7] > 1 for c in copies)
             assert len(copies) <= len(per_segment)
             host = [torch.randint(0, 256, (_storage_bytes(t).numel(),), generator=gen, dtype=torch.uint8)
                     for t in chunk.tensors]
@@ -321,23 +328,49 @@ def test_folded_copies_move_exactly_the_segments_rows(mla, host, pages):
             _apply(copies, hosts[1], ring, to_ring=False)
             assert all(torch.equal(a, b) for a, b in zip(*hosts))
     if host == "chunk" and not mla and pages == 5:
-        assert folded          # a K/V chunk cut in token chunks: each plane's layers are one 2-D copy
+        assert folded          # a K/V chunk cut in token chunks: each plane's layers are one 2-D copy,
+        assert blocks          # and its two planes one 3-D copy
 
 
 def test_copies_fold_only_into_non_overlapping_runs_of_one_tensor():
     from kvlayout import _C
     row = 64
     # four segments 256 bytes apart on both sides: one 2-D copy of 4 rows of 2 x 64 bytes
-    assert _C.staged_copies([(0, 256 * i, 256 * i, row) for i in range(4)], 0, 2) == [(0, 0, 0, 128, 4, 256, 256)]
+    assert _C.staged_copies([(0, 256 * i, 256 * i, row) for i in range(4)], 0, 2) == \
+        [(0, 0, 0, 128, 4, 256, 256, 1, 0, 0)]
     # back to back on both sides: one plain copy
-    assert _C.staged_copies([(0, 128 * i, 128 * i, row) for i in range(4)], 0, 2) == [(0, 0, 0, 512, 1, 0, 0)]
-    # another host tensor, or steps shorter than a run (overlap) or at 2^31: no fold
+    assert _C.staged_copies([(0, 128 * i, 128 * i, row) for i in range(4)], 0, 2) == \
+        [(0, 0, 0, 512, 1, 0, 0, 1, 0, 0)]
+    # another host tensor, or steps shorter than a run (overlap): no fold
     assert len(_C.staged_copies([(i % 2, 256 * i, 256 * i, row) for i in range(4)], 0, 2)) == 4
     assert len(_C.staged_copies([(0, 100 * i, 256 * i, row) for i in range(3)], 0, 2)) == 3
-    assert len(_C.staged_copies([(0, (1 << 31) * i, 256 * i, row) for i in range(3)], 0, 2)) == 3
     # a run whose steps differ from the copy's starts a new copy
     assert [c[4] for c in _C.staged_copies([(0, 0, 0, row), (0, 256, 256, row), (0, 512, 512, row),
                                             (0, 1000, 1000, row)], 0, 1)] == [3, 1]
+
+
+def test_copies_fold_planes_into_one_3d_copy_where_both_sides_have_a_pitch():
+    """A K/V chunk's two planes (two 2-D copies, or two plain copies 2^31 or more apart) are one 3-D copy when
+    each side's plane step is a whole multiple of a pitch under 2^31; not where it is not."""
+    from kvlayout import _C
+    row = 64
+    # two planes of two layers each (layers 256 bytes apart on both sides; planes 4 KiB apart on the host, 1 KiB
+    # in the ring): one 3-D copy of 2 blocks of 2 runs of 2 rows
+    planes = [(0, 4096 * p + 256 * layer, 1024 * p + 256 * layer, row) for p in range(2) for layer in range(2)]
+    assert _C.staged_copies(planes, 0, 2) == [(0, 0, 0, 128, 2, 256, 256, 2, 4096, 1024)]
+    # a plane step that is not a whole number of layer steps: two 2-D copies
+    skewed = [(0, 4000 * p + 256 * layer, 1024 * p + 256 * layer, row) for p in range(2) for layer in range(2)]
+    assert [c[4] for c in _C.staged_copies(skewed, 0, 2)] == [2, 2]
+    # one layer per plane, the planes 2^31 apart on the host (above the copy engine's pitch) and back to back in
+    # the ring: one 3-D copy of single-run blocks, pitches 2^30 and the run's length
+    wide = [(0, (1 << 31) * p, 128 * p, row) for p in range(3)]
+    assert _C.staged_copies(wide, 0, 2) == [(0, 0, 0, 128, 1, 1 << 30, 128, 3, 1 << 31, 128)]
+    # a block step with no whole fraction under 2^31 that holds a run (a prime number of bytes): no fold
+    prime = 2_147_483_659
+    assert len(_C.staged_copies([(0, prime * p, 128 * p, row) for p in range(2)], 0, 2)) == 2
+    # blocks that overlap (a block step under a block's runs): no fold
+    assert len(_C.staged_copies([(0, 384 * p + 256 * layer, 1024 * p + 256 * layer, row)
+                                 for p in range(2) for layer in range(2)], 0, 2)) == 2
 
 
 @pytest.mark.parametrize("layout,shape,page", [

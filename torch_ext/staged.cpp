@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 
 namespace kvlayout {
 namespace {
@@ -25,6 +26,44 @@ bool continues(const StagedCopy& c, const StagedCopy& next) {
   const int64_t ring_step = next.ring_offset - c.ring_offset - (c.count - 1) * c.ring_step;
   if (c.count > 1) return host_step == c.host_step && ring_step == c.ring_step;
   return host_step >= c.bytes && ring_step >= c.bytes && host_step <= kMaxPitch && ring_step <= kMaxPitch;
+}
+
+// The pitch of one side of a 3-D copy whose blocks lie `block_step` bytes
+// apart: the runs' step where a block holds several (if the block step is a
+// whole multiple of it, past the block's last run), else the largest whole
+// fraction of the block step below 2^31 (a few tried) that still holds a run
+// of `bytes`; 0 where there is none.
+int64_t block_pitch(int64_t block_step, int64_t count, int64_t step, int64_t bytes) {
+  if (block_step < bytes) return 0;
+  if (count > 1) return block_step % step == 0 && block_step / step >= count ? step : 0;
+  constexpr int64_t kTries = 64;
+  const int64_t first = block_step / kMaxPitch + 1;  // (block_step / first < 2^31)
+  for (int64_t k = first; k < first + kTries && block_step / k >= bytes; ++k)
+    if (block_step % k == 0) return block_step / k;
+  return 0;
+}
+
+// `c` with `next` as its next block (one host tensor, one shape, the block
+// steps `c` already has, or the first ones where both sides have a pitch);
+// nullopt where `next` is not.
+std::optional<StagedCopy> with_block(const StagedCopy& c, const StagedCopy& next) {
+  if (next.host_tensor != c.host_tensor || next.bytes != c.bytes || next.count != c.count || next.blocks != 1)
+    return std::nullopt;
+  if (c.count > 1 && (next.host_step != c.host_step || next.ring_step != c.ring_step)) return std::nullopt;
+  const int64_t host_block = next.host_offset - c.host_offset - (c.blocks - 1) * c.host_block_step;
+  const int64_t ring_block = next.ring_offset - c.ring_offset - (c.blocks - 1) * c.ring_block_step;
+  StagedCopy merged = c;
+  if (c.blocks > 1) {
+    if (host_block != c.host_block_step || ring_block != c.ring_block_step) return std::nullopt;
+  } else {
+    merged.host_step = block_pitch(host_block, c.count, c.host_step, c.bytes);
+    merged.ring_step = block_pitch(ring_block, c.count, c.ring_step, c.bytes);
+    if (merged.host_step == 0 || merged.ring_step == 0) return std::nullopt;
+    merged.host_block_step = host_block;
+    merged.ring_block_step = ring_block;
+  }
+  ++merged.blocks;
+  return merged;
 }
 
 }  // namespace
@@ -89,7 +128,17 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
     }
     out.push_back(run);
   }
-  return out;
+  std::vector<StagedCopy> blocks;
+  for (const StagedCopy& copy : out) {
+    if (!blocks.empty()) {
+      if (std::optional<StagedCopy> merged = with_block(blocks.back(), copy)) {
+        blocks.back() = *merged;
+        continue;
+      }
+    }
+    blocks.push_back(copy);
+  }
+  return blocks;
 }
 
 }  // namespace kvlayout

@@ -45,10 +45,14 @@ struct StagedSegment {
   int64_t row_bytes = 0;
 };
 
-// One copy-engine call of a chunk: `count` runs of `bytes` bytes, run i
-// between host tensor `host_tensor` at byte host_offset + i * host_step and
-// the ring slot at byte ring_offset + i * ring_step. count 1 is a plain copy,
-// more a 2-D copy (pitches host_step and ring_step).
+// One copy-engine call of a chunk: `blocks` blocks of `count` runs of
+// `bytes` bytes, run i of block b between host tensor `host_tensor` at byte
+// host_offset + b * host_block_step + i * host_step and the ring slot at
+// byte ring_offset + b * ring_block_step + i * ring_step. One run is a plain
+// copy, one block of several runs a 2-D copy (pitches host_step and
+// ring_step), several blocks a 3-D copy: each step is then the pitch of its
+// side (at least `bytes`, below 2^31), and each block step a whole multiple
+// of it, of at least `count` pitches.
 struct StagedCopy {
   int64_t host_tensor = 0;
   int64_t host_offset = 0;
@@ -57,6 +61,9 @@ struct StagedCopy {
   int64_t count = 1;
   int64_t host_step = 0;
   int64_t ring_step = 0;
+  int64_t blocks = 1;
+  int64_t host_block_step = 0;
+  int64_t ring_block_step = 0;
 };
 
 // The copies of one layer group's chunk of tokens [t0, t0 + n): the
@@ -64,8 +71,11 @@ struct StagedCopy {
 // one on both sides merged into it, then consecutive copies of one length at
 // constant steps within one host tensor folded into one 2-D copy (each step
 // at least the length, so the runs do not overlap, and below 2^31, the
-// pitch the copy engine takes). Fewer copies: fewer driver calls issued
-// directly, fewer nodes in a captured graph.
+// pitch the copy engine takes), then consecutive copies of one shape at
+// constant steps folded into one 3-D copy where both sides' steps are whole
+// multiples of a pitch (a K/V chunk's two planes: one copy, not one per
+// plane). Fewer copies: fewer driver calls issued directly, fewer nodes in a
+// captured graph.
 std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n);
 
 // Tokens per chunk of one call: `tokens` tokens (past skip_prefix) whose rows

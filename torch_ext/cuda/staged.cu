@@ -7,7 +7,8 @@
 // Issued directly, a call's host work is one small kernel that writes the
 // ring row of every token (and, device -> host, which host rows must be
 // kept), then per chunk one or two program runs, the chunk's copies (adjacent
-// ones merged, runs at constant steps folded into 2-D copies: staged_copies)
+// ones merged, runs at constant steps folded into 2-D and 3-D copies:
+// staged_copies)
 // and two event records with their waits: about 25 us of driver
 // calls per chunk. So a call whose shape (token count, skip_prefix, SM
 // budget, slot dtype) came before is captured once into a CUDA graph (on the
@@ -440,12 +441,27 @@ class CudaStaged final : public StagedEngine {
 
   // The copy engine's part of chunk (group g, tokens [t0, t0 + n)) through
   // ring slot r: host rows t0.. <-> ring rows 0.., as staged_copies lists
-  // them (merged and folded into 2-D copies).
+  // them (merged and folded into 2-D and 3-D copies).
   void copy(size_t g, size_t r, int64_t t0, int64_t n, bool to_host, cudaStream_t side) const {
     for (const StagedCopy& c : staged_copies(s_.groups[g], t0, n)) {
       char* host = host_[static_cast<size_t>(c.host_tensor)] + c.host_offset;
       char* ring = ring_[r] + c.ring_offset;
       const auto bytes = static_cast<size_t>(c.bytes);
+      if (c.blocks > 1) {
+        // pitched pointers: a side's block step is a whole number of its pitch (staged_copies)
+        const auto pitched = [&](char* p, int64_t pitch, int64_t block_step) {
+          return make_cudaPitchedPtr(p, size_t(pitch), bytes, size_t(block_step / pitch));
+        };
+        cudaMemcpy3DParms params{};
+        const cudaPitchedPtr host_ptr = pitched(host, c.host_step, c.host_block_step);
+        const cudaPitchedPtr ring_ptr = pitched(ring, c.ring_step, c.ring_block_step);
+        params.srcPtr = to_host ? ring_ptr : host_ptr;
+        params.dstPtr = to_host ? host_ptr : ring_ptr;
+        params.extent = make_cudaExtent(bytes, size_t(c.count), size_t(c.blocks));
+        params.kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+        C10_CUDA_CHECK(cudaMemcpy3DAsync(&params, side));
+        continue;
+      }
       if (c.count == 1) {
         C10_CUDA_CHECK(to_host ? cudaMemcpyAsync(host, ring, bytes, cudaMemcpyDeviceToHost, side)
                                : cudaMemcpyAsync(ring, host, bytes, cudaMemcpyHostToDevice, side));
