@@ -22,6 +22,10 @@
 #                time per call in this OUTDIR's bench record (else
 #                bench/results/h200.jsonl; HOST_PROFILE_CALL: only rows of that call, e.g. transfer, the rows
 #                replayed from their graphs)                        -> host_profile.txt
+#   staged-timeline  scripts/host_profile.py --timeline on TIMELINE_KEYS (bench keys, comma-separated; default
+#                the staged L32 H1 rows at T = 4096 both ways, L32 H8 and MLA to the host at T = 4096): one
+#                call's kernels and copies, where its device time goes, beside one pinned copy of its bytes
+#                                                                   -> staged_timeline.txt
 #   host-path    scripts/host_path.py: an all-layer call's host time by part (Python,
 #                the C++ checks, the launch), warm and with the device idle -> host_path.txt
 #   binding-cost scripts/binding_cost.py: calls with tensors bound at every call (ops, LMCache and
@@ -49,7 +53,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|host-path|binding-cost|ab-old|ab|probe|walk-probe|staged-settings ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|ab-old|ab|probe|walk-probe|staged-settings ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -60,6 +64,11 @@ ab_dir=${AB_DIR:-/tmp/kvlayout-ab}
 repo=$(pwd)
 default_probe_keys="L32_MLA_D576 T=256 ps=16 vllm_mla->lmcache_kv_mla gather_device all layers ctas=default,\
 L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd gather_device all layers ctas=default"
+staged_row() { echo "$1 T=4096 ps=16 $2 $3 all layers ctas=default staged"; }
+default_timeline_keys="$(staged_row L32_H1_D128 vllm_flash_attn_nhd-\>lmcache_kv_2ltd to_host),\
+$(staged_row L32_H1_D128 vllm_flash_attn_nhd-\>lmcache_kv_2ltd from_host),\
+$(staged_row L32_H8_D128 vllm_flash_attn_nhd-\>lmcache_kv_2ltd to_host),\
+$(staged_row L32_MLA_D576 vllm_mla-\>lmcache_kv_mla to_host)"
 default_staged_only="L32_H1_D128 T=256,L32_MLA_D576 T=256"
 staged_settings=("KVLAYOUT_STAGED_GRAPHS=8 KVLAYOUT_STAGED_CHUNKS=8" "KVLAYOUT_STAGED_GRAPHS=0 KVLAYOUT_STAGED_CHUNKS=8"
                  "KVLAYOUT_STAGED_GRAPHS=8 KVLAYOUT_STAGED_CHUNKS=1")
@@ -114,6 +123,9 @@ for step in "${steps[@]}"; do
                       run_step host-profile host_profile.txt $py scripts/host_profile.py \
                           --record "$record" --over 50 --rows 6 --calls 30 ${HOST_PROFILE_CALL:+--call "$HOST_PROFILE_CALL"}
                       rm -rf "$recorded" ;;
+        staged-timeline) IFS=, read -r -a timeline_keys <<< "${TIMELINE_KEYS:-$default_timeline_keys}"
+                         run_step staged-timeline staged_timeline.txt $py scripts/host_profile.py --timeline \
+                             --calls 10 "${timeline_keys[@]}" ;;
         host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
         binding-cost) run_step binding-cost binding_cost.txt $py scripts/binding_cost.py --device cuda ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"

@@ -1,6 +1,7 @@
 """Where a bench row's call spends its host time, by runtime call and operator (torch.profiler).
 
     python scripts/host_profile.py "L32_H8_D128 T=4096 ps=16 ... staged" [KEY ...] [--calls 50] [--device cuda]
+        [--timeline]
     python scripts/host_profile.py --record bench/results/h200.jsonl [--over 50] [--group staged] [--rows 8]
         [--call transfer]
 
@@ -14,6 +15,11 @@ shape is captured on its second call and replayed after), then:
   call's), and prints, per event (CUDA runtime and driver calls such as ``cudaGraphLaunch`` or
   ``cudaMemcpyAsync``, and torch operators), how often it ran per call and its host µs per call (self time),
   largest first; the script's own synchronizations between calls are left out.
+
+``--timeline``: besides, one call's device activities from the profiler's trace (the device idle before the
+call): each kernel and copy with its start, duration, stream, bytes and rate, then where the call's device time
+goes (before its first copy, the copies themselves, the gaps between them, after the last), beside one pinned
+copy of the same bytes in the same direction, timed alike: what a staged call loses against the pinned ceiling.
 
 ``--record``: the rows of a bench record (of ``--group``, and of ``--call`` where given) whose host time per
 call was over ``--over`` µs, slowest first, at most ``--rows`` of them.
@@ -56,7 +62,91 @@ def host_events(averages, top: int) -> list:
     return sorted((e for e in averages if e.key not in OWN_SYNCS), key=lambda e: -e.self_cpu_time_total)[:top]
 
 
-def profile_case(case, device: torch.device, calls: int, top: int) -> None:
+DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def device_activities(prof) -> list[dict]:
+    """The device activities of a profile (kernels, copies, fills) from its trace, in start order, each as
+    ``{"name", "stream", "start", "end", "bytes"}`` (µs; bytes 0 for a kernel)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    found = []
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") in DEVICE_CATEGORIES and e.get("ph") == "X":
+            args = e.get("args", {})
+            found.append({"name": e.get("name", ""), "stream": args.get("stream", e.get("tid")),
+                          "start": float(e["ts"]), "end": float(e["ts"]) + float(e.get("dur", 0)),
+                          "bytes": int(args.get("bytes", 0) or 0), "copy": e["cat"] == "gpu_memcpy"})
+    return sorted(found, key=lambda a: a["start"])
+
+
+def timeline_summary(activities: list[dict]) -> dict:
+    """Where one call's device time goes (µs): ``span`` from its first activity's start to its last one's end;
+    ``before_copies`` up to the first copy's start; ``copying`` the time some copy runs; ``gaps`` the time
+    between the first copy's start and the last copy's end with no copy running; ``after_copies`` from there
+    to the end; ``copy_bytes`` and ``copies``."""
+    if not activities:
+        return {"span": 0.0, "before_copies": 0.0, "copying": 0.0, "gaps": 0.0, "after_copies": 0.0,
+                "copy_bytes": 0, "copies": 0}
+    start = min(a["start"] for a in activities)
+    end = max(a["end"] for a in activities)
+    copies = sorted((a for a in activities if a["copy"]), key=lambda a: a["start"])
+    if not copies:
+        return {"span": end - start, "before_copies": end - start, "copying": 0.0, "gaps": 0.0,
+                "after_copies": 0.0, "copy_bytes": 0, "copies": 0}
+    copying, reach = 0.0, copies[0]["start"]
+    for c in copies:                        # the union of the copies' intervals
+        if c["end"] > reach:
+            copying += c["end"] - max(c["start"], reach)
+            reach = c["end"]
+    first, last = copies[0]["start"], reach
+    return {"span": end - start, "before_copies": first - start, "copying": copying,
+            "gaps": (last - first) - copying, "after_copies": end - last,
+            "copy_bytes": sum(c["bytes"] for c in copies), "copies": len(copies)}
+
+
+def print_timeline(fn, device: torch.device) -> None:
+    """One call of ``fn`` under the profiler, the device idle before it: its device activities and
+    :func:`timeline_summary`, beside one pinned copy of its copies' bytes in the direction of its first copy."""
+    def once(call) -> list[dict]:
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize(device)
+        return device_activities(prof)
+
+    activities = once(fn)
+    if not activities:
+        print("  (no device activity traced)")
+        return
+    t0 = activities[0]["start"]
+    print(f"  {'start µs':>9} {'µs':>8} {'stream':>6} {'bytes':>11} {'GB/s':>6}  activity")
+    for a in activities:
+        took = a["end"] - a["start"]
+        rate = f"{a['bytes'] / took / 1e3:6.1f}" if a["bytes"] and took > 0 else f"{'':6}"
+        print(f"  {a['start'] - t0:9.1f} {took:8.1f} {str(a['stream']):>6} {a['bytes']:11d} {rate}  {a['name'][:60]}")
+    s = timeline_summary(activities)
+    print(f"  on the device {s['span']:.1f} µs: before the first copy {s['before_copies']:.1f}, {s['copies']} "
+          f"copies running {s['copying']:.1f} ({s['copy_bytes'] / max(s['copying'], 1e-9) / 1e3:.1f} GB/s while "
+          f"they run), gaps between them {s['gaps']:.1f}, after the last {s['after_copies']:.1f}")
+    if s["copy_bytes"]:
+        to_host = "DtoH" in next(a["name"] for a in activities if a["copy"])
+        dev = torch.empty(s["copy_bytes"], dtype=torch.uint8, device=device)
+        host = torch.empty(s["copy_bytes"], dtype=torch.uint8, pin_memory=True)
+        dst, src = (host, dev) if to_host else (dev, host)
+        dst.copy_(src, non_blocking=True)        # (warm)
+        ref = timeline_summary(once(lambda: dst.copy_(src, non_blocking=True)))
+        print(f"  one pinned copy of the same {s['copy_bytes']} bytes {'to' if to_host else 'from'} the host: "
+              f"{ref['span']:.1f} µs; the call's span is {s['span'] / max(ref['span'], 1e-9):.3f}x that")
+
+
+def profile_case(case, device: torch.device, calls: int, top: int, timeline: bool = False) -> None:
     from kvlayout.bench import cases as C
 
     data = C.build(case, C.Inputs(device))
@@ -91,6 +181,9 @@ def profile_case(case, device: torch.device, calls: int, top: int) -> None:
     print(f"{'event':48} {'per call':>9} {'host µs per call':>17}")
     for e in events:
         print(f"{e.key[:48]:48} {e.count / per_call:9.2f} {e.self_cpu_time_total / per_call:17.2f}")
+    if timeline and device.type == "cuda":
+        print("one call's device activities:")
+        print_timeline(fn, device)
     print()
 
 
@@ -105,6 +198,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=20, help="events listed")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also one call's device activities beside one pinned copy of the same bytes")
     args = parser.parse_args()
 
     from kvlayout.bench import cases as C
@@ -119,7 +214,7 @@ def main() -> None:
     except ValueError as unknown:
         raise SystemExit(str(unknown)) from None
     for case in chosen:
-        profile_case(case, device, args.calls, args.top)
+        profile_case(case, device, args.calls, args.top, args.timeline)
 
 
 if __name__ == "__main__":

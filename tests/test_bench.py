@@ -657,6 +657,22 @@ def test_host_profile_lists_the_calls_events_without_its_own_syncs():
     assert [e.key for e in host_profile.host_events(averages, 2)] == ["cudaGraphLaunch", "cudaMemcpyAsync"]
 
 
+def test_host_profile_timeline_splits_a_calls_device_time_around_its_copies():
+    """scripts/host_profile.py --timeline: a call's device time split into before its first copy, the copies
+    running (overlapping copies counted once), the gaps between them and after the last."""
+    summary = _script("host_profile").timeline_summary
+
+    def act(start, end, copy=False, nbytes=0):
+        return {"name": "Memcpy DtoH" if copy else "kernel", "stream": 7, "start": start, "end": end,
+                "bytes": nbytes, "copy": copy}
+
+    acts = [act(0, 4), act(3, 10), act(10, 30, True, 2000), act(25, 40, True, 3000), act(45, 50, True, 500),
+            act(50, 52)]
+    assert summary(acts) == {"span": 52, "before_copies": 10, "copying": 35, "gaps": 5, "after_copies": 2,
+                             "copy_bytes": 5500, "copies": 3}
+    assert summary([act(0, 4)])["before_copies"] == 4 and summary([])["span"] == 0
+
+
 def test_host_profile_picks_a_records_slowest_rows_over_the_bound(tmp_path):
     """scripts/host_profile.py --record: the rows of the group (and of --call, where given) whose host time per
     call was over the bound, slowest first, at most --rows of them; nothing else (other groups, other calls, rows

@@ -82,6 +82,11 @@ def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_
     subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "host-profile"], env=env,
                    check=True, capture_output=True, timeout=60)
     assert "--call transfer" in (out / "host_profile.txt").read_text()
+    assert record(out, stand_in, "staged-timeline").returncode == 0
+    ran = next(line for line in (out / "staged_timeline.txt").read_text().splitlines() if line.startswith("ran"))
+    # the default keys (the stand-in echoes them space-separated): four rows, each staged
+    assert ran.startswith("ran scripts/host_profile.py --timeline --calls 10 L32_H1_D128 T=4096")
+    assert ran.count("all layers ctas=default staged") == 4 and "vllm_mla->lmcache_kv_mla to_host" in ran
     assert record(out, stand_in, "host-path", "binding-cost").returncode == 0
     assert "ran scripts/host_path.py --device cuda" in (out / "host_path.txt").read_text()
     assert "ran scripts/binding_cost.py --device cuda" in (out / "binding_cost.txt").read_text()
