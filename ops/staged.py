@@ -89,6 +89,7 @@ AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
+DEVICE_SIDES_PER_RING = 16  # device sides a ring keeps (_DeviceSide; least recently used goes)
 _ALIGN = 256                # bytes: every mini-cache tensor starts at a multiple
 
 
@@ -374,6 +375,9 @@ class _Ring:
         self.buffer = torch.empty(slot_bytes * RING_SLOTS, dtype=torch.uint8, device=device)
         self.slots = [self.buffer[r * slot_bytes:(r + 1) * slot_bytes] for r in range(RING_SLOTS)]
         self.transfers: collections.OrderedDict = collections.OrderedDict()   # id(choice) -> _Transfer
+        # (id(shapes' choice), id(device cache)) -> _DeviceSide: what transfers of one device cache and host
+        # caches of one shape share
+        self.device_sides: collections.OrderedDict = collections.OrderedDict()
         # the stream's handle (0 is the default stream's); None: a ring of one graph capture (not kept)
         self.stream = stream
 
@@ -459,6 +463,86 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def _bind(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes, status, handles: list):
+    """The copy program from ``a`` to ``b`` bound to their tensors, its handle pinned and added to ``handles``
+    (the caller unpins them)."""
+    handle = program_handle(program_key(a, b, a_layers, b_layers, a_planes, b_planes), pin=True)
+    handles.append(handle)
+    bound = _C.bind_program(handle, list(a.tensors), list(b.tensors), status)
+    if bound is None:
+        raise RuntimeError("kvlayout: a staged transfer's tensors need the dispatcher")
+    return bound
+
+
+def _watch(objects, forget) -> list:
+    """Weak references to ``objects`` that call ``forget`` when any of them goes."""
+    return [weakref.ref(o, forget) for o in objects]
+
+
+class _DeviceSide:
+    """What a ring's staged transfers between one device cache and host caches of one shape (and one choice
+    of layers and planes) share, made once: the mini caches carved in the ring's slots, each layer group's
+    host byte spans (relative to the host tensors, so any host cache of the shape), and the copy programs
+    between the device cache and each ring slot, bound (pinned while it lives). An engine that binds a fresh
+    host chunk at every call against its one device cache plans only the host side per call (:class:`_Transfer`).
+
+    Kept on the ring (``ring.device_sides``) while the device cache object and the shapes' choice live; a
+    transfer planned with it holds it too."""
+
+    def __init__(self, sides: _Sides, staged: StagedPlan, ring: _Ring, status: torch.Tensor, shapes, key):
+        ring_ref, me = weakref.ref(ring), weakref.ref(self)
+
+        def forget(_):
+            r, d = ring_ref(), me()
+            with _RINGS_LOCK:
+                if r is not None and d is not None and r.device_sides.get(key) is d:
+                    del r.device_sides[key]
+
+        self._watches = _watch((shapes, sides.device), forget)
+        self.shapes, self.device = self._watches
+        self.minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
+        self.groups, self.kernels, handles = [], [], []
+        try:
+            for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
+                host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
+                device_layers = sides.device_layers[g0:g0 + staged.chunk_layers]
+                ring_layers = list(range(len(host_layers)))
+                segs = host_segments(sides.host, self.minis[0], ring.slots[0], host_layers, sides.host_planes)
+                assert not isinstance(segs, str), segs    # (static_plan checked the same layout)
+                self.groups.append(sorted(segs))    # in host memory order: adjacent spans merge into one copy
+                for mini in self.minis:
+                    if sides.host_is_dst:
+                        self.kernels.append(_bind(sides.device, mini, device_layers, ring_layers,
+                                                  sides.device_planes, sides.host_planes, status, handles))
+                    else:
+                        self.kernels.append(_bind(mini, sides.device, ring_layers, device_layers,
+                                                  sides.host_planes, sides.device_planes, status, handles))
+        except BaseException:
+            for handle in handles:
+                unpin(handle)
+            raise
+        weakref.finalize(self, lambda hs=tuple(handles): [unpin(h) for h in hs])
+
+    @classmethod
+    def of(cls, sides: _Sides, staged: StagedPlan, ring: _Ring, status: torch.Tensor, choice) -> "_DeviceSide":
+        """The ring's device side for ``choice``'s shapes and device cache: the kept one, or a new one (kept,
+        except on a ring of one graph capture)."""
+        shapes = choice.shared if choice.shared is not None else choice
+        key = (id(shapes), id(sides.device))
+        with _RINGS_LOCK:
+            side = ring.device_sides.get(key)
+            if side is not None and side.shapes() is shapes and side.device() is sides.device:
+                ring.device_sides.move_to_end(key)
+                return side
+        side = cls(sides, staged, ring, status, shapes, key)    # (made outside the lock)
+        if not ring.capturing:
+            with _RINGS_LOCK:
+                ring.device_sides[key] = side
+                while len(ring.device_sides) > DEVICE_SIDES_PER_RING:
+                    ring.device_sides.popitem(last=False)
+        return side
+
+
 class _Transfer:
     """A staged transfer planned on one ring: the copy programs bound to each ring slot (pinned while it lives)
     and the native run loop.
@@ -478,42 +562,24 @@ class _Transfer:
                 if r is not None and t is not None and r.transfers.get(key) is t:
                     del r.transfers[key]
 
-        self._watches = [weakref.ref(o, forget) for o in (choice, src, dst)]
+        self._watches = _watch((choice, src, dst), forget)
         self.choice = self._watches[0]
         self.host_is_dst = staged.host_is_dst
         sides = _Sides.of(src, dst, choice, staged.host_is_dst)
         status = _native.status_tensor(choice.device)
-        minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
-        handles, kernels, keeps, groups = [], [], [], []
-
-        def bind(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes):
-            handle = program_handle(program_key(a, b, a_layers, b_layers, a_planes, b_planes), pin=True)
-            handles.append(handle)
-            bound = _C.bind_program(handle, list(a.tensors), list(b.tensors), status)
-            if bound is None:
-                raise RuntimeError("kvlayout: a staged transfer's tensors need the dispatcher")
-            return bound
-
+        # the device side (mini caches, host spans, programs between the device cache and the ring): shared
+        self.device_side = _DeviceSide.of(sides, staged, ring, status, choice)
+        keeps, handles = [], []
         try:
-            for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
-                host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
-                device_layers = sides.device_layers[g0:g0 + staged.chunk_layers]
-                ring_layers = list(range(len(host_layers)))
-                segs = host_segments(sides.host, minis[0], ring.slots[0], host_layers, sides.host_planes)
-                assert not isinstance(segs, str), segs    # (static_plan checked the same layout)
-                groups.append(sorted(segs))    # in host memory order: adjacent spans merge into one copy
-                for mini in minis:
-                    if sides.host_is_dst:
-                        kernels.append(bind(sides.device, mini, device_layers, ring_layers, sides.device_planes,
-                                            sides.host_planes))
-                        keeps.append(bind(sides.host, mini, host_layers, ring_layers, sides.host_planes,
-                                          sides.host_planes))
-                    else:
-                        kernels.append(bind(mini, sides.device, ring_layers, device_layers, sides.host_planes,
-                                            sides.device_planes))
+            if sides.host_is_dst:      # the host side: programs from the host chunk into each ring slot
+                for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
+                    host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
+                    ring_layers = list(range(len(host_layers)))
+                    keeps.extend(_bind(sides.host, mini, host_layers, ring_layers, sides.host_planes,
+                                       sides.host_planes, status, handles) for mini in self.device_side.minis)
             written = list(sides.host.tensors if sides.host_is_dst else sides.device.tensors)
-            self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots),
-                                            list(sides.host.tensors), groups, staged.chunk_tokens,
+            self.native = _C.StagedTransfer(sides.host_is_dst, self.device_side.kernels, keeps, list(ring.slots),
+                                            list(sides.host.tensors), self.device_side.groups, staged.chunk_tokens,
                                             sides.device.geometry.N, sides.host.geometry.N,
                                             _side_stream(choice.device).cuda_stream,
                                             -1 if ring.capturing else ring.stream, written)

@@ -542,6 +542,44 @@ def test_staged_equals_kernel(cuda_device, mla, direction, skip, layers, ring, r
     assert torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("ring", RINGS)
+def test_fresh_host_chunks_share_the_device_side_and_move_exactly(cuda_device, direction, ring, ring_bytes):
+    """An engine binds a fresh pinned host chunk at every call against its one device cache: every call is exact
+    (the kernel engine's result, held rows included), the ring makes the device side (mini caches, host spans,
+    the programs between the device cache and the ring) once for all of them, and lets it go with the device
+    cache."""
+    import gc
+
+    if ring is not None:
+        ring_bytes(ring)
+    T = 40
+    slots = _slots_with_holes(T, cuda_device)
+    cache, expected_cache = _device_cache(cuda_device), _device_cache(cuda_device)
+    for call in range(4):
+        fill = 0x1111 * (call + 1)
+        if direction == "to_host":
+            chunk, expected = _chunk(T, pin=True, fill=fill), _chunk(T, pin=True, fill=fill)
+            ops.transfer(cache, chunk, slots, engine="staged")
+            ops.transfer(expected_cache, expected, slots, engine="kernel")
+        else:
+            g = torch.Generator().manual_seed(call)
+            payload = torch.randint(-2**15, 2**15, (2, L, T, H * D), generator=g, dtype=torch.int16)
+            chunk = ops.bind("lmcache_kv_2ltd", payload.view(torch.bfloat16).pin_memory())
+            ops.transfer(chunk, cache, None, slots, engine="staged")
+            ops.transfer(chunk, expected_cache, None, slots, engine="kernel")
+            expected = chunk
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(chunk), _bytes(expected)), call
+        assert torch.equal(_bytes(cache), _bytes(expected_cache)), call
+    (kept_ring,) = staged_mod._RINGS.values()
+    assert len(kept_ring.device_sides) == 1
+    assert len(kept_ring.transfers) <= 1          # (the last chunk's plan; the earlier chunks are gone)
+    del cache
+    gc.collect()
+    assert not kept_ring.device_sides and not kept_ring.transfers
+
+
 @pytest.mark.parametrize("ring", RINGS)
 def test_staged_to_host_records_out_of_range_slots_and_keeps_their_rows(cuda_device, ring, ring_bytes):
     if ring is not None:
