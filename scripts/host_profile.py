@@ -67,7 +67,9 @@ DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 def device_activities(prof) -> list[dict]:
     """The device activities of a profile (kernels, copies, fills) from its trace, in start order, each as
-    ``{"name", "stream", "start", "end", "bytes"}`` (µs; bytes 0 for a kernel)."""
+    ``{"name", "stream", "start", "end", "bytes", "copy"}`` (µs; bytes 0 for a kernel; ``copy``: a copy
+    between host and device memory, not one inside device memory such as a call's slots into its graph's
+    buffer)."""
     import os
     import tempfile
 
@@ -82,7 +84,8 @@ def device_activities(prof) -> list[dict]:
             args = e.get("args", {})
             found.append({"name": e.get("name", ""), "stream": args.get("stream", e.get("tid")),
                           "start": float(e["ts"]), "end": float(e["ts"]) + float(e.get("dur", 0)),
-                          "bytes": int(args.get("bytes", 0) or 0), "copy": e["cat"] == "gpu_memcpy"})
+                          "bytes": int(args.get("bytes", 0) or 0),
+                          "copy": e["cat"] == "gpu_memcpy" and "DtoD" not in e.get("name", "")})
     return sorted(found, key=lambda a: a["start"])
 
 
