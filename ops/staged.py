@@ -89,7 +89,7 @@ AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
-DEVICE_SIDES_PER_RING = 16  # device sides a ring keeps (_DeviceSide; least recently used goes)
+SHAPES_PER_RING = 16        # plans of shapes a ring keeps (_RingShapes; least recently used goes)
 _ALIGN = 256                # bytes: every mini-cache tensor starts at a multiple
 
 
@@ -375,9 +375,8 @@ class _Ring:
         self.buffer = torch.empty(slot_bytes * RING_SLOTS, dtype=torch.uint8, device=device)
         self.slots = [self.buffer[r * slot_bytes:(r + 1) * slot_bytes] for r in range(RING_SLOTS)]
         self.transfers: collections.OrderedDict = collections.OrderedDict()   # id(choice) -> _Transfer
-        # (id(shapes' choice), id(device cache)) -> _DeviceSide: what transfers of one device cache and host
-        # caches of one shape share
-        self.device_sides: collections.OrderedDict = collections.OrderedDict()
+        # id(the shapes' choice) -> _RingShapes: what transfers between caches of two shapes share
+        self.shapes: collections.OrderedDict = collections.OrderedDict()
         # the stream's handle (0 is the default stream's); None: a ring of one graph capture (not kept)
         self.stream = stream
 
@@ -463,45 +462,43 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _bind(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes, status, handles: list):
-    """The copy program from ``a`` to ``b`` bound to their tensors, its handle pinned and added to ``handles``
-    (the caller unpins them)."""
-    handle = program_handle(program_key(a, b, a_layers, b_layers, a_planes, b_planes), pin=True)
-    handles.append(handle)
-    bound = _C.bind_program(handle, list(a.tensors), list(b.tensors), status)
-    if bound is None:
-        raise RuntimeError("kvlayout: a staged transfer's tensors need the dispatcher")
-    return bound
-
-
 def _watch(objects, forget) -> list:
     """Weak references to ``objects`` that call ``forget`` when any of them goes."""
     return [weakref.ref(o, forget) for o in objects]
 
 
-class _DeviceSide:
-    """What a ring's staged transfers between one device cache and host caches of one shape (and one choice
-    of layers and planes) share, made once: the mini caches carved in the ring's slots, each layer group's
-    host byte spans (relative to the host tensors, so any host cache of the shape), and the copy programs
-    between the device cache and each ring slot, bound (pinned while it lives). An engine that binds a fresh
-    host chunk at every call against its one device cache plans only the host side per call (:class:`_Transfer`).
+class _RingShapes:
+    """What a ring's staged transfers between caches of two shapes (one choice of layers and planes) share, made
+    once: the mini caches carved in the ring's slots, each layer group's host byte spans (relative to the host
+    tensors, so those of any host cache of the shape) and the handles of the copy programs between the device
+    cache and each ring slot and (to the host) from the host cache into it, registered and pinned while it lives.
+    It holds no cache's tensors: a transfer binds the programs to its caches' tensors, and binding the same
+    tensors again (an engine's device cache, bound anew at each call beside a fresh host chunk) is a lookup in
+    the native binding cache. So a transfer between caches bound anew plans only its bindings.
 
-    Kept on the ring (``ring.device_sides``) while the device cache object and the shapes' choice live; a
-    transfer planned with it holds it too."""
+    Kept on the ring (``ring.shapes``) while the shapes' choice lives; a transfer planned with it holds it."""
 
-    def __init__(self, sides: _Sides, staged: StagedPlan, ring: _Ring, status: torch.Tensor, shapes, key):
+    def __init__(self, sides: _Sides, staged: StagedPlan, ring: _Ring, shapes, key):
         ring_ref, me = weakref.ref(ring), weakref.ref(self)
 
         def forget(_):
-            r, d = ring_ref(), me()
+            r, k = ring_ref(), me()
             with _RINGS_LOCK:
-                if r is not None and d is not None and r.device_sides.get(key) is d:
-                    del r.device_sides[key]
+                if r is not None and k is not None and r.shapes.get(key) is k:
+                    del r.shapes[key]
 
-        self._watches = _watch((shapes, sides.device), forget)
-        self.shapes, self.device = self._watches
+        self._watches = _watch((shapes,), forget)
+        self.shapes = self._watches[0]
+        self.host_is_dst = sides.host_is_dst
         self.minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
-        self.groups, self.kernels, handles = [], [], []
+        # per layer group: the host spans; per (group, ring slot): the chosen layers and planes of each program
+        self.groups, self.kernels, self.keeps, handles = [], [], [], []
+
+        def program(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes) -> tuple:
+            handle = program_handle(program_key(a, b, a_layers, b_layers, a_planes, b_planes), pin=True)
+            handles.append(handle)
+            return handle
+
         try:
             for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
                 host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
@@ -512,40 +509,57 @@ class _DeviceSide:
                 self.groups.append(sorted(segs))    # in host memory order: adjacent spans merge into one copy
                 for mini in self.minis:
                     if sides.host_is_dst:
-                        self.kernels.append(_bind(sides.device, mini, device_layers, ring_layers,
-                                                  sides.device_planes, sides.host_planes, status, handles))
+                        self.kernels.append(program(sides.device, mini, device_layers, ring_layers,
+                                                    sides.device_planes, sides.host_planes))
+                        self.keeps.append(program(sides.host, mini, host_layers, ring_layers, sides.host_planes,
+                                                  sides.host_planes))
                     else:
-                        self.kernels.append(_bind(mini, sides.device, ring_layers, device_layers,
-                                                  sides.host_planes, sides.device_planes, status, handles))
+                        self.kernels.append(program(mini, sides.device, ring_layers, device_layers,
+                                                    sides.host_planes, sides.device_planes))
         except BaseException:
             for handle in handles:
                 unpin(handle)
             raise
         weakref.finalize(self, lambda hs=tuple(handles): [unpin(h) for h in hs])
 
+    def bind(self, sides: _Sides, status: torch.Tensor) -> tuple[list, list]:
+        """The programs bound to ``sides``' caches and the ring slots: (kernels, keeps), per (group, ring slot)."""
+        def bound(handle, a: KVCache, b: KVCache):
+            program = _C.bind_program(handle, list(a.tensors), list(b.tensors), status)
+            if program is None:
+                raise RuntimeError("kvlayout: a staged transfer's tensors need the dispatcher")
+            return program
+
+        slots = len(self.minis)
+        minis = [self.minis[i % slots] for i in range(len(self.kernels))]
+        if self.host_is_dst:
+            return ([bound(h, sides.device, m) for h, m in zip(self.kernels, minis)],
+                    [bound(h, sides.host, m) for h, m in zip(self.keeps, minis)])
+        return [bound(h, m, sides.device) for h, m in zip(self.kernels, minis)], []
+
     @classmethod
-    def of(cls, sides: _Sides, staged: StagedPlan, ring: _Ring, status: torch.Tensor, choice) -> "_DeviceSide":
-        """The ring's device side for ``choice``'s shapes and device cache: the kept one, or a new one (kept,
-        except on a ring of one graph capture)."""
+    def of(cls, sides: _Sides, staged: StagedPlan, ring: _Ring, choice) -> "_RingShapes":
+        """The ring's plan for ``choice``'s shapes: the kept one, or a new one (kept, except on a ring of one
+        graph capture)."""
         shapes = choice.shared if choice.shared is not None else choice
-        key = (id(shapes), id(sides.device))
+        key = id(shapes)
         with _RINGS_LOCK:
-            side = ring.device_sides.get(key)
-            if side is not None and side.shapes() is shapes and side.device() is sides.device:
-                ring.device_sides.move_to_end(key)
-                return side
-        side = cls(sides, staged, ring, status, shapes, key)    # (made outside the lock)
+            kept = ring.shapes.get(key)
+            if kept is not None and kept.shapes() is shapes:
+                ring.shapes.move_to_end(key)
+                return kept
+        kept = cls(sides, staged, ring, shapes, key)    # (made outside the lock)
         if not ring.capturing:
             with _RINGS_LOCK:
-                ring.device_sides[key] = side
-                while len(ring.device_sides) > DEVICE_SIDES_PER_RING:
-                    ring.device_sides.popitem(last=False)
-        return side
+                ring.shapes[key] = kept
+                while len(ring.shapes) > SHAPES_PER_RING:
+                    ring.shapes.popitem(last=False)
+        return kept
 
 
 class _Transfer:
-    """A staged transfer planned on one ring: the copy programs bound to each ring slot (pinned while it lives)
-    and the native run loop.
+    """A staged transfer planned on one ring: its shapes' copy programs (:class:`_RingShapes`) bound to its caches
+    and each ring slot, and the native run loop.
 
     The choice it was planned for keeps a weak reference to it (``choice.staged_kept``), so that
     :func:`kvlayout.ops.transfer` can repeat the call without planning or looking the ring up
@@ -567,27 +581,14 @@ class _Transfer:
         self.host_is_dst = staged.host_is_dst
         sides = _Sides.of(src, dst, choice, staged.host_is_dst)
         status = _native.status_tensor(choice.device)
-        # the device side (mini caches, host spans, programs between the device cache and the ring): shared
-        self.device_side = _DeviceSide.of(sides, staged, ring, status, choice)
-        keeps, handles = [], []
-        try:
-            if sides.host_is_dst:      # the host side: programs from the host chunk into each ring slot
-                for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
-                    host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
-                    ring_layers = list(range(len(host_layers)))
-                    keeps.extend(_bind(sides.host, mini, host_layers, ring_layers, sides.host_planes,
-                                       sides.host_planes, status, handles) for mini in self.device_side.minis)
-            written = list(sides.host.tensors if sides.host_is_dst else sides.device.tensors)
-            self.native = _C.StagedTransfer(sides.host_is_dst, self.device_side.kernels, keeps, list(ring.slots),
-                                            list(sides.host.tensors), self.device_side.groups, staged.chunk_tokens,
-                                            sides.device.geometry.N, sides.host.geometry.N,
-                                            _side_stream(choice.device).cuda_stream,
-                                            -1 if ring.capturing else ring.stream, written)
-        except BaseException:
-            for handle in handles:
-                unpin(handle)
-            raise
-        weakref.finalize(self, lambda hs=tuple(handles): [unpin(h) for h in hs])
+        # the plan of these shapes through the ring (mini caches, host spans, program handles): shared
+        self.ring_shapes = _RingShapes.of(sides, staged, ring, choice)
+        kernels, keeps = self.ring_shapes.bind(sides, status)
+        written = list(sides.host.tensors if sides.host_is_dst else sides.device.tensors)
+        self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots), list(sides.host.tensors),
+                                        self.ring_shapes.groups, staged.chunk_tokens, sides.device.geometry.N,
+                                        sides.host.geometry.N, _side_stream(choice.device).cuda_stream,
+                                        -1 if ring.capturing else ring.stream, written)
 
     def run_kept(self, src_slots, dst_slots, skip_prefix: int, max_ctas: int, validate: bool) -> bool:
         """The call again, from :func:`kvlayout.ops.transfer`'s repeated-call path: False (nothing done) where

@@ -544,12 +544,13 @@ def test_staged_equals_kernel(cuda_device, mla, direction, skip, layers, ring, r
 
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("ring", RINGS)
-def test_fresh_host_chunks_share_the_device_side_and_move_exactly(cuda_device, direction, ring, ring_bytes):
-    """An engine binds a fresh pinned host chunk at every call against its one device cache: every call is exact
-    (the kernel engine's result, held rows included), the ring makes the device side (mini caches, host spans,
-    the programs between the device cache and the ring) once for all of them, and lets it go with the device
-    cache."""
+def test_caches_bound_anew_at_every_call_share_their_shapes_plan(cuda_device, direction, ring, ring_bytes):
+    """An adapter binds its device cache and a fresh pinned host chunk at every call: every call is exact (the
+    kernel engine's result, held rows included), the ring plans the shapes once (mini caches, host spans,
+    programs) for all of them, and that plan holds no cache's tensors: a freed device cache's memory is freed."""
     import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     if ring is not None:
         ring_bytes(ring)
@@ -557,27 +558,27 @@ def test_fresh_host_chunks_share_the_device_side_and_move_exactly(cuda_device, d
     slots = _slots_with_holes(T, cuda_device)
     cache, expected_cache = _device_cache(cuda_device), _device_cache(cuda_device)
     for call in range(4):
+        device = ops.bind(cache.layout, cache.value)           # bound anew, over the same tensors
         fill = 0x1111 * (call + 1)
         if direction == "to_host":
             chunk, expected = _chunk(T, pin=True, fill=fill), _chunk(T, pin=True, fill=fill)
-            ops.transfer(cache, chunk, slots, engine="staged")
+            ops.transfer(device, chunk, slots, engine="staged")
             ops.transfer(expected_cache, expected, slots, engine="kernel")
         else:
             g = torch.Generator().manual_seed(call)
             payload = torch.randint(-2**15, 2**15, (2, L, T, H * D), generator=g, dtype=torch.int16)
-            chunk = ops.bind("lmcache_kv_2ltd", payload.view(torch.bfloat16).pin_memory())
-            ops.transfer(chunk, cache, None, slots, engine="staged")
+            chunk = expected = ops.bind("lmcache_kv_2ltd", payload.view(torch.bfloat16).pin_memory())
+            ops.transfer(chunk, device, None, slots, engine="staged")
             ops.transfer(chunk, expected_cache, None, slots, engine="kernel")
-            expected = chunk
         torch.cuda.synchronize()
         assert torch.equal(_bytes(chunk), _bytes(expected)), call
         assert torch.equal(_bytes(cache), _bytes(expected_cache)), call
     (kept_ring,) = staged_mod._RINGS.values()
-    assert len(kept_ring.device_sides) == 1
-    assert len(kept_ring.transfers) <= 1          # (the last chunk's plan; the earlier chunks are gone)
-    del cache
+    assert len(kept_ring.shapes) == 1
+    refs = [StorageWeakRef(t.untyped_storage()) for t in cache.tensors]
+    del cache, device, chunk, expected
     gc.collect()
-    assert not kept_ring.device_sides and not kept_ring.transfers
+    assert not kept_ring.transfers and all(r.expired() for r in refs)
 
 
 @pytest.mark.parametrize("ring", RINGS)

@@ -202,7 +202,9 @@ class PreparedCopy {
         src_positions_(src_positions),
         dst_positions_(dst_positions) {
     device_ = program_device(src_, dst_, std::nullopt, std::nullopt);
-    bound_ = std::make_shared<const BoundProgram>(handle, src_, dst_, device_, status_);
+    // from the binding cache: the same tensors bound again (a cache bound anew at every call, a staged
+    // transfer's device side beside a fresh host chunk) share one checked binding (which holds no tensors)
+    bound_ = bound_program(handle, src_, dst_, device_, status_);
   }
 
   // The per-call arguments, kept until the next set_call: a layer call then
