@@ -260,3 +260,27 @@ def test_a_choice_whose_program_was_evicted_registers_it_again():
         assert torch.equal(out, want)
     finally:
         programs.set_program_cache_capacity(saved)
+
+
+def test_prepared_copies_share_the_binding_of_tensors_bound_again_but_not_of_another_storage_there():
+    """A prepared copy takes its checked binding from the native binding cache: the same tensors prepared again
+    (an adapter binding its caches at every call) move exactly, and so do tensors of another storage at the same
+    addresses (here numpy's view of the memory; in an engine, a freed buffer's memory handed out again), which
+    get a binding of their own rather than one whose tensors they are not."""
+    layers = _layers()
+    chunk = torch.zeros(2, L, 6, H * E)
+    slots = torch.tensor([5, 0, 17, 30, 2, 9])
+    expected = torch.zeros_like(chunk)
+    ops.transfer(ops.bind(CACHE, layers), ops.bind(CHUNK, expected), slots)
+    for round_ in range(3):
+        # the same tensors bound anew, then the same memory through other storages
+        same = layers if round_ < 2 else [torch.from_numpy(t.numpy()) for t in layers]
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(same, layers))
+        out = torch.zeros_like(chunk)
+        t = ops.prepare(ops.bind(CACHE, same), ops.bind(CHUNK, out), slots)
+        t()
+        assert torch.equal(out, expected), round_
+        out.zero_()
+        for i in range(L):              # the layer calls, each checking its tensors are the ones bound
+            t.layer(i)
+        assert torch.equal(out, expected), round_

@@ -203,8 +203,12 @@ class PreparedCopy {
         dst_positions_(dst_positions) {
     device_ = program_device(src_, dst_, std::nullopt, std::nullopt);
     // from the binding cache: the same tensors bound again (a cache bound anew at every call, a staged
-    // transfer's device side beside a fresh host chunk) share one checked binding (which holds no tensors)
+    // transfer's device side beside a fresh host chunk) share one checked binding (which holds no tensors);
+    // one made for other storages at these addresses (a freed tensor's memory handed out again) is not
+    // this copy's, whose runs check that its tensors are the ones bound
     bound_ = bound_program(handle, src_, dst_, device_, status_);
+    if (!bound_->still_bound(0, src_, dst_))
+      bound_ = std::make_shared<const BoundProgram>(handle, src_, dst_, device_, status_);
   }
 
   // The per-call arguments, kept until the next set_call: a layer call then
