@@ -37,8 +37,10 @@ stream-ordered (events, no host synchronization): a staged transfer can be
 captured in a CUDA graph.
 
 The per-call loop is one C++ call (``_C.StagedTransfer``, ``torch_ext/staged.h``);
-Python plans a transfer once (chunk shape, the copy programs bound to each
-ring slot, the host byte spans) and keeps the plan with the ring. The C++
+Python plans each pair of cache shapes once per ring (chunk shape, mini
+caches, the copy programs, the host byte spans: :class:`_RingShapes`) and each
+transfer once (those programs bound to its caches and every ring slot:
+:class:`_Transfer`), and keeps both with the ring. The C++
 engine captures the second call of a shape (token count, skip_prefix, SM
 budget, slot dtype) into a CUDA graph and replays it for later calls of that
 shape (a slot copy and a graph launch instead of some 25 µs of driver calls
