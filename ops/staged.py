@@ -493,10 +493,10 @@ class _RingShapes:
         self.shapes = self._watches[0]
         self.host_is_dst = sides.host_is_dst
         self.minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
-        # per layer group: the host spans; per (group, ring slot): the chosen layers and planes of each program
+        # per layer group: the host spans; per (group, ring slot): the program handles
         self.groups, self.kernels, self.keeps, handles = [], [], [], []
 
-        def program(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes) -> tuple:
+        def program(a: KVCache, b: KVCache, a_layers, b_layers, a_planes, b_planes) -> int:
             handle = program_handle(program_key(a, b, a_layers, b_layers, a_planes, b_planes), pin=True)
             handles.append(handle)
             return handle
