@@ -9,6 +9,8 @@ per-layer K/V buffers), 256 tokens, times in turn within every repetition, 32 ca
 * ``ops.transfer`` from the cache bound once into a chunk bound at each call, the chunks taken in turn from
   four (an engine that binds its KV cache at start and gets each call's chunk from an allocator);
 * ``ops.transfer`` between caches bound anew at each call (``ops.bind`` of the same tensors);
+* ``ops.prepare`` between caches bound anew at each call (a prepared transfer made per request; its
+  binding, of the same tensors each time, comes from the binding cache from the second on);
 * ``ops.gather`` into a view of a chunk made at each call;
 * ``compat.lmcache.multi_layer_kv_transfer`` (paged -> chunk, all layers);
 * ``compat.sglang.transfer_kv_per_layer`` (one layer's K and V) and ``transfer_kv_all_layer``;
@@ -54,6 +56,8 @@ def calls(device: torch.device) -> dict:
             cache, ops.bind("lmcache_kv_2ltd", pool[next(turn) % len(pool)]), slots),
         "ops.transfer, bound per call": lambda: ops.transfer(ops.bind("vllm_flash_attn_nhd", kv),
                                                              ops.bind("lmcache_kv_2ltd", chunk), slots),
+        "ops.prepare, bound per call": lambda: ops.prepare(ops.bind("vllm_flash_attn_nhd", kv),
+                                                           ops.bind("lmcache_kv_2ltd", chunk), slots),
         "ops.gather into a fresh view": lambda: ops.gather(cache, slots, out=chunk.view(2, L, T, H, D)),
         "lmcache multi_layer_kv_transfer": lambda: lmcache.multi_layer_kv_transfer(
             chunk, kv, slots, direction=lmcache.TransferDirection.D2H),

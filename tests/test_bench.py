@@ -608,11 +608,11 @@ def _script(name: str):
 
 def test_binding_cost_script_times_calls_with_tensors_bound_per_call(capsys):
     """scripts/binding_cost.py times, beside one torch op, the calls an adapter makes with tensors it binds at
-    every call (ops.transfer and ops.gather, the LMCache and SGLang entry points) and the repeated call on kept
-    caches; each moves nothing (every slot -1), so the caches are left as they were."""
+    every call (ops.transfer, ops.prepare and ops.gather, the LMCache and SGLang entry points) and the repeated
+    call on kept caches; each moves nothing (every slot -1), so the caches are left as they were."""
     binding_cost = _script("binding_cost")
     fns = binding_cost.calls(torch.device("cpu"))
-    assert list(fns)[-1] == "torch op" and len(fns) == 8
+    assert list(fns)[-1] == "torch op" and len(fns) == 9
     assert binding_cost.main(["--reps", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[-5:] == ["host", "µs", "×", "torch", "op"] and len(lines) == 1 + len(fns)
