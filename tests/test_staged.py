@@ -295,8 +295,8 @@ def _apply(copies, host_bytes, ring, to_ring):
 @pytest.mark.parametrize("host", ["chunk", "pool"])
 @pytest.mark.parametrize("pages", [1, 5, 400])
 def test_folded_copies_move_exactly_the_segments_rows(mla, host, pages):
-    """The copy-engine calls of every chunk (merged, folded into 2-D copies) move exactly the bytes of one copy
-    per segment, both ways, and fold where runs repeat at constant steps."""
+    """The copy-engine calls of every chunk (merged, folded into 2-D and 3-D copies, or into 2-D copies only)
+    move exactly the bytes of one copy per segment, both ways, and fold where runs repeat at constant steps."""
     T = 40
     chunk = _chunk(T, mla) if host == "chunk" else _pool(mla)
     g = chunk.geometry
@@ -312,21 +312,23 @@ def test_folded_copies_move_exactly_the_segments_rows(mla, host, pages):
         for t0 in range(0, T, n_tokens):
             n = min(n_tokens, T - t0)
             copies = _C.staged_copies(segments, t0, n)
+            planes = _C.staged_copies(segments, t0, n, fold_blocks=False)
             per_segment = [(tensor, h + t0 * row, o, n * row, 1, 0, 0, 1, 0, 0) for tensor, h, o, row in segments]
             folded |= any(c[4] > 1 for c in copies)
             blocks |= any(c[7] > 1 for c in copies)
-            assert len(copies) <= len(per_segment)
+            assert len(copies) <= len(planes) <= len(per_segment) and all(c[7] == 1 for c in planes)
             host = [torch.randint(0, 256, (_storage_bytes(t).numel(),), generator=gen, dtype=torch.uint8)
                     for t in chunk.tensors]
-            rings = [torch.zeros(slot_bytes, dtype=torch.uint8) for _ in range(2)]
-            _apply(per_segment, host, rings[0], to_ring=True)
-            _apply(copies, host, rings[1], to_ring=True)
-            assert torch.equal(rings[0], rings[1])
             ring = torch.randint(0, 256, (slot_bytes,), generator=gen, dtype=torch.uint8)
-            hosts = [[t.clone() for t in host] for _ in range(2)]
-            _apply(per_segment, hosts[0], ring, to_ring=False)
-            _apply(copies, hosts[1], ring, to_ring=False)
-            assert all(torch.equal(a, b) for a, b in zip(*hosts))
+            for way in (copies, planes):
+                rings = [torch.zeros(slot_bytes, dtype=torch.uint8) for _ in range(2)]
+                _apply(per_segment, host, rings[0], to_ring=True)
+                _apply(way, host, rings[1], to_ring=True)
+                assert torch.equal(rings[0], rings[1])
+                hosts = [[t.clone() for t in host] for _ in range(2)]
+                _apply(per_segment, hosts[0], ring, to_ring=False)
+                _apply(way, hosts[1], ring, to_ring=False)
+                assert all(torch.equal(a, b) for a, b in zip(*hosts))
     if host == "chunk" and not mla and pages == 5:
         assert folded          # a K/V chunk cut in token chunks: each plane's layers are one 2-D copy,
         assert blocks          # and its two planes one 3-D copy
@@ -358,6 +360,9 @@ def test_copies_fold_planes_into_one_3d_copy_where_both_sides_have_a_pitch():
     # in the ring): one 3-D copy of 2 blocks of 2 runs of 2 rows
     planes = [(0, 4096 * p + 256 * layer, 1024 * p + 256 * layer, row) for p in range(2) for layer in range(2)]
     assert _C.staged_copies(planes, 0, 2) == [(0, 0, 0, 128, 2, 256, 256, 2, 4096, 1024)]
+    # not folded (a graph launched as a conditional node's body): one 2-D copy per plane
+    assert _C.staged_copies(planes, 0, 2, fold_blocks=False) == [(0, 0, 0, 128, 2, 256, 256, 1, 0, 0),
+                                                                 (0, 4096, 1024, 128, 2, 256, 256, 1, 0, 0)]
     # a plane step that is not a whole number of layer steps: two 2-D copies
     skewed = [(0, 4000 * p + 256 * layer, 1024 * p + 256 * layer, row) for p in range(2) for layer in range(2)]
     assert [c[4] for c in _C.staged_copies(skewed, 0, 2)] == [2, 2]
@@ -1014,9 +1019,10 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
 @pytest.mark.parametrize("max_ctas", [0, 2])
 def test_graphs_launched_on_the_device_move_exactly(cuda_device, direction, max_ctas, ring_bytes):
     """ops.set_staged_graph_launch("device"): a repeated shape's graph is kept as the body of an always-true
-    conditional node (ops.explain: graph_on_device, the same captured nodes as the host-launched graph of the
-    shape) and every call moves the same bytes as on the CPU: 8 MiB in 4 chunks, tokens without a device row,
-    skip_prefix, an out-of-range slot recorded once per call. Back under "host" the shape is captured again."""
+    conditional node (ops.explain: graph_on_device, the host-launched graph's captured nodes with each 3-D copy
+    of a chunk's planes as one copy per plane) and every call moves the same bytes as on the CPU: 8 MiB in 4
+    chunks, tokens without a device row, skip_prefix, an out-of-range slot recorded once per call. Back under
+    "host" the shape is captured again."""
     ring_bytes(64 << 20)
     cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=5)
     pages = EIGHT_MIB_PAGES
@@ -1049,7 +1055,8 @@ def test_graphs_launched_on_the_device_move_exactly(cuda_device, direction, max_
         three_calls()
         kept = checked_choice(src, dst, None, None, None, None, max_ctas, "staged").staged_kept()
         on_device = explained()
-        assert on_device["graph_on_device"] and on_device["graph_nodes"] == on_host["graph_nodes"], on_device
+        assert on_device["graph_on_device"], on_device
+        assert on_host["graph_nodes"] <= on_device["graph_nodes"] <= on_host["graph_nodes"] + on_host["chunks"]
         assert kept.native.replayed_calls == 4 and kept.native.kept_graphs == 2
     finally:
         ops.set_staged_graph_launch("host")

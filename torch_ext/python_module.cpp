@@ -767,22 +767,22 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "staged_copies",
       [](const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& segments, int64_t t0,
-         int64_t n) {
+         int64_t n, bool fold_blocks) {
         std::vector<StagedSegment> group;
         for (const auto& [tensor, host_offset, ring_offset, row_bytes] : segments)
           group.push_back(StagedSegment{tensor, host_offset, ring_offset, row_bytes});
         std::vector<py::tuple> out;
-        for (const StagedCopy& c : staged_copies(group, t0, n))
+        for (const StagedCopy& c : staged_copies(group, t0, n, fold_blocks))
           out.push_back(py::make_tuple(c.host_tensor, c.host_offset, c.ring_offset, c.bytes, c.count,
                                        c.host_step, c.ring_step, c.blocks, c.host_block_step,
                                        c.ring_block_step));
         return out;
       },
-      py::arg("segments"), py::arg("t0"), py::arg("n"),
+      py::arg("segments"), py::arg("t0"), py::arg("n"), py::arg("fold_blocks") = true,
       "The copy-engine calls of a staged chunk (tokens [t0, t0 + n)) of one layer group's "
       "segments (host tensor, host byte offset, ring byte offset, row bytes): (host tensor, host "
       "offset, ring offset, bytes, count, host step, ring step, blocks, host block step, ring block "
-      "step), count > 1 a 2-D copy, blocks > 1 a 3-D copy.");
+      "step), count > 1 a 2-D copy, blocks > 1 a 3-D copy (none without fold_blocks).");
   m.def("copy_run_list", &copy_run_list, py::arg("src"), py::arg("dst"), py::arg("src_slots"),
         py::arg("dst_slots"), py::arg("num_tokens"), py::arg("skip_prefix"),
         py::arg("src_segments"), py::arg("dst_segments"), py::arg("src_geometry"),

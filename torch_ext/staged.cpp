@@ -101,7 +101,8 @@ int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, in
   return std::min(capacity, (n + 15) / 16 * 16);
 }
 
-std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n) {
+std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n,
+                                      bool fold_blocks) {
   std::vector<StagedCopy> runs;
   for (const StagedSegment& seg : group) {
     const int64_t host = seg.host_offset + t0 * seg.row_bytes, bytes = n * seg.row_bytes;
@@ -128,6 +129,7 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
     }
     out.push_back(run);
   }
+  if (!fold_blocks) return out;
   std::vector<StagedCopy> blocks;
   for (const StagedCopy& copy : out) {
     if (!blocks.empty()) {

@@ -75,8 +75,12 @@ struct StagedCopy {
 // constant steps folded into one 3-D copy where both sides' steps are whole
 // multiples of a pitch (a K/V chunk's two planes: one copy, not one per
 // plane). Fewer copies: fewer driver calls issued directly, fewer nodes in a
-// captured graph.
-std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n);
+// captured graph. Without `fold_blocks`, no 3-D copies: a graph launched as a
+// conditional node's body (staged_graph_on_device()) ran them slower than one
+// 2-D copy per plane (H100 record of f0f7fef: an L32 H8 load of 32768 tokens at
+// 73.4 % of the pinned ceiling with them, 90.2 % without).
+std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n,
+                                      bool fold_blocks = true);
 
 // Tokens per chunk of one call: `tokens` tokens (past skip_prefix) whose rows
 // carry `bytes_per_token` bytes in all layer groups, cut in `groups` layer

@@ -19,8 +19,8 @@
 // are kept per engine, least recently used evicted. Under
 // staged_graph_on_device() the kept graph is the captured one as the body of
 // an always-true conditional node (instantiate_as_conditional_body), so that
-// the host's launch carries one node whatever the chunk count. No
-// synchronisation either way.
+// the host's launch carries one node whatever the chunk count (its copies
+// not folded into 3-D copies: staged_copies). No synchronisation either way.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -265,7 +265,7 @@ class CudaStaged final : public StagedEngine {
     const at::Tensor rows = new_token_rows(a.num_tokens);
     fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, per_chunk, rows, main);
     issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, per_chunk, a.validate, rows, main,
-          side);
+          side, /*fold_blocks=*/true);
   }
 
  private:
@@ -321,8 +321,9 @@ class CudaStaged final : public StagedEngine {
     try {
       fork_side(cap, side);
       fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, key.per_chunk, replay->rows, cap);
+      // (a conditional node's body keeps one copy per plane: staged_copies)
       issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, key.per_chunk, false,
-            replay->rows, cap, side);
+            replay->rows, cap, side, /*fold_blocks=*/!(key.on_device && conditional_bodies_ok_));
     } catch (...) {
       (void)cudaStreamEndCapture(cap, &graph);
       if (graph != nullptr) (void)cudaGraphDestroy(graph);
@@ -363,7 +364,7 @@ class CudaStaged final : public StagedEngine {
   // `rows` is the token table fill_token_rows wrote for the same per_chunk.
   void issue(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
              int64_t max_ctas, int64_t per_chunk, bool validate, const at::Tensor& rows,
-             cudaStream_t main, cudaStream_t side) {
+             cudaStream_t main, cudaStream_t side, bool fold_blocks) {
     const size_t R = ring_.size();
     const bool keep = keeps();
     // The token table's rows, each read by every chunk as a prefix (RunArgs::slot_prefixes): one view
@@ -394,11 +395,11 @@ class CudaStaged final : public StagedEngine {
           if (keep) run(*s_.keeps[g * R + r], kept_host_rows, kept_ring_rows, false);
           run(kernel, device_slots, ring_rows, validate);
           join(filled, main, side);
-          copy(g, r, t0, end - t0, /*to_host=*/true, side);
+          copy(g, r, t0, end - t0, /*to_host=*/true, fold_blocks, side);
           C10_CUDA_CHECK(cudaEventRecord(drained, side));
         } else {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(side, drained, 0));  // its kernel is done
-          copy(g, r, t0, end - t0, /*to_host=*/false, side);
+          copy(g, r, t0, end - t0, /*to_host=*/false, fold_blocks, side);
           join(filled, side, main);
           run(kernel, ring_rows, device_slots, validate);
           C10_CUDA_CHECK(cudaEventRecord(drained, main));
@@ -442,8 +443,9 @@ class CudaStaged final : public StagedEngine {
   // The copy engine's part of chunk (group g, tokens [t0, t0 + n)) through
   // ring slot r: host rows t0.. <-> ring rows 0.., as staged_copies lists
   // them (merged and folded into 2-D and 3-D copies).
-  void copy(size_t g, size_t r, int64_t t0, int64_t n, bool to_host, cudaStream_t side) const {
-    for (const StagedCopy& c : staged_copies(s_.groups[g], t0, n)) {
+  void copy(size_t g, size_t r, int64_t t0, int64_t n, bool to_host, bool fold_blocks,
+            cudaStream_t side) const {
+    for (const StagedCopy& c : staged_copies(s_.groups[g], t0, n, fold_blocks)) {
       char* host = host_[static_cast<size_t>(c.host_tensor)] + c.host_offset;
       char* ring = ring_[r] + c.ring_offset;
       const auto bytes = static_cast<size_t>(c.bytes);
