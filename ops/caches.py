@@ -53,7 +53,7 @@ def cache_info() -> dict:
     info["shapes"] = len(views.SHAPES.entries)
     info["shapes_capacity"] = views.SHAPES.capacity
     with staged._RINGS_LOCK:   # (other threads take rings and plan transfers meanwhile)
-        transfers = [list(ring.transfers.values()) for ring in staged._RINGS.values()]   # per ring
+        transfers = [ring.transfers.values() for ring in staged._RINGS.values()]   # per ring
     info["staging"] = len(transfers)
     info["staging_capacity"] = staged.KEPT_RINGS
     info["staging_bytes"] = staged.STAGING_BYTES

@@ -369,6 +369,57 @@ def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_to
     return dataclasses.replace(static, payload_bytes=static.token_bytes * (num_tokens - skip_prefix))
 
 
+class _RingTable:
+    """Plans a ring keeps, each for one object (its owner: a choice, or a choice of shapes) and found by it, at most
+    ``bound``, least recently used first; a plan leaves as soon as its owner or any other object it watches is
+    gone (:meth:`watch`), so that the table never keeps a freed cache's plan or memory alive.
+
+    A plan holds the weak reference to its owner as ``plan.owner``; the table holds the only strong reference to
+    a plan."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self._plans: collections.OrderedDict = collections.OrderedDict()   # id(owner) -> plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def values(self) -> list:
+        with _RINGS_LOCK:
+            return list(self._plans.values())
+
+    def find(self, owner):
+        """The plan kept for ``owner`` (now the most recently used), or None."""
+        with _RINGS_LOCK:
+            plan = self._plans.get(id(owner))
+            if plan is None or plan.owner() is not owner:
+                return None
+            self._plans.move_to_end(id(owner))
+            return plan
+
+    def keep(self, plan) -> None:
+        """Keeps ``plan`` for its owner (the least recently used plan goes past the bound)."""
+        if self.bound <= 0:
+            return
+        with _RINGS_LOCK:
+            self._plans[id(plan.owner())] = plan
+            while len(self._plans) > self.bound:
+                self._plans.popitem(last=False)
+
+    def watch(self, plan, owner, *others) -> list:
+        """Weak references to ``owner`` and ``others`` that drop ``plan`` from the table when any goes (the
+        first is the plan's ``owner``)."""
+        table, me, key = weakref.ref(self), weakref.ref(plan), id(owner)
+
+        def forget(_):
+            t, p = table(), me()
+            with _RINGS_LOCK:
+                if t is not None and p is not None and t._plans.get(key) is p:
+                    del t._plans[key]
+
+        return [weakref.ref(o, forget) for o in (owner, *others)]
+
+
 class _Ring:
     """One stream's staging ring and the transfers planned on it."""
 
@@ -376,11 +427,12 @@ class _Ring:
         slot_bytes = STAGING_BYTES // RING_SLOTS // _ALIGN * _ALIGN
         self.buffer = torch.empty(slot_bytes * RING_SLOTS, dtype=torch.uint8, device=device)
         self.slots = [self.buffer[r * slot_bytes:(r + 1) * slot_bytes] for r in range(RING_SLOTS)]
-        self.transfers: collections.OrderedDict = collections.OrderedDict()   # id(choice) -> _Transfer
-        # id(the shapes' choice) -> _RingShapes: what transfers between caches of two shapes share
-        self.shapes: collections.OrderedDict = collections.OrderedDict()
-        # the stream's handle (0 is the default stream's); None: a ring of one graph capture (not kept)
+        # the stream's handle (0 is the default stream's); None: a ring of one graph capture (not kept, and
+        # neither are its plans)
         self.stream = stream
+        kept = stream is not None
+        self.transfers = _RingTable(PLANS_PER_RING if kept else 0)     # a choice's _Transfer
+        self.shapes = _RingTable(SHAPES_PER_RING if kept else 0)       # a shapes' choice's _RingShapes
 
     @property
     def capturing(self) -> bool:
@@ -464,11 +516,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _watch(objects, forget) -> list:
-    """Weak references to ``objects`` that call ``forget`` when any of them goes."""
-    return [weakref.ref(o, forget) for o in objects]
-
-
 class _RingShapes:
     """What a ring's staged transfers between caches of two shapes (one choice of layers and planes) share, made
     once: the mini caches carved in the ring's slots, each layer group's host byte spans (relative to the host
@@ -480,17 +527,8 @@ class _RingShapes:
 
     Kept on the ring (``ring.shapes``) while the shapes' choice lives; a transfer planned with it holds it."""
 
-    def __init__(self, sides: _Sides, staged: StagedPlan, ring: _Ring, shapes, key):
-        ring_ref, me = weakref.ref(ring), weakref.ref(self)
-
-        def forget(_):
-            r, k = ring_ref(), me()
-            with _RINGS_LOCK:
-                if r is not None and k is not None and r.shapes.get(key) is k:
-                    del r.shapes[key]
-
-        self._watches = _watch((shapes,), forget)
-        self.shapes = self._watches[0]
+    def __init__(self, sides: _Sides, staged: StagedPlan, ring: _Ring, shapes):
+        (self.owner,) = ring.shapes.watch(self, shapes)
         self.host_is_dst = sides.host_is_dst
         self.minis = [mini_cache(sides.host, staged.chunk_layers, staged.chunk_tokens, slot) for slot in ring.slots]
         # per layer group: the host spans; per (group, ring slot): the program handles
@@ -544,18 +582,10 @@ class _RingShapes:
         """The ring's plan for ``choice``'s shapes: the kept one, or a new one (kept, except on a ring of one
         graph capture)."""
         shapes = choice.shared if choice.shared is not None else choice
-        key = id(shapes)
-        with _RINGS_LOCK:
-            kept = ring.shapes.get(key)
-            if kept is not None and kept.shapes() is shapes:
-                ring.shapes.move_to_end(key)
-                return kept
-        kept = cls(sides, staged, ring, shapes, key)    # (made outside the lock)
-        if not ring.capturing:
-            with _RINGS_LOCK:
-                ring.shapes[key] = kept
-                while len(ring.shapes) > SHAPES_PER_RING:
-                    ring.shapes.popitem(last=False)
+        kept = ring.shapes.find(shapes)
+        if kept is None:
+            kept = cls(sides, staged, ring, shapes)    # (made outside the lock)
+            ring.shapes.keep(kept)
         return kept
 
 
@@ -570,16 +600,7 @@ class _Transfer:
     def __init__(self, src: KVCache, dst: KVCache, choice, staged: StagedPlan, ring: _Ring):
         # the plan holds the caches' tensors (its bindings): it leaves the ring as soon as the choice or either
         # cache object is gone, so a ring never keeps freed caches' memory alive
-        key, ring_ref, me = id(choice), weakref.ref(ring), weakref.ref(self)
-
-        def forget(_):
-            r, t = ring_ref(), me()
-            with _RINGS_LOCK:
-                if r is not None and t is not None and r.transfers.get(key) is t:
-                    del r.transfers[key]
-
-        self._watches = _watch((choice, src, dst), forget)
-        self.choice = self._watches[0]
+        self.owner, *self._caches = ring.transfers.watch(self, choice, src, dst)
         self.host_is_dst = staged.host_is_dst
         sides = _Sides.of(src, dst, choice, staged.host_is_dst)
         status = _native.status_tensor(choice.device)
@@ -614,8 +635,8 @@ def kept_graph(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int
         return 0, False
     device = choice.device
     ring = _RINGS.get(_ring_key(device, torch.cuda.current_stream(device)))
-    transfer = ring.transfers.get(id(choice)) if ring is not None else None
-    if transfer is None or transfer.choice() is not choice:
+    transfer = ring.transfers.find(choice) if ring is not None else None
+    if transfer is None:
         return 0, False
     device_slots = src_slots if staged.host_is_dst else dst_slots
     slot_bytes = 0 if device_slots is None else device_slots.element_size()
@@ -631,19 +652,10 @@ def run_staged(src: KVCache, dst: KVCache, staged: StagedPlan, choice, src_slots
     if device_slots is not None and device_slots.device != device:
         device_slots = device_slots.to(device, non_blocking=True)
     for attempt in range(2):
-        with _RINGS_LOCK:
-            transfer = ring.transfers.get(id(choice))
-            if transfer is not None and transfer.choice() is choice and not attempt:
-                ring.transfers.move_to_end(id(choice))
-            else:
-                transfer = None
+        transfer = ring.transfers.find(choice) if not attempt else None
         if transfer is None:
             transfer = _Transfer(src, dst, choice, staged, ring)   # (planned outside the lock)
-            if not ring.capturing:
-                with _RINGS_LOCK:
-                    ring.transfers[id(choice)] = transfer
-                    while len(ring.transfers) > PLANS_PER_RING:
-                        ring.transfers.popitem(last=False)
+            ring.transfers.keep(transfer)
         if transfer.native.run(device_slots, num_tokens, skip_prefix, choice.max_ctas, validate):
             if not ring.capturing:
                 choice.staged_kept = weakref.ref(transfer)
