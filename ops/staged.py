@@ -17,11 +17,13 @@ up to ``chunk_tokens`` tokens: fewer where that gives a call about 8
 chunks of at least 8 MiB, 16 of at least 2 MiB under an SM budget, so
 that the pipeline's start and end, where one stage waits for the other,
 stay short and small calls pay one chunk's fixed cost;
-:meth:`StagedPlan.call_chunk_tokens`),
+:meth:`StagedPlan.call_chunk_tokens`; where the call has more than one,
+one chunk of a quarter of that at the end where the pipeline idles, first to
+the host and last from it: ``_C.staged_cut``),
 chunk c through ring slot c % RING_SLOTS:
 
 * device -> host: the copy kernel moves the chunk's rows from the device
-  cache into the slot (token t to ring row (t - skip_prefix) % the call's chunk tokens)
+  cache into the slot (a token to the ring row of its index in its chunk)
   on the caller's stream; the copy engine moves the slot's rows to the host
   chunk on a side stream.  Host rows the transfer must leave unchanged
   (tokens whose device slot is negative or out of range) are first copied
@@ -155,8 +157,10 @@ class StagedPlan:
                                       self.token_bytes, max_ctas)
 
     def chunks(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
+        """Chunks of a call in all layer groups (the C++ engine's cut, ``staged_cut``)."""
         per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix, max_ctas)
-        return self.layer_groups * -(-(num_tokens - skip_prefix) // per_chunk)
+        _, _, chunks = _C.staged_cut(num_tokens - skip_prefix, per_chunk, self.host_is_dst)
+        return self.layer_groups * chunks
 
 
 def _host_side(src: KVCache, dst: KVCache) -> str | None:

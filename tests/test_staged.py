@@ -75,8 +75,10 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
                                                                   sides.host_planes))
         call_tokens = _C.staged_chunk_tokens(capacity, groups, T - skip, token_bytes, 0)
     n_tokens = min(call_tokens, capacity)
+    first, _, chunks = _C.staged_cut(T - skip, n_tokens, host_is_dst)
+    i = torch.arange(T) - skip                     # a token's index past skip: its row in the first chunk, or in
+    ring_rows = torch.where(i < first, i, (i - first) % n_tokens).masked_fill(i < 0, -1)   # a later one's
     t = torch.arange(T)
-    ring_rows = torch.where(t >= skip, (t - skip) % n_tokens, -1)
     invalid = (slots < 0) | (slots >= sides.device.geometry.N)
     keep_host = torch.where((t >= skip) & invalid, t, -1)
     keep_ring = torch.where((t >= skip) & invalid, ring_rows, -1)
@@ -87,8 +89,9 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
         device_layers = sides.device_layers[g0:g0 + n_layers]
         ring_layers = list(range(len(host_layers)))
         segments = staged_mod.host_segments(sides.host, minis[0], ring[0], host_layers, sides.host_planes)
-        for t0 in range(skip, T, n_tokens):
-            end = min(t0 + n_tokens, T)
+        bounds = [skip, *range(skip + first, T, n_tokens), T] if T > skip else []
+        assert len(bounds) - 1 == (chunks if T > skip else 0)
+        for t0, end in zip(bounds, bounds[1:]):
             r = c % staged_mod.RING_SLOTS
             spans = [(tensor, h + t0 * row, o, (end - t0) * row) for tensor, h, o, row in segments]
             if host_is_dst:
@@ -127,9 +130,9 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
         assert rule(8192, 32, 32768, 32 * 2 * 2048, budget) == 8192
     assert rule(8192, 1, 256, 64, 0) == 256            # 16 KiB: one chunk
     assert rule(100, 1, 0, 64, 0) == 100 and rule(5, 1, 1, 1, 0) == 5
-    # ops.explain's chunk count is the engine's
+    # ops.explain's chunk count is the engine's (one more than whole chunks: the short one, staged_cut)
     plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
-    assert plan.chunks(4096, 0, 0) == 8 and plan.chunks(4096, 0, 2) == 16
+    assert plan.chunks(4096, 0, 0) == 9 and plan.chunks(4096, 0, 2) == 17
     assert plan.chunks(4096, 4000, 0) == 1 and plan.chunks(40, 0, 0) == 1
     gen = torch.Generator().manual_seed(0)
     for _ in range(2000):
@@ -147,6 +150,32 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
             assert n == min(capacity, -(-tokens // 16) * 16), case    # small: one chunk per group
 
 
+def test_a_call_has_one_short_chunk_at_the_pipelines_idle_end():
+    """staged_cut: a call of more than one chunk has one short chunk (a quarter of a full one, at least 16 tokens)
+    where the pipeline idles: first to the host (its kernels run before the copy engine has work), last from the
+    host (its kernel runs after the copy engine is done); the first chunk from the host holds what whole chunks
+    leave over. A call of one chunk is not cut."""
+    cut = _C.staged_cut
+    assert cut(4096, 512, True) == (128, 512, 9)      # 128, 512 x 7, 384
+    assert cut(4096, 512, False) == (384, 512, 9)     # 384, 512 x 7, 128
+    assert cut(4224, 512, False) == (512, 512, 9)     # 512 x 8, 128
+    assert cut(512, 512, True) == cut(512, 512, False) == (512, 512, 1)
+    assert cut(20, 16, True) == (16, 16, 2) and cut(20, 16, False) == (4, 16, 2)   # (at least 16 tokens short)
+    with pytest.raises(ValueError, match="at least one token, got 0"):
+        cut(10, 0, True)
+    for tokens in range(1, 3000, 7):
+        for per_chunk in (16, 48, 512, 1000):
+            for to_host in (True, False):
+                first, full, chunks = cut(tokens, per_chunk, to_host)
+                sizes = [min(first, tokens), *(min(full, tokens - t0) for t0 in range(first, tokens, full))]
+                case = (tokens, per_chunk, to_host, sizes)
+                assert full == per_chunk and 1 <= first <= per_chunk and sum(sizes) == tokens, case
+                assert len(sizes) == chunks <= -(-tokens // per_chunk) + 1, case
+                if chunks > 1:
+                    short = max(16, per_chunk // 4 // 16 * 16)
+                    assert sizes[0 if to_host else -1] == min(short, per_chunk), case
+
+
 def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
     """ops.set_staged_chunks(n): the chunks a call aims at (2n under an SM budget; in ops.cache_info()); 1 gives
     chunks of a ring slot's capacity (the fewest graph nodes and driver calls), 8 is the default; ops.explain
@@ -157,9 +186,9 @@ def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
     try:
         ops.set_staged_chunks(1)                     # 64 MiB through slots of 8,192 tokens: one chunk
         assert rule(8192, 1, 4096, 16384, 0) == 4096 and plan.chunks(4096, 0, 0) == 1
-        assert plan.chunks(4096, 0, 4) == 2           # (under a budget: twice as many)
+        assert plan.chunks(4096, 0, 4) == 3           # (under a budget: twice as many, and the short one)
         ops.set_staged_chunks(4)
-        assert rule(8192, 1, 4096, 16384, 0) == 1024 and plan.chunks(4096, 0, 0) == 4
+        assert rule(8192, 1, 4096, 16384, 0) == 1024 and plan.chunks(4096, 0, 0) == 5
         for bad in (0, 1025, 2.0, True):
             with pytest.raises(ValueError, match=r"chunks must be an int in \[1, 1024\]"):
                 ops.set_staged_chunks(bad)
@@ -243,11 +272,12 @@ def _pool(mla=False, fill=0x5A5A):
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("skip,layers", [(0, None), (5, None), (0, [2, 0]), (3, [1, 2, 3])])
 @pytest.mark.parametrize("pages", [1, 5, 400])   # ring slot of one page of one layer / a few pages / everything
-@pytest.mark.parametrize("call_tokens", [None, 7])  # the engine's rule / chunks smaller than a ring slot holds
+# the engine's rule / chunks smaller than a ring slot holds / chunks of 32 tokens and a short one of 16 (staged_cut)
+@pytest.mark.parametrize("call_tokens", [None, 7, 32])
 def test_chunk_loop_moves_exactly_the_kernels_rows(mla, host, direction, skip, layers, pages, call_tokens):
     """The plan's chunks, run through ring slots full of garbage, leave exactly the bytes of one direct
     transfer: every row moved once, the host rows of tokens without a device row kept, nothing else touched;
-    also where a call's chunks hold fewer tokens than a ring slot."""
+    also where a call's chunks hold fewer tokens than a ring slot, and where one of them is short."""
     T = 40
     slots = _slots_with_holes(T, "cpu")          # tokens without a device row: their host rows stay
     results = []
@@ -973,16 +1003,16 @@ def _eight_mib_pair(cuda_device, direction: str, seed: int):
 @pytest.mark.parametrize("max_ctas", [0, 2])
 def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction, max_ctas, ring_bytes):
     """8 MiB through the default ring (every token fits one slot): under an SM budget the call is cut into
-    chunks of fewer tokens than a slot holds (4 of 1,024 tokens: about 8 of at least 2 MiB), without one it
-    moves in one chunk (at least 8 MiB each); issued directly, captured and replayed, each call exact against
-    the CPU, holes and skip_prefix included."""
+    chunks of fewer tokens than a slot holds (about 8 of at least 2 MiB: 1,024 tokens each, and one short chunk of
+    256, staged_cut), without one it moves in one chunk (at least 8 MiB each); issued directly, captured and
+    replayed, each call exact against the CPU, holes and skip_prefix included."""
     ring_bytes(64 << 20)
     cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=3)
     slots[::97] = -1                              # tokens without a device row
     src, dst, cpu_src, cpu_dst, args, cpu_args = (
         (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (slots,)) if direction == "to_host" else
         (chunk, cache, cpu_chunk, cpu_cache, (None, slots.to(cuda_device)), (None, slots)))
-    chunks, chunk_tokens = (4, 1024) if max_ctas else (1, 4096)
+    chunks, chunk_tokens = (5, 1024) if max_ctas else (1, 4096)
     explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
     assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (chunks, chunk_tokens, 0)
     ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
@@ -999,12 +1029,12 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
     assert ops.explain(src, dst, *args, skip_prefix=6, max_ctas=max_ctas, engine="staged")["graph_nodes"] == 0
     if not max_ctas:
         return
-    # one chunk of a slot's capacity per call (two under the budget): the same shape is a new graph (captured
-    # on its second call), fewer nodes, the same bytes
+    # one chunk of a slot's capacity per call (two under the budget, and the short one): the same shape is a new
+    # graph (captured on its second call), fewer nodes, the same bytes
     try:
         ops.set_staged_chunks(1)
         explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
-        assert (explained["chunks"], explained["graph_nodes"]) == (2, 0), explained
+        assert (explained["chunks"], explained["graph_nodes"]) == (3, 0), explained
         for _ in range(3):
             ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
             torch.cuda.synchronize()

@@ -16,8 +16,8 @@
 //                    -> copy kernel: ring -> device (main stream)
 //
 // A call's chunks hold n_call = staged_chunk_tokens(...) <= tokens_per_chunk
-// tokens; token t's ring row is (t - skip_prefix) % n_call; the host row of
-// token t is t. Every row still moves through the copy kernel, so slots,
+// tokens, but one short chunk at the pipeline's idle end (staged_cut); a
+// token's ring row is its index in its chunk; the host row of token t is t. Every row still moves through the copy kernel, so slots,
 // skip_prefix and recorded out-of-range slots behave as the kernel engine's.
 // Streams are ordered with events; no host synchronisation, so a staged
 // transfer can be captured in a CUDA graph (the CUDA engine captures repeated
@@ -26,6 +26,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -112,6 +113,38 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // a call computes its chunk once and passes it on.
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas);
+
+// How a call's tokens past skip_prefix are cut into chunks (the same in
+// every layer group): the first chunk holds `first` tokens (1..per_chunk),
+// each other one `per_chunk`, the last what is left. The token `i` tokens
+// past skip_prefix lies in ring row `i` of the first chunk, or row
+// `(i - first) % per_chunk` of a later one.
+struct StagedCut {
+  int64_t per_chunk = 1;
+  int64_t first = 1;
+  // Chunks of `tokens` tokens.
+  int64_t chunks(int64_t tokens) const {
+    return tokens <= first ? 1 : 1 + (tokens - first + per_chunk - 1) / per_chunk;
+  }
+  // The end of the chunk that starts at token t0 of a call from `skip` on.
+  int64_t end(int64_t skip, int64_t t0, int64_t num_tokens) const {
+    return std::min(t0 + (t0 == skip ? first : per_chunk), num_tokens);
+  }
+};
+
+// The cut of a call of `tokens` tokens (past skip_prefix) into chunks of
+// `per_chunk` (staged_chunk_tokens): where the call has more than one chunk,
+// the pipeline's idle end is one short chunk (kStagedShortChunk of a full
+// one, at least 16 tokens) rather than a full one: to the host the first
+// chunk (its kernels run before the copy engine has work), from the host the
+// last (its kernel runs after the copy engine is done; the first chunk then
+// holds what is left over from whole chunks). In the H100 record of f0f7fef
+// (h100_staged_timeline.txt) a full first chunk's kernels took 17 us before
+// the first copy to the host, and the last chunk's kernel 10 us after the
+// last copy from it, of a 1.2 ms transfer.
+StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host);
+constexpr int64_t kStagedShortChunk = 4;  // a short chunk: 1/4 of a full one
+
 constexpr int64_t kStagedChunks = 8;
 constexpr int64_t kStagedChunkBytes = int64_t(8) << 20;        // without an SM budget
 constexpr int64_t kStagedBudgetChunkBytes = int64_t(2) << 20;  // under one

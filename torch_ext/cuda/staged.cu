@@ -38,19 +38,20 @@
 namespace kvlayout {
 namespace {
 
-// rows[0][t]: token t's ring row ((t - skip) % per_chunk, per_chunk the
-// call's chunk tokens; -1 before skip).
+// rows[0][t]: token t's ring row (its index in its chunk, by the call's
+// StagedCut; -1 before skip).
 // With keep (device -> host): rows[1][t] = t and rows[2][t] = its ring row
 // where token t has no device row (slot < 0 or >= num_slots), else -1: the
 // keep kernel copies those host rows into the ring so that the copy back
 // leaves them as they were.
 template <class Slot>
 __global__ void staged_rows_kernel(const Slot* slots, int64_t num_tokens, int64_t skip,
-                                   int64_t per_chunk, int64_t num_slots, bool keep,
+                                   int64_t first, int64_t per_chunk, int64_t num_slots, bool keep,
                                    int64_t* rows) {
   for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < num_tokens;
        t += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t ring_row = t >= skip ? (t - skip) % per_chunk : -1;
+    const int64_t i = t - skip;  // (StagedCut: row i of the first chunk, else of a later one)
+    const int64_t ring_row = i < 0 ? -1 : i < first ? i : (i - first) % per_chunk;
     rows[t] = ring_row;
     if (keep) {
       const int64_t s = slots != nullptr ? int64_t(slots[t]) : t;
@@ -263,8 +264,9 @@ class CudaStaged final : public StagedEngine {
     const cudaStream_t side = reinterpret_cast<cudaStream_t>(s_.side_stream);
     fork_side(main, side);
     const at::Tensor rows = new_token_rows(a.num_tokens);
-    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, per_chunk, rows, main);
-    issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, per_chunk, a.validate, rows, main,
+    const StagedCut cut = this->cut(a.num_tokens, a.skip_prefix, per_chunk);
+    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, cut, rows, main);
+    issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, cut, a.validate, rows, main,
           side, /*fold_blocks=*/true);
   }
 
@@ -277,6 +279,12 @@ class CudaStaged final : public StagedEngine {
   int64_t chunk_tokens(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas) const {
     return staged_chunk_tokens(s_.tokens_per_chunk, static_cast<int64_t>(s_.groups.size()),
                                num_tokens - skip_prefix, bytes_per_token_, max_ctas);
+  }
+
+  // The cut into chunks of per_chunk tokens of a call of num_tokens tokens
+  // from skip_prefix on.
+  StagedCut cut(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk) const {
+    return staged_cut(num_tokens - skip_prefix, per_chunk, s_.host_is_dst);
   }
 
   Replay* find_replay(const ReplayKey& key) {
@@ -320,9 +328,10 @@ class CudaStaged final : public StagedEngine {
     cudaGraph_t graph = nullptr;
     try {
       fork_side(cap, side);
-      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, key.per_chunk, replay->rows, cap);
+      const StagedCut cut = this->cut(key.num_tokens, key.skip_prefix, key.per_chunk);
+      fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, cut, replay->rows, cap);
       // (a conditional node's body keeps one copy per plane: staged_copies)
-      issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, key.per_chunk, false,
+      issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, cut, false,
             replay->rows, cap, side, /*fold_blocks=*/!(key.on_device && conditional_bodies_ok_));
     } catch (...) {
       (void)cudaStreamEndCapture(cap, &graph);
@@ -359,11 +368,11 @@ class CudaStaged final : public StagedEngine {
   // than after the table's kernel (in a captured graph: as a root node).
   void fork_side(cudaStream_t main, cudaStream_t side) { join(events_[0], main, side); }
 
-  // The transfer's work in stream order, in chunks of per_chunk tokens, after
+  // The transfer's work in stream order, in the chunks of `cut`, after
   // fork_side: `main` runs the kernels, `side` the copy engine's copies;
-  // `rows` is the token table fill_token_rows wrote for the same per_chunk.
+  // `rows` is the token table fill_token_rows wrote for the same cut.
   void issue(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
-             int64_t max_ctas, int64_t per_chunk, bool validate, const at::Tensor& rows,
+             int64_t max_ctas, const StagedCut& cut, bool validate, const at::Tensor& rows,
              cudaStream_t main, cudaStream_t side, bool fold_blocks) {
     const size_t R = ring_.size();
     const bool keep = keeps();
@@ -374,10 +383,10 @@ class CudaStaged final : public StagedEngine {
     const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
-      for (int64_t t0 = skip_prefix; t0 < num_tokens; t0 += per_chunk, ++c) {
+      for (int64_t t0 = skip_prefix, end = 0; t0 < num_tokens; t0 = end, ++c) {
         // tokens [t0, end): the slot arrays' first `end` entries, with skip_prefix t0 (so a
         // recorded out-of-range slot names its index in the caller's slots)
-        const int64_t end = std::min(t0 + per_chunk, num_tokens);
+        end = cut.end(skip_prefix, t0, num_tokens);
         const size_t r = c % R;
         const cudaEvent_t filled = events_[2 + r], drained = events_[2 + R + r];
         const BoundProgram& kernel = *s_.kernels[g * R + r];
@@ -424,18 +433,18 @@ class CudaStaged final : public StagedEngine {
   }
 
   void fill_token_rows(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
-                       int64_t per_chunk, const at::Tensor& rows, cudaStream_t stream) const {
+                       const StagedCut& cut, const at::Tensor& rows, cudaStream_t stream) const {
     const int threads = 256;
     const int blocks =
         static_cast<int>(std::min<int64_t>((num_tokens + threads - 1) / threads, 1024));
     if (device_slots.defined() && device_slots.scalar_type() == at::kInt) {
       staged_rows_kernel<int32_t><<<blocks, threads, 0, stream>>>(
-          device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, per_chunk,
+          device_slots.data_ptr<int32_t>(), num_tokens, skip_prefix, cut.first, cut.per_chunk,
           s_.device_num_slots, keeps(), rows.data_ptr<int64_t>());
     } else {
       staged_rows_kernel<int64_t><<<blocks, threads, 0, stream>>>(
           device_slots.defined() ? device_slots.data_ptr<int64_t>() : nullptr, num_tokens,
-          skip_prefix, per_chunk, s_.device_num_slots, keeps(), rows.data_ptr<int64_t>());
+          skip_prefix, cut.first, cut.per_chunk, s_.device_num_slots, keeps(), rows.data_ptr<int64_t>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
