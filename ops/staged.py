@@ -18,8 +18,8 @@ chunks of at least 8 MiB, 16 of at least 2 MiB under an SM budget, so
 that the pipeline's start and end, where one stage waits for the other,
 stay short and small calls pay one chunk's fixed cost;
 :meth:`StagedPlan.call_chunk_tokens`; where the call has more than one,
-one chunk of a quarter of that at the end where the pipeline idles, first to
-the host and last from it: ``_C.staged_cut``),
+in one layer group, one chunk of a quarter of that at the end where the
+pipeline idles, first to the host and last from it: ``_C.staged_cut``),
 chunk c through ring slot c % RING_SLOTS:
 
 * device -> host: the copy kernel moves the chunk's rows from the device
@@ -159,7 +159,7 @@ class StagedPlan:
     def chunks(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
         """Chunks of a call in all layer groups (the C++ engine's cut, ``staged_cut``)."""
         per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix, max_ctas)
-        _, _, chunks = _C.staged_cut(num_tokens - skip_prefix, per_chunk, self.host_is_dst)
+        _, _, chunks = _C.staged_cut(num_tokens - skip_prefix, self.layer_groups, per_chunk, self.host_is_dst)
         return self.layer_groups * chunks
 
 

@@ -67,15 +67,15 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
     ring = [torch.randint(0, 256, (slot_bytes,), dtype=torch.uint8) for _ in range(staged_mod.RING_SLOTS)]
     minis = [staged_mod.mini_cache(sides.host, n_layers, capacity, slot) for slot in ring]
     T = slots.shape[0]
+    groups = -(-len(sides.host_layers) // n_layers)
     if call_tokens is None:
-        groups = -(-len(sides.host_layers) // n_layers)
         token_bytes = sum(row for g0 in range(0, len(sides.host_layers), n_layers)
                           for *_, row in staged_mod.host_segments(sides.host, minis[0], ring[0],
                                                                   sides.host_layers[g0:g0 + n_layers],
                                                                   sides.host_planes))
         call_tokens = _C.staged_chunk_tokens(capacity, groups, T - skip, token_bytes, 0)
     n_tokens = min(call_tokens, capacity)
-    first, _, chunks = _C.staged_cut(T - skip, n_tokens, host_is_dst)
+    first, _, chunks = _C.staged_cut(T - skip, groups, n_tokens, host_is_dst)
     i = torch.arange(T) - skip                     # a token's index past skip: its row in the first chunk, or in
     ring_rows = torch.where(i < first, i, (i - first) % n_tokens).masked_fill(i < 0, -1)   # a later one's
     t = torch.arange(T)
@@ -151,16 +151,20 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
 
 
 def test_a_call_has_one_short_chunk_at_the_pipelines_idle_end():
-    """staged_cut: a call of more than one chunk has one short chunk (a quarter of a full one, at least 16 tokens)
-    where the pipeline idles: first to the host (its kernels run before the copy engine has work), last from the
-    host (its kernel runs after the copy engine is done); the first chunk from the host holds what whole chunks
-    leave over. A call of one chunk is not cut."""
-    cut = _C.staged_cut
+    """staged_cut: a call of one layer group and more than one chunk has one short chunk (a quarter of a full one,
+    at least 16 tokens) where the pipeline idles: first to the host (its kernels run before the copy engine has
+    work), last from the host (its kernel runs after the copy engine is done); the first chunk from the host
+    holds what whole chunks leave over. A call of one chunk, or of several layer groups, is not cut."""
+    def cut(tokens, per_chunk, to_host):
+        return _C.staged_cut(tokens, 1, per_chunk, to_host)
+
     assert cut(4096, 512, True) == (128, 512, 9)      # 128, 512 x 7, 384
     assert cut(4096, 512, False) == (384, 512, 9)     # 384, 512 x 7, 128
     assert cut(4224, 512, False) == (512, 512, 9)     # 512 x 8, 128
     assert cut(512, 512, True) == cut(512, 512, False) == (512, 512, 1)
     assert cut(20, 16, True) == (16, 16, 2) and cut(20, 16, False) == (4, 16, 2)   # (at least 16 tokens short)
+    for to_host in (True, False):                     # two layer groups: whole chunks in each
+        assert _C.staged_cut(4096, 2, 512, to_host) == (512, 512, 8)
     with pytest.raises(ValueError, match="at least one token, got 0"):
         cut(10, 0, True)
     for tokens in range(1, 3000, 7):

@@ -766,13 +766,14 @@ PYBIND11_MODULE(_C, m) {
         "SM budget of `max_ctas` (0: none).");
   m.def(
       "staged_cut",
-      [](int64_t tokens, int64_t per_chunk, bool to_host) {
-        const StagedCut cut = staged_cut(tokens, per_chunk, to_host);
+      [](int64_t tokens, int64_t groups, int64_t per_chunk, bool to_host) {
+        const StagedCut cut = staged_cut(tokens, groups, per_chunk, to_host);
         return py::make_tuple(cut.first, cut.per_chunk, cut.chunks(tokens));
       },
-      py::arg("tokens"), py::arg("per_chunk"), py::arg("to_host"),
-      "How a staged call of `tokens` tokens (past skip_prefix) in chunks of `per_chunk` tokens is cut, in "
-      "each layer group: (tokens of the first chunk, of each later one but the last, chunks).");
+      py::arg("tokens"), py::arg("groups"), py::arg("per_chunk"), py::arg("to_host"),
+      "How a staged call of `tokens` tokens (past skip_prefix) in `groups` layer groups and chunks of "
+      "`per_chunk` tokens is cut, in each layer group: (tokens of the first chunk, of each later one but the "
+      "last, chunks).");
   m.def(
       "staged_copies",
       [](const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& segments, int64_t t0,

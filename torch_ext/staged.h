@@ -132,17 +132,20 @@ struct StagedCut {
   }
 };
 
-// The cut of a call of `tokens` tokens (past skip_prefix) into chunks of
-// `per_chunk` (staged_chunk_tokens): where the call has more than one chunk,
-// the pipeline's idle end is one short chunk (kStagedShortChunk of a full
+// The cut of a call of `tokens` tokens (past skip_prefix) in `groups` layer
+// groups into chunks of `per_chunk` (staged_chunk_tokens): where the call has
+// one layer group and more than one chunk, the pipeline's idle end is one
+// short chunk (kStagedShortChunk of a full
 // one, at least 16 tokens) rather than a full one: to the host the first
 // chunk (its kernels run before the copy engine has work), from the host the
 // last (its kernel runs after the copy engine is done; the first chunk then
 // holds what is left over from whole chunks). In the H100 record of f0f7fef
 // (h100_staged_timeline.txt) a full first chunk's kernels took 17 us before
 // the first copy to the host, and the last chunk's kernel 10 us after the
-// last copy from it, of a 1.2 ms transfer.
-StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host);
+// last copy from it, of a 1.2 ms transfer. (Every layer group is cut alike,
+// so several groups would each have a short chunk where the call has one idle
+// end; such a call has many chunks, of which one at each end is a small part.)
+StagedCut staged_cut(int64_t tokens, int64_t groups, int64_t per_chunk, bool to_host);
 constexpr int64_t kStagedShortChunk = 4;  // a short chunk: 1/4 of a full one
 
 constexpr int64_t kStagedChunks = 8;

@@ -284,7 +284,8 @@ class CudaStaged final : public StagedEngine {
   // The cut into chunks of per_chunk tokens of a call of num_tokens tokens
   // from skip_prefix on.
   StagedCut cut(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk) const {
-    return staged_cut(num_tokens - skip_prefix, per_chunk, s_.host_is_dst);
+    return staged_cut(num_tokens - skip_prefix, static_cast<int64_t>(s_.groups.size()), per_chunk,
+                      s_.host_is_dst);
   }
 
   Replay* find_replay(const ReplayKey& key) {
