@@ -162,6 +162,7 @@ def test_a_call_has_one_short_chunk_at_the_pipelines_idle_end():
     assert cut(4096, 512, False) == (384, 512, 9)     # 384, 512 x 7, 128
     assert cut(4224, 512, False) == (512, 512, 9)     # 512 x 8, 128
     assert cut(512, 512, True) == cut(512, 512, False) == (512, 512, 1)
+    assert cut(0, 512, True) == cut(0, 512, False) == (512, 512, 0)     # nothing past skip_prefix: no chunk
     assert cut(20, 16, True) == (16, 16, 2) and cut(20, 16, False) == (4, 16, 2)   # (at least 16 tokens short)
     for to_host in (True, False):                     # two layer groups: whole chunks in each
         assert _C.staged_cut(4096, 2, 512, to_host) == (512, 512, 8)

@@ -122,8 +122,9 @@ int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, in
 struct StagedCut {
   int64_t per_chunk = 1;
   int64_t first = 1;
-  // Chunks of `tokens` tokens.
+  // Chunks of `tokens` tokens (none of none).
   int64_t chunks(int64_t tokens) const {
+    if (tokens <= 0) return 0;
     return tokens <= first ? 1 : 1 + (tokens - first + per_chunk - 1) / per_chunk;
   }
   // The end of the chunk that starts at token t0 of a call from `skip` on.
