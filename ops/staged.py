@@ -156,11 +156,18 @@ class StagedPlan:
         return _C.staged_chunk_tokens(self.chunk_tokens, self.layer_groups, num_tokens - skip_prefix,
                                       self.token_bytes, max_ctas)
 
+    def first_chunk_tokens(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
+        """Tokens of a call's first chunk in each layer group (the C++ engine's cut, ``staged_cut``): the
+        call's chunk tokens, or fewer where a short chunk comes first."""
+        return self._cut(num_tokens, skip_prefix, max_ctas)[0]
+
     def chunks(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
         """Chunks of a call in all layer groups (the C++ engine's cut, ``staged_cut``)."""
+        return self.layer_groups * self._cut(num_tokens, skip_prefix, max_ctas)[2]
+
+    def _cut(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> tuple[int, int, int]:
         per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix, max_ctas)
-        _, _, chunks = _C.staged_cut(num_tokens - skip_prefix, self.layer_groups, per_chunk, self.host_is_dst)
-        return self.layer_groups * chunks
+        return _C.staged_cut(num_tokens - skip_prefix, self.layer_groups, per_chunk, self.host_is_dst)
 
 
 def _host_side(src: KVCache, dst: KVCache) -> str | None:

@@ -130,9 +130,13 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
         assert rule(8192, 32, 32768, 32 * 2 * 2048, budget) == 8192
     assert rule(8192, 1, 256, 64, 0) == 256            # 16 KiB: one chunk
     assert rule(100, 1, 0, 64, 0) == 100 and rule(5, 1, 1, 1, 0) == 5
-    # ops.explain's chunk count is the engine's (one more than whole chunks: the short one, staged_cut)
+    # ops.explain's chunk count is the engine's (one more than whole chunks: the short one, staged_cut), and so is
+    # its first chunk's tokens (short to the host, what whole chunks leave over from it)
     plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
     assert plan.chunks(4096, 0, 0) == 9 and plan.chunks(4096, 0, 2) == 17
+    assert plan.first_chunk_tokens(4096, 0, 0) == 384 and plan.first_chunk_tokens(4096, 4000, 0) == 96
+    to_host = dataclasses.replace(plan, host_is_dst=True)
+    assert to_host.first_chunk_tokens(4096, 0, 0) == 128 and to_host.chunks(4096, 0, 0) == 9
     assert plan.chunks(4096, 4000, 0) == 1 and plan.chunks(40, 0, 0) == 1
     gen = torch.Generator().manual_seed(0)
     for _ in range(2000):
@@ -1020,6 +1024,9 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
     chunks, chunk_tokens = (5, 1024) if max_ctas else (1, 4096)
     explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
     assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (chunks, chunk_tokens, 0)
+    # the short chunk (staged_cut): first to the host; from it last, the first holding what is left over
+    first = (256 if direction == "to_host" else 768) if max_ctas else 4096
+    assert explained["first_chunk_tokens"] == first, explained
     ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
     for _ in range(3):                            # issued directly, captured (and launched), replayed
         ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
