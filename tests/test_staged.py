@@ -1062,9 +1062,9 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
 def test_graphs_launched_on_the_device_move_exactly(cuda_device, direction, max_ctas, ring_bytes):
     """ops.set_staged_graph_launch("device"): a repeated shape's graph is kept as the body of an always-true
     conditional node (ops.explain: graph_on_device, the host-launched graph's captured nodes with each 3-D copy
-    of a chunk's planes as one copy per plane) and every call moves the same bytes as on the CPU: 8 MiB in 4
-    chunks, tokens without a device row, skip_prefix, an out-of-range slot recorded once per call. Back under
-    "host" the shape is captured again."""
+    of a chunk's planes as one copy per plane) and every call moves the same bytes as on the CPU: 8 MiB (in 5
+    chunks under the budget), tokens without a device row, skip_prefix, an out-of-range slot recorded once per
+    call. Back under "host" the shape is captured again."""
     ring_bytes(64 << 20)
     cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=5)
     pages = EIGHT_MIB_PAGES
