@@ -17,9 +17,9 @@ up to ``chunk_tokens`` tokens: fewer where that gives a call about 8
 chunks of at least 8 MiB, 16 of at least 2 MiB under an SM budget, so
 that the pipeline's start and end, where one stage waits for the other,
 stay short and small calls pay one chunk's fixed cost;
-:meth:`StagedPlan.call_chunk_tokens`; where the call has more than one,
-in one layer group, one chunk of a quarter of that at the end where the
-pipeline idles, first to the host and last from it: ``_C.staged_cut``),
+:meth:`StagedPlan.call_chunk_tokens`; where a layer group has more than
+one, the call has one chunk of a quarter of that at the end where the
+pipeline idles, its first to the host and its last from it: ``_C.staged_cut``),
 chunk c through ring slot c % RING_SLOTS:
 
 * device -> host: the copy kernel moves the chunk's rows from the device
@@ -156,16 +156,16 @@ class StagedPlan:
         return _C.staged_chunk_tokens(self.chunk_tokens, self.layer_groups, num_tokens - skip_prefix,
                                       self.token_bytes, max_ctas)
 
-    def first_chunk_tokens(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
-        """Tokens of a call's first chunk in each layer group (the C++ engine's cut, ``staged_cut``): the
-        call's chunk tokens, or fewer where a short chunk comes first."""
-        return self._cut(num_tokens, skip_prefix, max_ctas)[0]
+    def short_chunk_tokens(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
+        """Tokens of a call's short chunk, its first to the host and its last from it (the C++ engine's cut,
+        ``staged_cut``); 0 where it has none."""
+        return self._cut(num_tokens, skip_prefix, max_ctas)[2]
 
     def chunks(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> int:
         """Chunks of a call in all layer groups (the C++ engine's cut, ``staged_cut``)."""
-        return self.layer_groups * self._cut(num_tokens, skip_prefix, max_ctas)[2]
+        return self._cut(num_tokens, skip_prefix, max_ctas)[3]
 
-    def _cut(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> tuple[int, int, int]:
+    def _cut(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> tuple[int, int, int, int]:
         per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix, max_ctas)
         return _C.staged_cut(num_tokens - skip_prefix, self.layer_groups, per_chunk, self.host_is_dst)
 

@@ -177,8 +177,8 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     """What :func:`transfer` with these arguments would do: ``{"engine": ..., "reason": ...}``.
 
     ``engine``: the engine asked for; for ``"auto"`` the answer says which one it picks and why. A staged
-    answer also gives the call's layer ``groups``, ``chunks``, ``chunk_tokens`` and ``first_chunk_tokens``
-    (fewer where a call of several chunks starts with a short one), ``graph_nodes``: the
+    answer also gives the call's layer ``groups``, ``chunks``, ``chunk_tokens`` and ``short_chunk_tokens``
+    (its one short chunk's, first to the host and last from it; 0: none), ``graph_nodes``: the
     nodes of the graph kept for this call shape on the current stream, which the call replays (unless it
     validates), or 0 where none is kept and the call is issued directly, and ``graph_on_device``: whether that
     graph runs as a conditional node's body (:func:`~kvlayout.ops.set_staged_graph_launch`).
@@ -197,7 +197,7 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
         return {"engine": "staged", "reason": staged.reason, "groups": staged.layer_groups,
                 "chunks": staged.chunks(T, skip_prefix, c.max_ctas),
                 "chunk_tokens": staged.call_chunk_tokens(T, skip_prefix, c.max_ctas),
-                "first_chunk_tokens": staged.first_chunk_tokens(T, skip_prefix, c.max_ctas),
+                "short_chunk_tokens": staged.short_chunk_tokens(T, skip_prefix, c.max_ctas),
                 "graph_nodes": nodes, "graph_on_device": on_device,
                 "payload_bytes": staged.payload_bytes, "staging_bytes": _staged.STAGING_BYTES}
     return {"engine": "kernel", "reason": staged.reason}

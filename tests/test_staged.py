@@ -75,22 +75,26 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
                                                                   sides.host_planes))
         call_tokens = _C.staged_chunk_tokens(capacity, groups, T - skip, token_bytes, 0)
     n_tokens = min(call_tokens, capacity)
-    first, _, chunks = _C.staged_cut(T - skip, groups, n_tokens, host_is_dst)
-    i = torch.arange(T) - skip                     # a token's index past skip: its row in the first chunk, or in
-    ring_rows = torch.where(i < first, i, (i - first) % n_tokens).masked_fill(i < 0, -1)   # a later one's
+    # the layer group at the pipeline's idle end (the first to the host, the last from it) has its first chunk of
+    # `first` tokens; every other group whole chunks
+    cut_first, _, _, chunks = _C.staged_cut(T - skip, groups, n_tokens, host_is_dst)
+    cut_group = 0 if host_is_dst else groups - 1
     t = torch.arange(T)
+    i = t - skip                                   # a token's index past skip
     invalid = (slots < 0) | (slots >= sides.device.geometry.N)
     keep_host = torch.where((t >= skip) & invalid, t, -1)
-    keep_ring = torch.where((t >= skip) & invalid, ring_rows, -1)
     host_bytes = [_storage_bytes(x) for x in sides.host.tensors]
     c = 0
-    for g0 in range(0, len(sides.host_layers), n_layers):
+    for group, g0 in enumerate(range(0, len(sides.host_layers), n_layers)):
+        first = cut_first if group == cut_group else n_tokens
+        # its row in the first chunk, or in a later one
+        ring_rows = torch.where(i < first, i, (i - first) % n_tokens).masked_fill(i < 0, -1)
+        keep_ring = torch.where((t >= skip) & invalid, ring_rows, -1)
         host_layers = sides.host_layers[g0:g0 + n_layers]
         device_layers = sides.device_layers[g0:g0 + n_layers]
         ring_layers = list(range(len(host_layers)))
         segments = staged_mod.host_segments(sides.host, minis[0], ring[0], host_layers, sides.host_planes)
         bounds = [skip, *range(skip + first, T, n_tokens), T] if T > skip else []
-        assert len(bounds) - 1 == (chunks if T > skip else 0)
         for t0, end in zip(bounds, bounds[1:]):
             r = c % staged_mod.RING_SLOTS
             spans = [(tensor, h + t0 * row, o, (end - t0) * row) for tensor, h, o, row in segments]
@@ -107,6 +111,7 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
                 ops.transfer(minis[r], sides.device, ring_rows[:end], slots[:end], src_layers=ring_layers,
                              dst_layers=device_layers, skip_prefix=t0)
             c += 1
+    assert c == chunks
     return c
 
 
@@ -131,12 +136,12 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
     assert rule(8192, 1, 256, 64, 0) == 256            # 16 KiB: one chunk
     assert rule(100, 1, 0, 64, 0) == 100 and rule(5, 1, 1, 1, 0) == 5
     # ops.explain's chunk count is the engine's (one more than whole chunks: the short one, staged_cut), and so is
-    # its first chunk's tokens (short to the host, what whole chunks leave over from it)
+    # its short chunk's tokens
     plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
     assert plan.chunks(4096, 0, 0) == 9 and plan.chunks(4096, 0, 2) == 17
-    assert plan.first_chunk_tokens(4096, 0, 0) == 384 and plan.first_chunk_tokens(4096, 4000, 0) == 96
+    assert plan.short_chunk_tokens(4096, 0, 0) == 128 and plan.short_chunk_tokens(4096, 4000, 0) == 0
     to_host = dataclasses.replace(plan, host_is_dst=True)
-    assert to_host.first_chunk_tokens(4096, 0, 0) == 128 and to_host.chunks(4096, 0, 0) == 9
+    assert to_host.short_chunk_tokens(4096, 0, 0) == 128 and to_host.chunks(4096, 0, 0) == 9
     assert plan.chunks(4096, 4000, 0) == 1 and plan.chunks(40, 0, 0) == 1
     gen = torch.Generator().manual_seed(0)
     for _ in range(2000):
@@ -155,34 +160,36 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
 
 
 def test_a_call_has_one_short_chunk_at_the_pipelines_idle_end():
-    """staged_cut: a call of one layer group and more than one chunk has one short chunk (a quarter of a full one,
-    at least 16 tokens) where the pipeline idles: first to the host (its kernels run before the copy engine has
-    work), last from the host (its kernel runs after the copy engine is done); the first chunk from the host
-    holds what whole chunks leave over. A call of one chunk, or of several layer groups, is not cut."""
-    def cut(tokens, per_chunk, to_host):
-        return _C.staged_cut(tokens, 1, per_chunk, to_host)
-
-    assert cut(4096, 512, True) == (128, 512, 9)      # 128, 512 x 7, 384
-    assert cut(4096, 512, False) == (384, 512, 9)     # 384, 512 x 7, 128
-    assert cut(4224, 512, False) == (512, 512, 9)     # 512 x 8, 128
-    assert cut(512, 512, True) == cut(512, 512, False) == (512, 512, 1)
-    assert cut(0, 512, True) == cut(0, 512, False) == (512, 512, 0)     # nothing past skip_prefix: no chunk
-    assert cut(20, 16, True) == (16, 16, 2) and cut(20, 16, False) == (4, 16, 2)   # (at least 16 tokens short)
-    for to_host in (True, False):                     # two layer groups: whole chunks in each
-        assert _C.staged_cut(4096, 2, 512, to_host) == (512, 512, 8)
+    """staged_cut: where a layer group has more than one chunk, a call has one short chunk (a quarter of a full one,
+    at least 16 tokens) where the pipeline idles: its first to the host (whose kernels run before the copy engine
+    has work), its last from the host (whose kernel runs after the copy engine is done). The layer group there
+    (the first to the host, the last from it) is cut so, its first chunk from the host holding what whole chunks
+    leave over; every other group moves in whole chunks. (first chunk of the cut group, full chunk, short chunk,
+    chunks of the call)."""
+    cut = _C.staged_cut
+    assert cut(4096, 1, 512, True) == (128, 512, 128, 9)     # 128, 512 x 7, 384
+    assert cut(4096, 1, 512, False) == (384, 512, 128, 9)    # 384, 512 x 7, 128
+    assert cut(4224, 1, 512, False) == (512, 512, 128, 9)    # 512 x 8, 128
+    assert cut(4096, 2, 512, True) == (128, 512, 128, 17)    # and a group of 512 x 8
+    assert cut(512, 3, 512, True) == cut(512, 3, 512, False) == (512, 512, 0, 3)   # one chunk per group: no cut
+    assert cut(0, 1, 512, True) == cut(0, 2, 512, False) == (512, 512, 0, 0)     # nothing past skip_prefix
+    assert cut(20, 1, 16, True) == cut(20, 1, 16, False) == (16, 16, 0, 2)       # a quarter under 16 tokens: none
     with pytest.raises(ValueError, match="at least one token, got 0"):
-        cut(10, 0, True)
+        cut(10, 1, 0, True)
     for tokens in range(1, 3000, 7):
-        for per_chunk in (16, 48, 512, 1000):
+        for per_chunk in (16, 48, 64, 512, 1000):
             for to_host in (True, False):
-                first, full, chunks = cut(tokens, per_chunk, to_host)
+                first, full, short, chunks = cut(tokens, 1, per_chunk, to_host)
                 sizes = [min(first, tokens), *(min(full, tokens - t0) for t0 in range(first, tokens, full))]
                 case = (tokens, per_chunk, to_host, sizes)
                 assert full == per_chunk and 1 <= first <= per_chunk and sum(sizes) == tokens, case
                 assert len(sizes) == chunks <= -(-tokens // per_chunk) + 1, case
-                if chunks > 1:
-                    short = max(16, per_chunk // 4 // 16 * 16)
-                    assert sizes[0 if to_host else -1] == min(short, per_chunk), case
+                assert cut(tokens, 3, per_chunk, to_host)[3] == chunks + 2 * -(-tokens // per_chunk), case
+                wanted = max(16, per_chunk // 4 // 16 * 16)
+                if tokens <= per_chunk or wanted >= per_chunk:
+                    assert (first, short) == (per_chunk, 0), case
+                else:
+                    assert short == wanted == sizes[0 if to_host else -1], case
 
 
 def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
@@ -1024,9 +1031,7 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
     chunks, chunk_tokens = (5, 1024) if max_ctas else (1, 4096)
     explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
     assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (chunks, chunk_tokens, 0)
-    # the short chunk (staged_cut): first to the host; from it last, the first holding what is left over
-    first = (256 if direction == "to_host" else 768) if max_ctas else 4096
-    assert explained["first_chunk_tokens"] == first, explained
+    assert explained["short_chunk_tokens"] == (256 if max_ctas else 0), explained   # (staged_cut)
     ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
     for _ in range(3):                            # issued directly, captured (and launched), replayed
         ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")

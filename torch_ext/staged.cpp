@@ -101,13 +101,13 @@ int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, in
   return std::min(capacity, (n + 15) / 16 * 16);
 }
 
-StagedCut staged_cut(int64_t tokens, int64_t groups, int64_t per_chunk, bool to_host) {
+StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host) {
   TORCH_CHECK_VALUE(per_chunk >= 1, "kvlayout: a staged chunk must hold at least one token, got ", per_chunk);
-  if (groups != 1 || tokens <= per_chunk) return {per_chunk, per_chunk};
   const int64_t short_chunk = std::min(per_chunk, std::max<int64_t>(16, per_chunk / kStagedShortChunk / 16 * 16));
-  if (to_host) return {per_chunk, short_chunk};
+  if (tokens <= per_chunk || short_chunk == per_chunk) return StagedCut::whole(per_chunk);
+  if (to_host) return {per_chunk, short_chunk, short_chunk};
   const int64_t left_over = (tokens - short_chunk) % per_chunk;  // (the last chunk: short_chunk)
-  return {per_chunk, left_over == 0 ? per_chunk : left_over};
+  return {per_chunk, left_over == 0 ? per_chunk : left_over, short_chunk};
 }
 
 std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, int64_t t0, int64_t n,

@@ -16,8 +16,9 @@
 //                    -> copy kernel: ring -> device (main stream)
 //
 // A call's chunks hold n_call = staged_chunk_tokens(...) <= tokens_per_chunk
-// tokens, but one short chunk at the pipeline's idle end (staged_cut); a
-// token's ring row is its index in its chunk; the host row of token t is t. Every row still moves through the copy kernel, so slots,
+// tokens, but one short chunk at the pipeline's idle end (staged_cut: in the
+// layer group there); a token's ring row is its index in its chunk (so one
+// per way of cutting); the host row of token t is t. Every row still moves through the copy kernel, so slots,
 // skip_prefix and recorded out-of-range slots behave as the kernel engine's.
 // Streams are ordered with events; no host synchronisation, so a staged
 // transfer can be captured in a CUDA graph (the CUDA engine captures repeated
@@ -114,14 +115,17 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas);
 
-// How a call's tokens past skip_prefix are cut into chunks (the same in
-// every layer group): the first chunk holds `first` tokens (1..per_chunk),
-// each other one `per_chunk`, the last what is left. The token `i` tokens
-// past skip_prefix lies in ring row `i` of the first chunk, or row
-// `(i - first) % per_chunk` of a later one.
+// How a layer group's tokens past skip_prefix are cut into chunks: the first
+// chunk holds `first` tokens (1..per_chunk), each other one `per_chunk`, the
+// last what is left; `short_tokens` is the short chunk's (below), 0 where
+// none. The token `i` tokens past skip_prefix lies in ring row `i` of the
+// first chunk, or row `(i - first) % per_chunk` of a later one.
 struct StagedCut {
   int64_t per_chunk = 1;
   int64_t first = 1;
+  int64_t short_tokens = 0;
+  // Whole chunks of per_chunk tokens (the last what is left).
+  static StagedCut whole(int64_t per_chunk) { return {per_chunk, per_chunk, 0}; }
   // Chunks of `tokens` tokens (none of none).
   int64_t chunks(int64_t tokens) const {
     if (tokens <= 0) return 0;
@@ -133,20 +137,20 @@ struct StagedCut {
   }
 };
 
-// The cut of a call of `tokens` tokens (past skip_prefix) in `groups` layer
-// groups into chunks of `per_chunk` (staged_chunk_tokens): where the call has
-// one layer group and more than one chunk, the pipeline's idle end is one
-// short chunk (kStagedShortChunk of a full
-// one, at least 16 tokens) rather than a full one: to the host the first
-// chunk (its kernels run before the copy engine has work), from the host the
-// last (its kernel runs after the copy engine is done; the first chunk then
-// holds what is left over from whole chunks). In the H100 record of f0f7fef
-// (h100_staged_timeline.txt) a full first chunk's kernels took 17 us before
-// the first copy to the host, and the last chunk's kernel 10 us after the
-// last copy from it, of a 1.2 ms transfer. (Every layer group is cut alike,
-// so several groups would each have a short chunk where the call has one idle
-// end; such a call has many chunks, of which one at each end is a small part.)
-StagedCut staged_cut(int64_t tokens, int64_t groups, int64_t per_chunk, bool to_host);
+// A staged call of `tokens` tokens (past skip_prefix) in chunks of
+// `per_chunk` (staged_chunk_tokens) has, where a layer group has more than
+// one chunk, one short chunk (kStagedShortChunk of a full one, at least 16
+// tokens) at the pipeline's idle end rather than a full one: to the host the
+// call's first chunk (its kernels run before the copy engine has work), from
+// the host its last (its kernel runs after the copy engine is done). So the
+// layer group at that end (staged_cut_group: the first to the host, the last
+// from it) is cut by staged_cut, whose first chunk from the host holds what
+// whole chunks leave over; every other group in whole chunks. In the H100
+// record of f0f7fef (h100_staged_timeline.txt) a full first chunk's kernels
+// took 17 us before the first copy to the host, and the last chunk's kernel
+// 10 us after the last copy from it, of a 1.2 ms transfer.
+StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host);
+inline size_t staged_cut_group(size_t groups, bool to_host) { return to_host || groups == 0 ? 0 : groups - 1; }
 constexpr int64_t kStagedShortChunk = 4;  // a short chunk: 1/4 of a full one
 
 constexpr int64_t kStagedChunks = 8;

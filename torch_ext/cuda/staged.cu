@@ -38,12 +38,14 @@
 namespace kvlayout {
 namespace {
 
-// rows[0][t]: token t's ring row (its index in its chunk, by the call's
-// StagedCut; -1 before skip).
-// With keep (device -> host): rows[1][t] = t and rows[2][t] = its ring row
-// where token t has no device row (slot < 0 or >= num_slots), else -1: the
-// keep kernel copies those host rows into the ring so that the copy back
-// leaves them as they were.
+// The token table of a call cut by `cut` (its layer group at the
+// pipeline's idle end, staged_cut) and in whole chunks of cut.per_chunk
+// (every other group): rows[0][t] is token t's ring row (its index in its
+// chunk) in whole chunks, rows[1][t] in the cut (-1 before skip both).
+// With keep (device -> host): rows[2][t] = t, and rows[3][t] / rows[4][t]
+// its ring row in whole chunks / in the cut, where token t has no device row
+// (slot < 0 or >= num_slots), else -1: the keep kernel copies those host rows
+// into the ring so that the copy back leaves them as they were.
 template <class Slot>
 __global__ void staged_rows_kernel(const Slot* slots, int64_t num_tokens, int64_t skip,
                                    int64_t first, int64_t per_chunk, int64_t num_slots, bool keep,
@@ -51,13 +53,16 @@ __global__ void staged_rows_kernel(const Slot* slots, int64_t num_tokens, int64_
   for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < num_tokens;
        t += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = t - skip;  // (StagedCut: row i of the first chunk, else of a later one)
-    const int64_t ring_row = i < 0 ? -1 : i < first ? i : (i - first) % per_chunk;
-    rows[t] = ring_row;
+    const int64_t whole_row = i < 0 ? -1 : i % per_chunk;
+    const int64_t cut_row = i < 0 ? -1 : i < first ? i : (i - first) % per_chunk;
+    rows[t] = whole_row;
+    rows[num_tokens + t] = cut_row;
     if (keep) {
       const int64_t s = slots != nullptr ? int64_t(slots[t]) : t;
-      const bool kept = ring_row >= 0 && (s < 0 || s >= num_slots);
-      rows[num_tokens + t] = kept ? t : -1;
-      rows[2 * num_tokens + t] = kept ? ring_row : -1;
+      const bool kept = i >= 0 && (s < 0 || s >= num_slots);
+      rows[2 * num_tokens + t] = kept ? t : -1;
+      rows[3 * num_tokens + t] = kept ? whole_row : -1;
+      rows[4 * num_tokens + t] = kept ? cut_row : -1;
     }
   }
 }
@@ -281,11 +286,10 @@ class CudaStaged final : public StagedEngine {
                                num_tokens - skip_prefix, bytes_per_token_, max_ctas);
   }
 
-  // The cut into chunks of per_chunk tokens of a call of num_tokens tokens
-  // from skip_prefix on.
+  // The cut of the layer group at the pipeline's idle end (staged_cut) of a
+  // call of num_tokens tokens from skip_prefix on in chunks of per_chunk.
   StagedCut cut(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk) const {
-    return staged_cut(num_tokens - skip_prefix, static_cast<int64_t>(s_.groups.size()), per_chunk,
-                      s_.host_is_dst);
+    return staged_cut(num_tokens - skip_prefix, per_chunk, s_.host_is_dst);
   }
 
   Replay* find_replay(const ReplayKey& key) {
@@ -369,9 +373,11 @@ class CudaStaged final : public StagedEngine {
   // than after the table's kernel (in a captured graph: as a root node).
   void fork_side(cudaStream_t main, cudaStream_t side) { join(events_[0], main, side); }
 
-  // The transfer's work in stream order, in the chunks of `cut`, after
-  // fork_side: `main` runs the kernels, `side` the copy engine's copies;
-  // `rows` is the token table fill_token_rows wrote for the same cut.
+  // The transfer's work in stream order, after fork_side, the layer group at
+  // the pipeline's idle end in the chunks of `cut`, every other in whole
+  // chunks of cut.per_chunk: `main` runs the kernels, `side` the copy
+  // engine's copies; `rows` is the token table fill_token_rows wrote for the
+  // same cut.
   void issue(const at::Tensor& device_slots, int64_t num_tokens, int64_t skip_prefix,
              int64_t max_ctas, const StagedCut& cut, bool validate, const at::Tensor& rows,
              cudaStream_t main, cudaStream_t side, bool fold_blocks) {
@@ -379,15 +385,20 @@ class CudaStaged final : public StagedEngine {
     const bool keep = keeps();
     // The token table's rows, each read by every chunk as a prefix (RunArgs::slot_prefixes): one view
     // per row per call, none per chunk.
-    const at::Tensor ring_rows = rows[0];
-    const at::Tensor kept_host_rows = keep ? rows[1] : at::Tensor();
-    const at::Tensor kept_ring_rows = keep ? rows[2] : at::Tensor();
+    // (index 0: whole chunks, 1: the cut; see staged_rows_kernel)
+    const at::Tensor ring_rows[2] = {rows[0], rows[1]};
+    const at::Tensor kept_host_rows = keep ? rows[2] : at::Tensor();
+    const at::Tensor kept_ring_rows[2] = {keep ? rows[3] : at::Tensor(), keep ? rows[4] : at::Tensor()};
+    const StagedCut whole = StagedCut::whole(cut.per_chunk);
+    const size_t cut_group = staged_cut_group(s_.groups.size(), s_.host_is_dst);
     size_t c = 0;
     for (size_t g = 0; g < s_.groups.size(); ++g) {
+      const int cuts = g == cut_group ? 1 : 0;
+      const StagedCut& chunking = cuts ? cut : whole;
       for (int64_t t0 = skip_prefix, end = 0; t0 < num_tokens; t0 = end, ++c) {
         // tokens [t0, end): the slot arrays' first `end` entries, with skip_prefix t0 (so a
         // recorded out-of-range slot names its index in the caller's slots)
-        end = cut.end(skip_prefix, t0, num_tokens);
+        end = chunking.end(skip_prefix, t0, num_tokens);
         const size_t r = c % R;
         const cudaEvent_t filled = events_[2 + r], drained = events_[2 + R + r];
         const BoundProgram& kernel = *s_.kernels[g * R + r];
@@ -402,8 +413,8 @@ class CudaStaged final : public StagedEngine {
         };
         if (s_.host_is_dst) {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(main, drained, 0));  // its copy out is done
-          if (keep) run(*s_.keeps[g * R + r], kept_host_rows, kept_ring_rows, false);
-          run(kernel, device_slots, ring_rows, validate);
+          if (keep) run(*s_.keeps[g * R + r], kept_host_rows, kept_ring_rows[cuts], false);
+          run(kernel, device_slots, ring_rows[cuts], validate);
           join(filled, main, side);
           copy(g, r, t0, end - t0, /*to_host=*/true, fold_blocks, side);
           C10_CUDA_CHECK(cudaEventRecord(drained, side));
@@ -411,7 +422,7 @@ class CudaStaged final : public StagedEngine {
           if (c >= R) C10_CUDA_CHECK(cudaStreamWaitEvent(side, drained, 0));  // its kernel is done
           copy(g, r, t0, end - t0, /*to_host=*/false, fold_blocks, side);
           join(filled, side, main);
-          run(kernel, ring_rows, device_slots, validate);
+          run(kernel, ring_rows[cuts], device_slots, validate);
           C10_CUDA_CHECK(cudaEventRecord(drained, main));
         }
       }
@@ -429,7 +440,7 @@ class CudaStaged final : public StagedEngine {
 
   // The token table of a call of `num_tokens` tokens (see staged_rows_kernel).
   at::Tensor new_token_rows(int64_t num_tokens) const {
-    return at::empty({keeps() ? 3 : 1, num_tokens},
+    return at::empty({keeps() ? 5 : 2, num_tokens},
                      at::TensorOptions().dtype(at::kLong).device(s_.device));
   }
 
