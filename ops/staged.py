@@ -399,13 +399,15 @@ class _RingTable:
         with _RINGS_LOCK:
             return list(self._plans.values())
 
-    def find(self, owner):
-        """The plan kept for ``owner`` (now the most recently used), or None."""
+    def find(self, owner, *, use: bool = True):
+        """The plan kept for ``owner``, or None; ``use``: it is now the most recently used (a look that only
+        inspects it, as :func:`kept_graph`'s, leaves the order as it is)."""
         with _RINGS_LOCK:
             plan = self._plans.get(id(owner))
             if plan is None or plan.owner() is not owner:
                 return None
-            self._plans.move_to_end(id(owner))
+            if use:
+                self._plans.move_to_end(id(owner))
             return plan
 
     def keep(self, plan) -> None:
@@ -646,7 +648,7 @@ def kept_graph(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int
         return 0, False
     device = choice.device
     ring = _RINGS.get(_ring_key(device, torch.cuda.current_stream(device)))
-    transfer = ring.transfers.find(choice) if ring is not None else None
+    transfer = ring.transfers.find(choice, use=False) if ring is not None else None
     if transfer is None:
         return 0, False
     device_slots = src_slots if staged.host_is_dst else dst_slots
