@@ -219,6 +219,42 @@ def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
     assert bad.returncode != 0 and "KVLAYOUT_STAGED_CHUNKS = '0'" in bad.stderr
 
 
+def test_a_ring_table_keeps_the_most_recently_used_plans_while_their_objects_live():
+    """A ring's table of plans (_RingTable): at most its bound, the least recently used plan going first; a look
+    with use=False (ops.explain's) does not count as a use; a plan leaves once its owner or another object it
+    watches is gone; a table of bound 0 (a graph capture's ring) keeps none."""
+    import gc
+
+    class Thing:
+        pass
+
+    class Plan:
+        def __init__(self, table, owner, *others):
+            self.owner, *self.watches = table.watch(self, owner, *others)
+
+    table = staged_mod._RingTable(2)
+    a, b, c, d, cache = Thing(), Thing(), Thing(), Thing(), Thing()
+    plans = {}
+    for owner in (a, b):
+        plans[owner] = Plan(table, owner)
+        table.keep(plans[owner])
+    assert table.find(a) is plans[a]              # a used: b is now the least recently used
+    plans[c] = Plan(table, c, cache)
+    table.keep(plans[c])
+    assert table.find(b) is None and table.values() == [plans[a], plans[c]]
+    assert table.find(a, use=False) is plans[a]   # a look: a stays the least recently used
+    plans[d] = Plan(table, d)
+    table.keep(plans[d])
+    assert table.find(a) is None and table.values() == [plans[c], plans[d]]
+    del cache                                     # an object c's plan watches goes: the plan leaves
+    gc.collect()
+    assert table.values() == [plans[d]] and len(table) == 1
+    assert table.find(Thing()) is None
+    none_kept = staged_mod._RingTable(0)
+    none_kept.keep(Plan(none_kept, a))
+    assert len(none_kept) == 0
+
+
 def test_threads_taking_rings_at_once_keep_at_most_the_bound(monkeypatch):
     """Threads on streams of their own taking staging rings at the same moment never keep more than KEPT_RINGS
     (each ring is a device buffer of KVLAYOUT_STAGING_BYTES): the check and the insertion are one step. A ring
