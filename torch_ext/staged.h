@@ -18,8 +18,9 @@
 // A call's chunks hold n_call = staged_chunk_tokens(...) <= tokens_per_chunk
 // tokens, but one short chunk at the pipeline's idle end (staged_cut: in the
 // layer group there); a token's ring row is its index in its chunk (so one
-// per way of cutting); the host row of token t is t. Every row still moves through the copy kernel, so slots,
-// skip_prefix and recorded out-of-range slots behave as the kernel engine's.
+// per way of cutting); the host row of token t is t. Every row still moves
+// through the copy kernel, so slots, skip_prefix and recorded out-of-range
+// slots behave as the kernel engine's.
 // Streams are ordered with events; no host synchronisation, so a staged
 // transfer can be captured in a CUDA graph (the CUDA engine captures repeated
 // call shapes itself and replays them: cuda/staged.cu).
