@@ -47,7 +47,9 @@
 #                picks the sections (device, budget, host; default all)   -> walk_probe.txt
 #   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
 #                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
-#                rounds (default 2); the staged rows of each run -> staged_settings.txt, staged-settings.tgz
+#                rounds (default 2); STAGED_SETTINGS replaces the settings (';' between settings, e.g.
+#                "KVLAYOUT_STAGED_CHUNKS=8;KVLAYOUT_STAGED_CHUNKS=4"); the staged rows of each run
+#                                                                   -> staged_settings.txt, staged-settings.tgz
 # A step's report folder is packed into one STEP.tgz (unpack with tar xzf) and removed, so that a record is
 # a handful of files to carry off the machine. PYTHON picks the interpreter (default python3); PYTEST_ARGS
 # adds pytest arguments.
@@ -72,6 +74,7 @@ $(staged_row L32_MLA_D576 vllm_mla-\>lmcache_kv_mla to_host)"
 default_staged_only="L32_H1_D128 T=256,L32_MLA_D576 T=256"
 staged_settings=("KVLAYOUT_STAGED_GRAPHS=8 KVLAYOUT_STAGED_CHUNKS=8" "KVLAYOUT_STAGED_GRAPHS=0 KVLAYOUT_STAGED_CHUNKS=8"
                  "KVLAYOUT_STAGED_GRAPHS=8 KVLAYOUT_STAGED_CHUNKS=1")
+[ -z "${STAGED_SETTINGS:-}" ] || IFS=';' read -r -a staged_settings <<< "$STAGED_SETTINGS"
 status=0
 
 gpu_header() {

@@ -135,3 +135,18 @@ def test_staged_settings_run_each_setting_in_turn_every_round_and_keep_the_stage
     assert not any(line.startswith("ran ") for line in log)          # only the bench's staged rows are kept
     runs = {m.split(os.sep)[0] for m in members(out / "staged-settings.tgz")}
     assert len(runs) == 6 and all(r.endswith(("_1", "_2")) for r in runs)
+
+
+def test_staged_settings_can_be_replaced_by_a_list_of_settings(tmp_path: Path, stand_in: Path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(stand_in), STAGED_ROUNDS="1",
+               STAGED_SETTINGS="KVLAYOUT_STAGED_CHUNKS=8;KVLAYOUT_STAGED_GRAPHS=2 KVLAYOUT_STAGED_CHUNKS=4")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "staged-settings"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    log = (out / "staged_settings.txt").read_text().splitlines()
+    log = log[next(i for i, line in enumerate(log) if line.startswith("$ ")) + 1:]    # (after the header)
+    rows = [line for line in log if line.startswith("staged ")]
+    assert rows == ["staged graphs= chunks=8", "staged graphs=2 chunks=4"]
+    assert {m.split(os.sep)[0] for m in members(out / "staged-settings.tgz")} == {
+        "KVLAYOUT_STAGED_CHUNKS=8_1", "KVLAYOUT_STAGED_GRAPHS=2_KVLAYOUT_STAGED_CHUNKS=4_1"}
