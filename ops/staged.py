@@ -14,12 +14,13 @@ Each ring slot holds a *mini cache*: the host cache's layout with
 ``chunk_layers`` layers and ``chunk_tokens`` slots (as many as fit the slot).
 The transfer is cut into chunks (a group of ``chunk_layers`` chosen layers,
 up to ``chunk_tokens`` tokens: fewer where that gives a call about 8
-chunks of at least 8 MiB, 16 of at least 2 MiB under an SM budget, so
-that the pipeline's start and end, where one stage waits for the other,
-stay short and small calls pay one chunk's fixed cost;
-:meth:`StagedPlan.call_chunk_tokens`; where a layer group has more than
-one, the call has one chunk of a quarter of that at the end where the
-pipeline idles, its first to the host and its last from it: ``_C.staged_cut``),
+chunks of at least 8 MiB (of 16 MiB where it still has 4 of them), 16 of
+at least 2 MiB under an SM budget, so that the pipeline's start and end,
+where one stage waits for the other, stay short and small calls pay one
+chunk's fixed cost; :meth:`StagedPlan.call_chunk_tokens`; without a budget,
+where a layer group has more than one, the call has one chunk of a quarter
+of that at the end where the pipeline idles, its first to the host and its
+last from it: ``_C.staged_cut``),
 chunk c through ring slot c % RING_SLOTS:
 
 * device -> host: the copy kernel moves the chunk's rows from the device
@@ -99,7 +100,8 @@ _ALIGN = 256                # bytes: every mini-cache tensor starts at a multipl
 
 def set_staged_chunks(chunks: int) -> None:
     """The chunks a staged call aims at without an SM budget, twice as many under one (``CHUNKS`` unless set,
-    or ``KVLAYOUT_STAGED_CHUNKS``): each still at least 8 MiB (2 MiB under a budget) and at most a ring slot.
+    or ``KVLAYOUT_STAGED_CHUNKS``): each still at least 8 MiB (16 MiB where a call still has 4 of them; 2 MiB
+    under a budget) and at most a ring slot.
     More chunks overlap the kernel and the copy engine better at a call's start and end; fewer cost less host
     time (driver calls issued directly, nodes of a captured graph). 1: chunks of a ring slot's capacity.
     Process-wide (in :func:`~kvlayout.ops.cache_info`); a call reads it once, and a repeated call shape is
@@ -167,7 +169,7 @@ class StagedPlan:
 
     def _cut(self, num_tokens: int, skip_prefix: int, max_ctas: int) -> tuple[int, int, int, int]:
         per_chunk = self.call_chunk_tokens(num_tokens, skip_prefix, max_ctas)
-        return _C.staged_cut(num_tokens - skip_prefix, self.layer_groups, per_chunk, self.host_is_dst)
+        return _C.staged_cut(num_tokens - skip_prefix, self.layer_groups, per_chunk, self.host_is_dst, max_ctas)
 
 
 def _host_side(src: KVCache, dst: KVCache) -> str | None:

@@ -331,10 +331,10 @@ def test_cuda_bench_host_row_times_a_copy_of_its_own_host_memory(cuda_device):
 
 
 def test_cuda_bench_rows_under_a_setting_are_exact_and_leave_it_as_it_was(cuda_device):
-    """A host_hints row, a device-grid row (every SM's one 1024-thread CTA), a slot-chunks staged row and a
-    device-launch staged row, run by the bench on the device: bit-exact, measured, the staged rows with their
-    chunks and the nodes of the graph they replayed (the device-launch row's a conditional node's body); the
-    settings are back to their defaults after."""
+    """A host_hints row, a device-grid row (every SM's one 1024-thread CTA), a slot-chunks staged row, a
+    device-launch staged row and a default staged row, run by the bench on the device: bit-exact, measured, the
+    staged rows with their chunks and the nodes of the graph they replayed (the device-launch row's a conditional
+    node's body); the settings are back to their defaults after."""
     from kvlayout import _C
     from kvlayout.ops import _native
     head = "L32_H1_D128 T=256 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd"
@@ -343,7 +343,8 @@ def test_cuda_bench_rows_under_a_setting_are_exact_and_leave_it_as_it_was(cuda_d
             "L32_H1_D128 T=4096 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd to_host all layers ctas=default staged "
             "slot-chunks",
             "L32_H1_D128 T=4096 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd from_host all layers ctas=default staged "
-            "device-launch"]
+            "device-launch",
+            "L32_H1_D128 T=4096 ps=16 vllm_flash_attn_nhd->lmcache_kv_2ltd to_host all layers ctas=default staged"]
     doc = run(torch.device(cuda_device), quick=True, only=",".join(keys))
     rows = {r["key"]: r for r in doc["results"]}
     assert sorted(rows) == sorted(keys)
@@ -351,8 +352,11 @@ def test_cuda_bench_rows_under_a_setting_are_exact_and_leave_it_as_it_was(cuda_d
     staged = rows[keys[2]]
     # 64 MiB in slot-sized chunks of 32 MiB: two layer groups of one chunk each (no short chunk: staged_cut)
     assert staged["chunks"] == 2 and staged["graph_nodes"] > 0, staged
-    on_device = rows[keys[3]]
+    on_device, default = rows[keys[3]], rows[keys[4]]
     assert on_device["graph_nodes"] > 0 and on_device["graph_on_device"], on_device
+    # by default two layer groups of 2 chunks of 16 MiB, and the short chunk of 4 MiB at the pipeline's idle end
+    # (the last from the host, the first to it; staged_chunk_tokens, staged_cut), each exact
+    assert on_device["chunks"] == default["chunks"] == 5, (on_device, default)
     assert ops.cache_info()["staged_chunks"] == 8 and _native.host_cache_hints() == "streaming"
     assert not _C.staged_graph_on_device()
 

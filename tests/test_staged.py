@@ -77,7 +77,7 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
     n_tokens = min(call_tokens, capacity)
     # the layer group at the pipeline's idle end (the first to the host, the last from it) has its first chunk of
     # `first` tokens; every other group whole chunks
-    cut_first, _, _, chunks = _C.staged_cut(T - skip, groups, n_tokens, host_is_dst)
+    cut_first, _, _, chunks = _C.staged_cut(T - skip, groups, n_tokens, host_is_dst, 0)
     cut_group = 0 if host_is_dst else groups - 1
     t = torch.arange(T)
     i = t - skip                                   # a token's index past skip
@@ -117,13 +117,19 @@ def _chunk_loop(src, dst, slots, layers, skip, slot_bytes, host_is_dst, call_tok
 
 def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_budget():
     """The engine's chunk rule (staged_chunk_tokens): a ring slot's capacity, or fewer tokens (multiples of 16)
-    so that a call has about 8 chunks in all, each of at least 8 MiB (16 of at least 2 MiB under an SM budget);
-    never more than a slot holds."""
+    so that a call has about 8 chunks in all, each of at least 8 MiB, and of at least 16 MiB where the call still
+    has 4 of them (16 of at least 2 MiB under an SM budget); never more than a slot holds."""
     MiB = 1 << 20
     rule = _C.staged_chunk_tokens
-    # the bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 8 chunks of 8 MiB, not 2 of 32 MiB,
-    # and 16 of 4 MiB under an SM budget
-    assert rule(8192, 1, 4096, 32 * 2 * 256, 0) == 512 and rule(8192, 1, 4096, 32 * 2 * 256, 4) == 256
+    # the bench's staged rows: L32 H1 T=4096 (64 MiB, one layer group) 4 chunks of 16 MiB, not 8 of 8 MiB or 2 of
+    # 32 MiB, and 16 of 4 MiB under an SM budget; in two layer groups, 2 chunks of 16 MiB each
+    assert rule(8192, 1, 4096, 32 * 2 * 256, 0) == 1024 and rule(8192, 1, 4096, 32 * 2 * 256, 4) == 256
+    assert rule(4096, 2, 4096, 32 * 2 * 256, 0) == 2048
+    # 80 MiB (L80 H8 at T=256): 5 chunks of 16 MiB; 40 and 48 MiB: 4 chunks of at least 8 MiB; from 128 MiB on: 8
+    for mib, chunks in ((80, 5), (40, 4), (48, 4), (128, 8), (144, 8), (1024, 8)):
+        tokens = 8192
+        n = rule(1 << 20, 1, tokens, mib * MiB // tokens, 0)
+        assert -(-tokens // n) == chunks, (mib, n)
     # L32 H1 and L32 MLA at T=256 (4 and 9 MiB): one chunk without a budget, 2 and 4 of them under one;
     # L32 H8 at T=256 (32 MiB): 4 chunks, 16 under a budget
     assert rule(8192, 1, 256, 32 * 2 * 256, 0) == 256 and rule(8192, 1, 256, 32 * 2 * 256, 4) == 128
@@ -135,13 +141,14 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
         assert rule(8192, 32, 32768, 32 * 2 * 2048, budget) == 8192
     assert rule(8192, 1, 256, 64, 0) == 256            # 16 KiB: one chunk
     assert rule(100, 1, 0, 64, 0) == 100 and rule(5, 1, 1, 1, 0) == 5
-    # ops.explain's chunk count is the engine's (one more than whole chunks: the short one, staged_cut), and so is
-    # its short chunk's tokens
+    # ops.explain's chunk count is the engine's (one more than whole chunks without a budget: the short one,
+    # staged_cut), and so is its short chunk's tokens
     plan = staged_mod.StagedPlan("", chunk_layers=32, chunk_tokens=8192, layer_groups=1, token_bytes=16384)
-    assert plan.chunks(4096, 0, 0) == 9 and plan.chunks(4096, 0, 2) == 17
-    assert plan.short_chunk_tokens(4096, 0, 0) == 128 and plan.short_chunk_tokens(4096, 4000, 0) == 0
+    assert plan.chunks(4096, 0, 0) == 5 and plan.chunks(4096, 0, 2) == 16
+    assert plan.short_chunk_tokens(4096, 0, 0) == 256 and plan.short_chunk_tokens(4096, 4000, 0) == 0
+    assert plan.short_chunk_tokens(4096, 0, 2) == 0
     to_host = dataclasses.replace(plan, host_is_dst=True)
-    assert to_host.short_chunk_tokens(4096, 0, 0) == 128 and to_host.chunks(4096, 0, 0) == 9
+    assert to_host.short_chunk_tokens(4096, 0, 0) == 256 and to_host.chunks(4096, 0, 0) == 5
     assert plan.chunks(4096, 4000, 0) == 1 and plan.chunks(40, 0, 0) == 1
     gen = torch.Generator().manual_seed(0)
     for _ in range(2000):
@@ -160,13 +167,19 @@ def test_a_call_is_cut_into_a_few_chunks_of_at_least_eight_mib_or_two_under_a_bu
 
 
 def test_a_call_has_one_short_chunk_at_the_pipelines_idle_end():
-    """staged_cut: where a layer group has more than one chunk, a call has one short chunk (a quarter of a full one,
-    at least 16 tokens) where the pipeline idles: its first to the host (whose kernels run before the copy engine
-    has work), its last from the host (whose kernel runs after the copy engine is done). The layer group there
-    (the first to the host, the last from it) is cut so, its first chunk from the host holding what whole chunks
-    leave over; every other group moves in whole chunks. (first chunk of the cut group, full chunk, short chunk,
-    chunks of the call)."""
-    cut = _C.staged_cut
+    """staged_cut: where a layer group has more than one chunk, a call without an SM budget has one short chunk
+    (a quarter of a full one, at least 16 tokens) where the pipeline idles: its first to the host (whose kernels
+    run before the copy engine has work), its last from the host (whose kernel runs after the copy engine is
+    done). The layer group there (the first to the host, the last from it) is cut so, its first chunk from the
+    host holding what whole chunks leave over; every other group moves in whole chunks. (first chunk of the cut
+    group, full chunk, short chunk, chunks of the call). Under a budget, whose kernel is as slow as the copy,
+    none."""
+    def cut(tokens, groups, per_chunk, to_host):
+        return _C.staged_cut(tokens, groups, per_chunk, to_host, 0)
+    for budget in (1, 4):
+        assert _C.staged_cut(4096, 1, 512, True, budget) == _C.staged_cut(4096, 1, 512, False, budget) == (
+            512, 512, 0, 8)
+        assert _C.staged_cut(4096, 2, 512, False, budget) == (512, 512, 0, 16)
     assert cut(4096, 1, 512, True) == (128, 512, 128, 9)     # 128, 512 x 7, 384
     assert cut(4096, 1, 512, False) == (384, 512, 128, 9)    # 384, 512 x 7, 128
     assert cut(4224, 1, 512, False) == (512, 512, 128, 9)    # 512 x 8, 128
@@ -202,7 +215,7 @@ def test_a_calls_chunk_count_is_a_setting_and_a_variable(monkeypatch):
     try:
         ops.set_staged_chunks(1)                     # 64 MiB through slots of 8,192 tokens: one chunk
         assert rule(8192, 1, 4096, 16384, 0) == 4096 and plan.chunks(4096, 0, 0) == 1
-        assert plan.chunks(4096, 0, 4) == 3           # (under a budget: twice as many, and the short one)
+        assert plan.chunks(4096, 0, 4) == 2           # (under a budget: twice as many)
         ops.set_staged_chunks(4)
         assert rule(8192, 1, 4096, 16384, 0) == 1024 and plan.chunks(4096, 0, 0) == 5
         for bad in (0, 1025, 2.0, True):
@@ -1055,8 +1068,8 @@ def _eight_mib_pair(cuda_device, direction: str, seed: int):
 @pytest.mark.parametrize("max_ctas", [0, 2])
 def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction, max_ctas, ring_bytes):
     """8 MiB through the default ring (every token fits one slot): under an SM budget the call is cut into
-    chunks of fewer tokens than a slot holds (about 8 of at least 2 MiB: 1,024 tokens each, and one short chunk of
-    256, staged_cut), without one it moves in one chunk (at least 8 MiB each); issued directly, captured and
+    chunks of fewer tokens than a slot holds (about 8 of at least 2 MiB: 1,024 tokens each; no short chunk under a
+    budget, staged_cut), without one it moves in one chunk (at least 8 MiB each); issued directly, captured and
     replayed, each call exact against the CPU, holes and skip_prefix included."""
     ring_bytes(64 << 20)
     cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, direction, seed=3)
@@ -1064,10 +1077,10 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
     src, dst, cpu_src, cpu_dst, args, cpu_args = (
         (cache, chunk, cpu_cache, cpu_chunk, (slots.to(cuda_device),), (slots,)) if direction == "to_host" else
         (chunk, cache, cpu_chunk, cpu_cache, (None, slots.to(cuda_device)), (None, slots)))
-    chunks, chunk_tokens = (5, 1024) if max_ctas else (1, 4096)
+    chunks, chunk_tokens = (4, 1024) if max_ctas else (1, 4096)
     explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
     assert (explained["chunks"], explained["chunk_tokens"], explained["graph_nodes"]) == (chunks, chunk_tokens, 0)
-    assert explained["short_chunk_tokens"] == (256 if max_ctas else 0), explained   # (staged_cut)
+    assert explained["short_chunk_tokens"] == 0, explained   # (one chunk, or under a budget: staged_cut)
     ops.transfer(cpu_src, cpu_dst, *cpu_args, skip_prefix=5)
     for _ in range(3):                            # issued directly, captured (and launched), replayed
         ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
@@ -1082,12 +1095,12 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
     assert ops.explain(src, dst, *args, skip_prefix=6, max_ctas=max_ctas, engine="staged")["graph_nodes"] == 0
     if not max_ctas:
         return
-    # one chunk of a slot's capacity per call (two under the budget, and the short one): the same shape is a new
+    # one chunk of a slot's capacity per call (two under the budget): the same shape is a new
     # graph (captured on its second call), fewer nodes, the same bytes
     try:
         ops.set_staged_chunks(1)
         explained = ops.explain(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
-        assert (explained["chunks"], explained["graph_nodes"]) == (3, 0), explained
+        assert (explained["chunks"], explained["graph_nodes"]) == (2, 0), explained
         for _ in range(3):
             ops.transfer(src, dst, *args, skip_prefix=5, max_ctas=max_ctas, engine="staged")
             torch.cuda.synchronize()

@@ -766,14 +766,14 @@ PYBIND11_MODULE(_C, m) {
         "SM budget of `max_ctas` (0: none).");
   m.def(
       "staged_cut",
-      [](int64_t tokens, int64_t groups, int64_t per_chunk, bool to_host) {
-        const StagedCut cut = staged_cut(tokens, per_chunk, to_host);
+      [](int64_t tokens, int64_t groups, int64_t per_chunk, bool to_host, int64_t max_ctas) {
+        const StagedCut cut = staged_cut(tokens, per_chunk, to_host, max_ctas);
         const int64_t chunks = cut.chunks(tokens) + (groups - 1) * StagedCut::whole(per_chunk).chunks(tokens);
         return py::make_tuple(cut.first, cut.per_chunk, cut.short_tokens, chunks);
       },
-      py::arg("tokens"), py::arg("groups"), py::arg("per_chunk"), py::arg("to_host"),
+      py::arg("tokens"), py::arg("groups"), py::arg("per_chunk"), py::arg("to_host"), py::arg("max_ctas"),
       "How a staged call of `tokens` tokens (past skip_prefix) in `groups` layer groups and chunks of "
-      "`per_chunk` tokens is cut: (tokens of the first chunk of the group at the pipeline's idle end, of each "
+      "`per_chunk` tokens under an SM budget of `max_ctas` (0: none) is cut: (tokens of the first chunk of the group at the pipeline's idle end, of each "
       "later one but the last, of the call's short chunk (0: none), the call's chunks in all groups).");
   m.def(
       "staged_copies",

@@ -93,18 +93,23 @@ int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, in
   const int64_t total = tokens * std::max<int64_t>(bytes_per_token, 0);
   const int64_t chunks = staged_chunks();
   const bool budget = max_ctas > 0;
-  const int64_t least = budget ? kStagedBudgetChunkBytes : kStagedChunkBytes;
-  const int64_t wanted = std::clamp<int64_t>(total / least, 1, budget ? 2 * chunks : chunks);
+  // without a budget, chunks of kStagedLargeChunkBytes where the call still has kStagedFewestChunks of
+  // them, else as many of kStagedChunkBytes as there are, up to kStagedFewestChunks
+  const int64_t wanted =
+      budget ? std::clamp<int64_t>(total / kStagedBudgetChunkBytes, 1, 2 * chunks)
+             : std::clamp<int64_t>(std::max(std::min(total / kStagedChunkBytes, kStagedFewestChunks),
+                                            total / kStagedLargeChunkBytes),
+                                   1, chunks);
   const int64_t layer_groups = std::max<int64_t>(groups, 1);
   const int64_t per_group = (wanted + layer_groups - 1) / layer_groups;
   const int64_t n = (tokens + per_group - 1) / per_group;
   return std::min(capacity, (n + 15) / 16 * 16);
 }
 
-StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host) {
+StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host, int64_t max_ctas) {
   TORCH_CHECK_VALUE(per_chunk >= 1, "kvlayout: a staged chunk must hold at least one token, got ", per_chunk);
   const int64_t short_chunk = std::min(per_chunk, std::max<int64_t>(16, per_chunk / kStagedShortChunk / 16 * 16));
-  if (tokens <= per_chunk || short_chunk == per_chunk) return StagedCut::whole(per_chunk);
+  if (max_ctas > 0 || tokens <= per_chunk || short_chunk == per_chunk) return StagedCut::whole(per_chunk);
   if (to_host) return {per_chunk, short_chunk, short_chunk};
   const int64_t left_over = (tokens - short_chunk) % per_chunk;  // (the last chunk: short_chunk)
   return {per_chunk, left_over == 0 ? per_chunk : left_over, short_chunk};

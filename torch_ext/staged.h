@@ -91,7 +91,9 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // `max_ctas` (0: none). The capacity, or fewer tokens (a multiple of 16) so
 // that the call has about staged_chunks() chunks in all (twice as many
 // under a budget), each still moving at least about kStagedChunkBytes
-// (kStagedBudgetChunkBytes under a budget). A
+// (kStagedBudgetChunkBytes under a budget), and without a budget at least
+// kStagedLargeChunkBytes where the call still has kStagedFewestChunks of
+// them (a 64 MiB call: 4 chunks of 16 MiB, not 8 of 8 MiB). A
 // pipeline of two stages idles one stage for one chunk at its start and its
 // end (the first chunk's kernel before the copy engine has work; the last
 // chunk's kernel after it is done), which a transfer of a few slot-sized
@@ -110,9 +112,15 @@ std::vector<StagedCopy> staged_copies(const std::vector<StagedSegment>& group, i
 // as in four (45.5-48.9 against 45.7-47.3) with 27-62 us of host work per
 // call against 51-79, and slot-sized chunks of 32 MiB moved a 64 MiB call
 // within a point of eight of 8 MiB (the H200 record); hence chunks of at
-// least 8 MiB without a budget. Under one the kernel is as slow as the
-// copy, and more, smaller chunks overlap them. Reads staged_chunks() once:
-// a call computes its chunk once and passes it on.
+// least 8 MiB without a budget. In the H100 record of b1ed027
+// (bench/results/staged_settings_b1ed027_h100, both settings in turn, two
+// rounds), the 64 MiB L32 H1 calls at T = 4096 in 4 chunks of 16 MiB (and
+// the short one) ran at 52.2-52.3 GB/s to the host and 53.4-53.5 from it
+// end to end, with 24-25 us of host work per call, against 51.9-52.0,
+// 52.8-53.0 and 33-35 us in 8 chunks of 8 MiB; hence chunks of at least
+// 16 MiB where a call still has 4. Under a budget the kernel is as slow
+// as the copy, and more, smaller chunks overlap them. Reads
+// staged_chunks() once: a call computes its chunk once and passes it on.
 int64_t staged_chunk_tokens(int64_t capacity, int64_t groups, int64_t tokens, int64_t bytes_per_token,
                             int64_t max_ctas);
 
@@ -139,23 +147,32 @@ struct StagedCut {
 };
 
 // A staged call of `tokens` tokens (past skip_prefix) in chunks of
-// `per_chunk` (staged_chunk_tokens) has, where a layer group has more than
-// one chunk, one short chunk (kStagedShortChunk of a full one, at least 16
-// tokens) at the pipeline's idle end rather than a full one: to the host the
+// `per_chunk` (staged_chunk_tokens) without an SM budget (max_ctas 0) has,
+// where a layer group has more than one chunk, one short chunk
+// (kStagedShortChunk of a full one, at least 16 tokens) at the pipeline's
+// idle end rather than a full one: to the host the
 // call's first chunk (its kernels run before the copy engine has work), from
 // the host its last (its kernel runs after the copy engine is done). So the
 // layer group at that end (staged_cut_group: the first to the host, the last
 // from it) is cut by staged_cut, whose first chunk from the host holds what
 // whole chunks leave over; every other group in whole chunks. In the H100
-// record of f0f7fef (h100_staged_timeline.txt) a full first chunk's kernels
+// record of f0f7fef (its h100_staged_timeline.txt) a full first chunk's kernels
 // took 17 us before the first copy to the host, and the last chunk's kernel
-// 10 us after the last copy from it, of a 1.2 ms transfer.
-StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host);
+// 10 us after the last copy from it, of a 1.2 ms transfer; in the H100
+// record of b1ed027 the short chunk's took 10 us and 4.5 us, the call's
+// span 1.072x / 1.052x a pinned copy of its bytes instead of 1.095x /
+// 1.071x. Under a budget, whose kernel is as slow as the copy, a call has
+// none: there the A/B of b1ed027 against f0f7fef had the L32 H1 T = 4096
+// calls to the host 2 % slower with it under 4 and 8 SMs (the only change
+// to their device work between the two trees).
+StagedCut staged_cut(int64_t tokens, int64_t per_chunk, bool to_host, int64_t max_ctas);
 inline size_t staged_cut_group(size_t groups, bool to_host) { return to_host || groups == 0 ? 0 : groups - 1; }
 constexpr int64_t kStagedShortChunk = 4;  // a short chunk: 1/4 of a full one
 
 constexpr int64_t kStagedChunks = 8;
 constexpr int64_t kStagedChunkBytes = int64_t(8) << 20;        // without an SM budget
+constexpr int64_t kStagedLargeChunkBytes = int64_t(16) << 20;  // without one, where a call has kStagedFewestChunks
+constexpr int64_t kStagedFewestChunks = 4;
 constexpr int64_t kStagedBudgetChunkBytes = int64_t(2) << 20;  // under one
 
 // The chunks a staged call aims at without an SM budget (twice as many under

@@ -269,7 +269,7 @@ class CudaStaged final : public StagedEngine {
     const cudaStream_t side = reinterpret_cast<cudaStream_t>(s_.side_stream);
     fork_side(main, side);
     const at::Tensor rows = new_token_rows(a.num_tokens);
-    const StagedCut cut = this->cut(a.num_tokens, a.skip_prefix, per_chunk);
+    const StagedCut cut = this->cut(a.num_tokens, a.skip_prefix, a.max_ctas, per_chunk);
     fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, cut, rows, main);
     issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, cut, a.validate, rows, main,
           side, /*fold_blocks=*/true);
@@ -288,8 +288,8 @@ class CudaStaged final : public StagedEngine {
 
   // The cut of the layer group at the pipeline's idle end (staged_cut) of a
   // call of num_tokens tokens from skip_prefix on in chunks of per_chunk.
-  StagedCut cut(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk) const {
-    return staged_cut(num_tokens - skip_prefix, per_chunk, s_.host_is_dst);
+  StagedCut cut(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, int64_t per_chunk) const {
+    return staged_cut(num_tokens - skip_prefix, per_chunk, s_.host_is_dst, max_ctas);
   }
 
   Replay* find_replay(const ReplayKey& key) {
@@ -333,7 +333,7 @@ class CudaStaged final : public StagedEngine {
     cudaGraph_t graph = nullptr;
     try {
       fork_side(cap, side);
-      const StagedCut cut = this->cut(key.num_tokens, key.skip_prefix, key.per_chunk);
+      const StagedCut cut = this->cut(key.num_tokens, key.skip_prefix, key.max_ctas, key.per_chunk);
       fill_token_rows(replay->slots, key.num_tokens, key.skip_prefix, cut, replay->rows, cap);
       // (a conditional node's body keeps one copy per plane: staged_copies)
       issue(replay->slots, key.num_tokens, key.skip_prefix, key.max_ctas, cut, false,
