@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvlayout import ops
 from kvlayout.cli import UsageError, writable_dir
 from kvlayout.conformance.environment import source_digest
 
@@ -101,7 +102,8 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda,
-                   l2_bytes=props.L2_cache_size)
+                   l2_bytes=props.L2_cache_size,
+                   calibration=ops.calibrate(device))   # (engine="auto"'s rule on this device, before any case)
     else:
         env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
                    baseline_threads=torch.get_num_threads())

@@ -62,14 +62,17 @@ class Check:
     met: bool
 
 
-def _auto_stages(r: dict) -> bool:
+def _auto_stages(r: dict, calibration: dict | None) -> bool:
     from kvlayout.ops.staged import auto_stages
-    return auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"])
+    sm_slow = calibration is not None and calibration.get(r["direction"], {}).get("sm_slow", False)
+    return auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"], sm_slow)
 
 
-def auto_rows(rows: list[dict]) -> list[dict]:
+def auto_rows(rows: list[dict], calibration: dict | None = None) -> list[dict]:
     """The measured kernel rows of the headline and ctas groups (a case both measure, once) with, where auto
-    stages the case and the record has its staged row, that row in their place."""
+    stages the case and the record has its staged row, that row in their place. ``calibration``: the record's
+    device calibration (``ops.calibrate``, in its environment; records before it have none: auto's fixed
+    rule)."""
     staged = {(r["shape"], r["T"], r["direction"], r["max_ctas"]): r for r in rows
               if r["group"] == "staged" and "gbps" in r and r.get("call", "transfer") == "transfer"}
     out, seen = [], set()
@@ -78,7 +81,7 @@ def auto_rows(rows: list[dict]) -> list[dict]:
             continue
         seen.add(r["key"])
         twin = staged.get((r["shape"], r["T"], r["direction"], r["max_ctas"]))
-        out.append(twin if twin is not None and _auto_stages(r) else r)
+        out.append(twin if twin is not None and _auto_stages(r, calibration) else r)
     return out
 
 
@@ -123,7 +126,7 @@ def _run_list_check(r: dict) -> Check:
 def checks(doc: dict) -> list[Check]:
     """Every target on every row it applies to (``doc`` compared with the peers)."""
     rows = doc["results"]
-    picked = auto_rows(rows)
+    picked = auto_rows(rows, doc.get("environment", {}).get("calibration"))
     out: list[Check] = []
     for r in picked:
         if r["max_ctas"] == 0 and r["shape"] in HEADLINE_SHAPES and r["T"] in HEADLINE_TOKENS:

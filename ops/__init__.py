@@ -25,6 +25,7 @@ copy program, ``kvlayout.ops.program``) and ``torch.ops.kvlayout.rope_reposition
 
 from ._native import set_host_cache_hints
 from .caches import cache_info, set_cache_capacity
+from .calibration import calibrate
 from .pages import dummy_flat_page, get_page, page_buffer_meta, page_spans, set_page, zero_page
 from .prepared import PreparedTransfer, prepare
 from .programs import plan
@@ -37,4 +38,4 @@ __all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfe
            "skip_prefix", "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans",
            "page_buffer_meta", "dummy_flat_page", "rope_reposition", "release_staging", "set_staged_chunks",
            "set_staged_graph_launch",
-           "set_host_cache_hints", "cache_info", "set_cache_capacity"]
+           "set_host_cache_hints", "cache_info", "set_cache_capacity", "calibrate"]

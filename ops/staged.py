@@ -65,7 +65,7 @@ import torch
 from kvlayout import _C
 from kvlayout.reference.layouts import make_geometry
 
-from . import _native
+from . import _native, calibration
 from .locks import fork_safe
 from .programs import plan, program_handle, program_key, unpin
 from .settings import environment_capacity, environment_choice
@@ -90,6 +90,10 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # SMs it was 1.29-3.41x as fast from the host in the H200 record (the copy engine crosses PCIe, the budget's
 # SMs only move rows inside device memory); at 8 SMs slower for 256-byte rows (0.95x). To the host under a
 # budget it was slower end to end for rows under 2 KiB at every budget (0.73-0.98x), and for 2 KiB rows at 1 SM.
+# Where a device's SMs move host memory slowly beside its copy engine (calibration.py; the H100 record of b1ed027:
+# the kernel's loads at 54-63 % of the pinned ceiling, staged loads of 9 MiB and more at 82-99 % where their
+# graph is launched by the host, caches bound anew at every call included), auto stages that way from
+# calibration.SLOW_SM_AUTO_MIN_BYTES on.
 AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
@@ -342,24 +346,47 @@ def _ring_plan(sides: _Sides) -> StagedPlan:
                       layers, tokens, groups, sides.host_is_dst, token_bytes=per_token)
 
 
-def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
-    """The rule of ``engine="auto"`` for a stageable transfer (see :data:`AUTO_MIN_BYTES`)."""
-    if payload_bytes < AUTO_MIN_BYTES["to_host" if host_is_dst else "from_host"]:
+def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int, sm_slow: bool = False) -> bool:
+    """The rule of ``engine="auto"`` for a stageable transfer: from :data:`AUTO_MIN_BYTES` on, or from
+    :data:`~kvlayout.ops.calibration.SLOW_SM_AUTO_MIN_BYTES` where the device's SMs move host memory that way
+    slowly beside its copy engine (``sm_slow``, :func:`~kvlayout.ops.calibration.calibrate`)."""
+    if payload_bytes < _auto_min_bytes(host_is_dst, sm_slow):
         return False
     return max_ctas == 0 or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
 
-def auto_declines(plan: StagedPlan, max_ctas: int) -> str | None:
-    """Why ``engine="auto"`` runs a stageable transfer (``plan``, with its payload) on the kernel; ``None``: it
-    stages it."""
-    if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas):
+def auto_stages_on(device: torch.device, host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
+    """:func:`auto_stages` for a call on ``device``."""
+    return auto_stages(host_is_dst, payload_bytes, max_ctas, _sm_slow(device, host_is_dst, payload_bytes))
+
+
+def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device) -> str | None:
+    """Why ``engine="auto"`` runs a stageable transfer (``plan``, with its payload) on ``device``'s kernel;
+    ``None``: it stages it."""
+    sm_slow = _sm_slow(device, plan.host_is_dst, plan.payload_bytes)
+    if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas, sm_slow):
         return None
     direction = "to_host" if plan.host_is_dst else "from_host"
-    if max_ctas and plan.payload_bytes >= AUTO_MIN_BYTES[direction]:
+    least = _auto_min_bytes(plan.host_is_dst, sm_slow or calibration.sm_is_slow(device, plan.host_is_dst,
+                                                                                probe=False))
+    if max_ctas and plan.payload_bytes >= least:
         return (f"max_ctas = {max_ctas}: under an SM budget auto stages only transfers from the host under at most "
                 f"{AUTO_MAX_BUDGET_FROM_HOST} SMs (engine='staged' stages it)")
-    return (f"{plan.payload_bytes} bytes {direction.replace('_', ' ')}: below {AUTO_MIN_BYTES[direction]} the "
-            "kernel's direct path is as fast")
+    return (f"{plan.payload_bytes} bytes {direction.replace('_', ' ')}: below {least} the kernel's direct path is "
+            "as fast")
+
+
+def _auto_min_bytes(host_is_dst: bool, sm_slow: bool) -> int:
+    least = AUTO_MIN_BYTES["to_host" if host_is_dst else "from_host"]
+    return min(least, calibration.SLOW_SM_AUTO_MIN_BYTES) if sm_slow else least
+
+
+def _sm_slow(device: torch.device, host_is_dst: bool, payload_bytes: int) -> bool:
+    """Whether ``device``'s SMs move host memory that way slowly, asked (and the device calibrated) only where
+    auto's choice for ``payload_bytes`` depends on it."""
+    return (calibration.SLOW_SM_AUTO_MIN_BYTES <= payload_bytes < AUTO_MIN_BYTES["to_host" if host_is_dst
+                                                                                 else "from_host"]
+            and calibration.sm_is_slow(device, host_is_dst))
 
 
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,

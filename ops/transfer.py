@@ -146,8 +146,8 @@ def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: in
     slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
-    return not _staged.auto_stages(static.host_is_dst, static.token_bytes * (slots.shape[0] - skip_prefix),
-                                   max_ctas)
+    return not _staged.auto_stages_on(slots.device, static.host_is_dst,
+                                      static.token_bytes * (slots.shape[0] - skip_prefix), max_ctas)
 
 
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
@@ -162,7 +162,7 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
     if engine == "staged" and not staged.stageable:
         raise ValueError(f"engine='staged' cannot stage this transfer: {staged.reason}")
     if engine == "auto" and staged.stageable:
-        declined = _staged.auto_declines(staged, c.max_ctas)
+        declined = _staged.auto_declines(staged, c.max_ctas, c.device)
         if declined is not None:
             return StagedPlan(declined)
         refusal = _staged.ring_refusal(c.device, allocate)

@@ -62,6 +62,16 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvlayout"))
 
 
+@pytest.fixture(autouse=True)
+def _auto_by_its_fixed_rule(monkeypatch):
+    """engine="auto" by its fixed rule in every test: no device calibration is probed or kept across tests, so
+    that no test's engine depends on how fast this machine's SMs move host memory (the calibration's tests set
+    their own)."""
+    from kvlayout.ops import calibration
+    monkeypatch.setattr(calibration, "LAZY", False)
+    monkeypatch.setattr(calibration, "_results", {})
+
+
 @pytest.fixture(params=devices)
 def device(request) -> str:
     """Each device kvlayout can run on here: ``"cpu"``, and ``"cuda"`` where present."""

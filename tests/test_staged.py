@@ -14,12 +14,14 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvlayout import _C, ops
+from kvlayout.ops import calibration
 from kvlayout.ops import staged as staged_mod
 from kvlayout.ops.arguments import checked_choice
 
@@ -535,42 +537,103 @@ def test_engine_choice_is_explained_and_refused_with_a_reason():
         ops.transfer(src, dst, slots[:0], engine=engine)
 
 
-@pytest.mark.parametrize("record", ["h200.jsonl", "h100.jsonl"])
-def test_auto_stages_only_where_the_record_shows_staging_no_slower(record):
-    """engine="auto"'s rule against each GPU record it is drawn from: for every staged row beside the kernel row
-    of the same transfer, where the rule stages, staging was at least as fast in both timings (and it stages
-    some)."""
+def _sm_slow_in(head: dict, rows: list[dict], direction: str) -> bool:
+    """Whether a record's device moved host memory that way slowly through its SMs: its calibration where the
+    record holds one (ops.calibrate), else its kernel rows without a budget of 32 MiB and more, by their median
+    share of the pinned ceiling, under calibration's ratio."""
+    calibrated = head["environment"].get("calibration")
+    if calibrated is not None:
+        return calibrated[direction]["sm_slow"]
+    shares = [r["pct_of_limit"] for r in rows if r["engine"] == "kernel" and r["direction"] == direction
+              and r["max_ctas"] == 0 and r["payload_bytes"] >= 32 << 20 and "gbps" in r]
+    return statistics.median(shares) < 100 * calibration.SLOW_SM_RATIO
+
+
+@pytest.mark.parametrize("record,slow", [("h200.jsonl", set()), ("h100.jsonl", {"from_host"})])
+def test_auto_stages_only_where_the_record_shows_staging_no_slower(record, slow):
+    """engine="auto"'s rule against each GPU record it is drawn from, with the record's device's SMs slow or not
+    (the H100 of b1ed027 reads pinned host memory through its SMs at 54-63 % of the ceiling): for every staged row
+    beside the kernel row of the same transfer, where the rule stages, staging was at least as fast in both
+    timings (and it stages some)."""
     from kvlayout.bench.run import read_jsonl
-    _, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / record))
+    head, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / record))
+    assert {d for d in ("to_host", "from_host") if _sm_slow_in(head, rows, d)} == slow
     by_key = {r["key"]: r for r in rows}
     picked = []
     for r in rows:
         if r["engine"] != "staged" or "gbps" not in r or r.get("call", "transfer") != "transfer":
             continue
         kernel = by_key[r["key"].replace(" staged", "")]
-        if staged_mod.auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"]):
+        if staged_mod.auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"],
+                                  r["direction"] in slow):
             picked.append(r["key"])
             assert r["gbps"] >= kernel["gbps"] and r["kernel_gbps"] >= kernel["kernel_gbps"], r["key"]
     assert len(picked) >= 20, picked
+    if slow:   # below the fixed rule's threshold too
+        assert any(by_key[k]["payload_bytes"] < staged_mod.AUTO_MIN_BYTES["from_host"] for k in picked), picked
 
 
-def test_auto_says_why_it_keeps_the_kernel():
+def test_auto_stages_from_one_chunk_on_where_the_devices_sms_move_host_memory_slowly(monkeypatch):
+    """A device whose calibration found its SMs slow one way (ops.calibrate; injected here): auto stages that way
+    from SLOW_SM_AUTO_MIN_BYTES on, the other way from AUTO_MIN_BYTES, and says where; a call too small for either
+    rule never asks for the calibration, and without one (no probe allowed: KVLAYOUT_CALIBRATE=0, a graph capture,
+    compiled code, no CUDA) the fixed rule holds."""
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(calibration, "_results", {0: {
+        "from_host": {"kernel_gbps": 31.9, "copy_engine_gbps": 54.0, "ratio": 0.59, "sm_slow": True},
+        "to_host": {"kernel_gbps": 52.0, "copy_engine_gbps": 54.0, "ratio": 0.96, "sm_slow": False}}})
+    least, fixed = calibration.SLOW_SM_AUTO_MIN_BYTES, staged_mod.AUTO_MIN_BYTES
+    assert staged_mod.auto_stages_on(cuda0, False, least, 0)
+    assert staged_mod.auto_stages_on(cuda0, False, least, staged_mod.AUTO_MAX_BUDGET_FROM_HOST)
+    assert not staged_mod.auto_stages_on(cuda0, False, least - 1, 0)
+    assert not staged_mod.auto_stages_on(cuda0, True, fixed["to_host"] - 1, 0)
+    assert staged_mod.auto_stages_on(cuda0, True, fixed["to_host"], 0)
+    load = staged_mod.StagedPlan("", 1, 16, 1, host_is_dst=False, payload_bytes=least - 1)
+    assert f"below {least} the kernel" in staged_mod.auto_declines(load, 0, cuda0)
+    assert staged_mod.auto_declines(dataclasses.replace(load, payload_bytes=least), 0, cuda0) is None
+    store = dataclasses.replace(load, host_is_dst=True, payload_bytes=least)
+    assert f"below {fixed['to_host']} the kernel" in staged_mod.auto_declines(store, 0, cuda0)
+    # an unknown device: small calls do not ask; larger ones ask, and where no probe may run the fixed rule holds
+    slow = calibration._results[0]
+    monkeypatch.setattr(calibration, "_results", {})
+    asked = []
+    monkeypatch.setattr(calibration, "calibrate", lambda device: asked.append(device) or slow)
+    assert not staged_mod.auto_stages_on(cuda0, False, least - 1, 0) and asked == []
+    assert not staged_mod.auto_stages_on(cuda0, False, fixed["from_host"] - 1, 0) and asked == []   # (no CUDA)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not staged_mod.auto_stages_on(cuda0, False, least, 0) and asked == []              # capturing
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(calibration, "LAZY", False)
+    assert not staged_mod.auto_stages_on(cuda0, False, least, 0) and asked == []              # KVLAYOUT_CALIBRATE=0
+    monkeypatch.setattr(calibration, "LAZY", True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not staged_mod.auto_stages_on(cuda0, False, least, 0) and asked == []              # compiled code
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert staged_mod.auto_stages_on(cuda0, False, least, 0) and asked == [0]                 # asked, slow
+    assert not staged_mod.auto_stages_on(torch.device("cpu"), False, least, 0)      # a CPU side: never
+
+
+def test_auto_says_why_it_keeps_the_kernel(monkeypatch):
+    monkeypatch.setattr(calibration, "LAZY", False)     # (the fixed rule: no device calibration)
+    cuda0 = torch.device("cuda", 0)
     to_host = staged_mod.StagedPlan("", 1, 16, 1, host_is_dst=True)
     from_host = dataclasses.replace(to_host, host_is_dst=False)
     big = dataclasses.replace(to_host, payload_bytes=1 << 30)
-    assert staged_mod.auto_declines(big, 0) is None
-    assert "max_ctas = 4: under an SM budget" in staged_mod.auto_declines(big, 4)      # to the host: the kernel
+    assert staged_mod.auto_declines(big, 0, cuda0) is None
+    assert "max_ctas = 4: under an SM budget" in staged_mod.auto_declines(big, 4, cuda0)   # to the host: the kernel
     big_from = dataclasses.replace(from_host, payload_bytes=1 << 30)
     budget = staged_mod.AUTO_MAX_BUDGET_FROM_HOST
-    assert all(staged_mod.auto_declines(big_from, n) is None for n in range(1, budget + 1))
-    assert "under at most 4 SMs" in staged_mod.auto_declines(big_from, budget + 1)
+    assert all(staged_mod.auto_declines(big_from, n, cuda0) is None for n in range(1, budget + 1))
+    assert "under at most 4 SMs" in staged_mod.auto_declines(big_from, budget + 1, cuda0)
     limit = staged_mod.AUTO_MIN_BYTES
-    assert staged_mod.auto_declines(dataclasses.replace(to_host, payload_bytes=limit["to_host"]), 0) is None
+    assert staged_mod.auto_declines(dataclasses.replace(to_host, payload_bytes=limit["to_host"]), 0, cuda0) is None
     assert f"below {limit['to_host']}" in staged_mod.auto_declines(
-        dataclasses.replace(to_host, payload_bytes=limit["to_host"] - 1), 0)
-    assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=limit["from_host"]), 0) is None
+        dataclasses.replace(to_host, payload_bytes=limit["to_host"] - 1), 0, cuda0)
+    assert staged_mod.auto_declines(dataclasses.replace(from_host, payload_bytes=limit["from_host"]), 0,
+                                    cuda0) is None
     assert "bytes from host: below" in staged_mod.auto_declines(
-        dataclasses.replace(from_host, payload_bytes=limit["from_host"] - 1), 0)
+        dataclasses.replace(from_host, payload_bytes=limit["from_host"] - 1), 0, cuda0)
 
 
 def test_default_engine_is_auto_and_repeated_calls_stay_on_the_direct_path(monkeypatch):
@@ -1109,6 +1172,40 @@ def test_a_call_within_a_slot_moves_exactly_in_its_chunks(cuda_device, direction
         assert 0 < fewer < nodes and kept.native.replayed_calls == 4, (fewer, nodes)
     finally:
         ops.set_staged_chunks(staged_mod.CHUNKS)
+
+
+def test_calibrating_a_machine_without_a_cuda_device_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA device to calibrate"):
+        ops.calibrate()
+
+
+def test_calibration_measures_each_way_once_and_a_slow_way_is_staged_from_one_chunk(cuda_device, monkeypatch):
+    """ops.calibrate(): the kernel's and the copy engine's rate each way on this device (kept: a second call
+    measures nothing), their ratio and whether it is slow. Where loads are slow (set here whatever this machine
+    measured) engine="auto" stages an 8 MiB load, exactly, and keeps the kernel for the store."""
+    result = ops.calibrate()
+    print("calibration:", result)
+    for figures in result.values():
+        assert figures["kernel_gbps"] > 0 and figures["copy_engine_gbps"] > 0, result
+        assert figures["ratio"] == pytest.approx(figures["kernel_gbps"] / figures["copy_engine_gbps"])
+        assert figures["sm_slow"] == (figures["ratio"] < calibration.SLOW_SM_RATIO)
+    calls = []
+    monkeypatch.setattr(calibration, "_measure", lambda index: calls.append(index))
+    assert ops.calibrate() == result and calls == []
+    index = torch.cuda.current_device()
+    calibration._results[index]["from_host"]["sm_slow"] = True
+    calibration._results[index]["to_host"]["sm_slow"] = False
+    cache, cpu_cache, chunk, cpu_chunk, slots = _eight_mib_pair(cuda_device, "from_host", seed=11)
+    device_slots = slots.to(cuda_device)
+    explained = ops.explain(chunk, cache, None, device_slots, skip_prefix=5)
+    assert explained["engine"] == "staged" and explained["payload_bytes"] == calibration.SLOW_SM_AUTO_MIN_BYTES
+    for _ in range(3):            # issued directly, captured, replayed
+        ops.transfer(chunk, cache, None, device_slots, skip_prefix=5)
+    ops.transfer(cpu_chunk, cpu_cache, None, slots, skip_prefix=5)
+    torch.cuda.synchronize()
+    assert torch.equal(_bytes(cache), _bytes(cpu_cache))
+    assert ops.explain(cache, chunk, device_slots, skip_prefix=5)["engine"] == "kernel"     # stores: not slow
 
 
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
