@@ -48,7 +48,8 @@ def calibrate(device: torch.device | str | int | None = None, *, again: bool = F
         if again or index not in _results:
             try:
                 _results[index] = _measure(index)
-            except torch.OutOfMemoryError as e:   # (no room for the probe's buffers: the fixed rule, said so)
+            except RuntimeError as e:   # (no room for the probe's buffers, pinned or on the device: the fixed
+                                        # rule, and why, in the result)
                 _results[index] = {direction: {"kernel_gbps": 0.0, "copy_engine_gbps": 0.0, "ratio": 1.0,
                                                "sm_slow": False, "error": f"not measured: {e}".splitlines()[0]}
                                    for direction in ("to_host", "from_host")}

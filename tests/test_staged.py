@@ -1180,6 +1180,42 @@ def test_calibrating_a_machine_without_a_cuda_device_says_so(monkeypatch):
         ops.calibrate()
 
 
+def test_a_device_is_calibrated_once_however_many_threads_ask_and_a_failed_probe_keeps_the_fixed_rule(monkeypatch):
+    """Threads whose calls all need the device's calibration at once: one probe, every thread the same answer; a
+    probe that cannot get its buffers (an out-of-memory error) leaves the fixed rule, the error in the result."""
+    import threading
+    import time
+    monkeypatch.setattr(calibration, "LAZY", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    probes = []
+
+    def slow_probe(index):
+        probes.append(index)
+        time.sleep(0.05)
+        return {d: {"kernel_gbps": 30.0, "copy_engine_gbps": 54.0, "ratio": 30 / 54, "sm_slow": True}
+                for d in ("to_host", "from_host")}
+    monkeypatch.setattr(calibration, "_measure", slow_probe)
+    answers, start = [], threading.Barrier(8)
+
+    def ask():
+        start.wait()
+        answers.append(staged_mod.auto_stages_on(torch.device("cuda", 0), False, 16 << 20, 0))
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert probes == [0] and answers == [True] * 8
+    calibration.forget()
+
+    def no_room(index):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+    monkeypatch.setattr(calibration, "_measure", no_room)
+    assert not staged_mod.auto_stages_on(torch.device("cuda", 0), False, 16 << 20, 0)
+    assert calibration._results[0]["from_host"]["error"].startswith("not measured: CUDA out of memory")
+
+
 def test_calibration_measures_each_way_once_and_a_slow_way_is_staged_from_one_chunk(cuda_device, monkeypatch):
     """ops.calibrate(): the kernel's and the copy engine's rate each way on this device (kept: a second call
     measures nothing), their ratio and whether it is slow. Where loads are slow (set here whatever this machine
