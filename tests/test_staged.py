@@ -599,7 +599,7 @@ def test_auto_stages_from_one_chunk_on_where_the_devices_sms_move_host_memory_sl
     asked = []
     monkeypatch.setattr(calibration, "calibrate", lambda device: asked.append(device) or slow)
     assert not staged_mod.auto_stages_on(cuda0, False, least - 1, 0) and asked == []
-    assert not staged_mod.auto_stages_on(cuda0, False, fixed["from_host"] - 1, 0) and asked == []   # (no CUDA)
+    assert not staged_mod.auto_stages_on(cuda0, False, fixed["from_host"] - 1, 0) and asked == []   # (no probe)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not staged_mod.auto_stages_on(cuda0, False, least, 0) and asked == []              # capturing
