@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from kvlayout import _C
 
-from . import programs, staged, views
+from . import calibration, programs, staged, views
 from .settings import environment_capacity
 
 
@@ -63,6 +63,7 @@ def cache_info() -> dict:
     info["staged_graphs_capacity"] = _C.staged_graph_capacity()
     info["thread_scratch_bytes"] = _C.thread_scratch_bytes()   # the calling thread's
     info["thread_scratch_kept_bytes"] = _C.thread_scratch_kept_bytes
+    info["calibrations"] = calibration.calibrated_devices()   # (each device's result: ops.calibrate(device))
     return info
 
 

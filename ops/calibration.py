@@ -70,6 +70,11 @@ def sm_is_slow(device: torch.device, host_is_dst: bool, probe: bool = True) -> b
     return found["to_host" if host_is_dst else "from_host"]["sm_slow"]
 
 
+def calibrated_devices() -> int:
+    """How many devices are calibrated so far (one result kept per device)."""
+    return len(_results)
+
+
 def forget() -> None:
     """Drops every device's calibration (the next choice that needs one probes again)."""
     with _lock:

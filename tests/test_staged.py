@@ -1207,7 +1207,9 @@ def test_a_device_is_calibrated_once_however_many_threads_ask_and_a_failed_probe
     for t in threads:
         t.join()
     assert probes == [0] and answers == [True] * 8
+    assert ops.cache_info()["calibrations"] == 1
     calibration.forget()
+    assert ops.cache_info()["calibrations"] == 0
 
     def no_room(index):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
