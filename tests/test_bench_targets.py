@@ -33,6 +33,22 @@ def test_auto_rows_take_the_staged_twin_where_auto_stages_the_case():
     assert [(r["T"], r["max_ctas"], r["engine"]) for r in picked] == [(4096, 0, "staged"), (256, 0, "kernel"),
                                                                          (4096, 4, "kernel")]   # (to host: kernel)
     assert picked[0]["pct_of_limit"] == 98.0
+    # on a device whose SMs store to the host slowly (the record's calibration) auto stages the smaller row too
+    slow = {"to_host": {"sm_slow": True}, "from_host": {"sm_slow": False}}
+    picked = targets.auto_rows(rows, slow)
+    assert [(r["T"], r["engine"]) for r in picked] == [(4096, "staged"), (256, "staged"), (4096, "kernel")]
+
+
+def test_the_command_judges_a_record_as_on_a_device_calibrated_slow(tmp_path, capsys):
+    """``python -m kvlayout.bench.targets RECORD --sm-slow from_host``: auto's picks as on a device whose SMs load
+    from the host slowly, for a record made before the bench recorded the calibration."""
+    import pathlib
+    record = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "h100.jsonl"
+    assert targets.main([str(record)]) == 0
+    fixed = capsys.readouterr().out
+    assert targets.main([str(record), "--sm-slow", "from_host"]) == 0
+    slow = capsys.readouterr().out
+    assert "L32_H1_D128 T=4096 from_host (staged)" in slow and "L32_H1_D128 T=4096 from_host (staged)" not in fixed
 
 
 def test_each_target_is_met_at_its_bound_and_missed_past_it():
