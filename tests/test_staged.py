@@ -1221,16 +1221,18 @@ def test_a_device_is_calibrated_once_however_many_threads_ask_and_a_failed_probe
 def test_calibration_measures_each_way_once_and_a_slow_way_is_staged_from_one_chunk(cuda_device, monkeypatch):
     """ops.calibrate(): the kernel's and the copy engine's rate each way on this device (kept: a second call
     measures nothing), their ratio and whether it is slow. Where loads are slow (set here whatever this machine
-    measured) engine="auto" stages an 8 MiB load, exactly, and keeps the kernel for the store."""
+    measured) engine="auto" stages an 8 MiB load, exactly, and keeps the kernel for the store. Not calibrated and
+    free to probe, the first such call calibrates the device from inside the call, once, and moves exactly."""
     result = ops.calibrate()
     print("calibration:", result)
     for figures in result.values():
         assert figures["kernel_gbps"] > 0 and figures["copy_engine_gbps"] > 0, result
         assert figures["ratio"] == pytest.approx(figures["kernel_gbps"] / figures["copy_engine_gbps"])
         assert figures["sm_slow"] == (figures["ratio"] < calibration.SLOW_SM_RATIO)
-    calls = []
+    calls, measure = [], calibration._measure
     monkeypatch.setattr(calibration, "_measure", lambda index: calls.append(index))
     assert ops.calibrate() == result and calls == []
+    monkeypatch.setattr(calibration, "_measure", measure)
     index = torch.cuda.current_device()
     calibration._results[index]["from_host"]["sm_slow"] = True
     calibration._results[index]["to_host"]["sm_slow"] = False
@@ -1244,6 +1246,14 @@ def test_calibration_measures_each_way_once_and_a_slow_way_is_staged_from_one_ch
     torch.cuda.synchronize()
     assert torch.equal(_bytes(cache), _bytes(cpu_cache))
     assert ops.explain(cache, chunk, device_slots, skip_prefix=5)["engine"] == "kernel"     # stores: not slow
+    # not calibrated yet, probes allowed: the first call whose choice depends on it probes (inside the call), once
+    calibration.forget()
+    monkeypatch.setattr(calibration, "LAZY", True)
+    cache.tensors[0].zero_()
+    ops.transfer(chunk, cache, None, device_slots, skip_prefix=5)
+    ops.transfer(chunk, cache, None, device_slots, skip_prefix=5)
+    torch.cuda.synchronize()
+    assert ops.cache_info()["calibrations"] == 1 and torch.equal(_bytes(cache), _bytes(cpu_cache))
 
 
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
