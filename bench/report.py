@@ -113,13 +113,27 @@ def threads_line(doc: dict) -> str | None:
             "a loaded machine does not oversubscribe torch's thread pool).")
 
 
+def calibration_line(doc: dict) -> str | None:
+    """On a CUDA run that recorded it: the device's calibration (``ops.calibrate``), by which ``engine="auto"``
+    chose its engines."""
+    found = doc["environment"].get("calibration")
+    if not found:
+        return None
+    ways = [f"{direction.replace('_', ' ')} {f['ratio']:.2f}x ({f['kernel_gbps']:.1f} against "
+            f"{f['copy_engine_gbps']:.1f} GB/s{', slow' if f['sm_slow'] else ''})"
+            for direction, f in found.items()]
+    return ("Calibration (ops.calibrate), the kernel against the copy engine on pinned host memory: "
+            + "; ".join(ways) + " (engine=\"auto\" stages a way marked slow from one staged chunk on).")
+
+
 def terminal_table(doc: dict) -> str:
     rows = [HEADER] + table_rows(doc)
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if threads_line(doc):
-        lines.append(threads_line(doc))
+    for line in (threads_line(doc), calibration_line(doc)):
+        if line:
+            lines.append(line)
     if peer_standing(doc):
         lines.append("Against the best peer, " + peer_standing(doc))
     lines += [f"WARNING: {w}" for w in warnings_lines(doc)]
@@ -191,7 +205,7 @@ def compared_with_peers(doc: dict) -> dict:
 def markdown(doc: dict) -> str:
     env = doc["environment"]
     out = ["# kvlayout bench", "",
-           "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+           "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "calibration"), "",
            "## Machine limits (GB/s, one way)", ""]
     if env.get("device") == "cpu":
         out += ["On a CPU, D2D is a host-memory `copy_` of 64 MiB (no pinned copies are measured).", ""]
@@ -203,8 +217,9 @@ def markdown(doc: dict) -> str:
                 "\"% same size\" column's yardstick): "
                 + ", ".join(f"{k.split('_')[0]} {int(k.split('_')[1]) / 2**20:g} MiB {v:.1f}"
                             for k, v in doc["same_size"].items()) + " GB/s."]
-    if threads_line(doc):
-        out += ["", threads_line(doc)]
+    for line in (threads_line(doc), calibration_line(doc)):
+        if line:
+            out += ["", line]
     for w in warnings_lines(doc):
         out += ["", f"**Warning:** {w}"]
     head = headline_markdown(doc)

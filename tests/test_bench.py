@@ -398,6 +398,21 @@ def test_cpu_run_fixes_the_thread_count_and_says_so():
     assert row["torch_form"] in ("per_layer", "merged") and {"torch_per_layer_gbps", "torch_merged_gbps"} <= set(row)
     text = markdown(doc)
     assert f"Threads: kvlayout ran on {CPU_THREADS} and the torch baseline on {CPU_THREADS} thread" in text
+    assert "calibration" not in env and "Calibration" not in text      # (a CUDA run's)
+
+
+def test_a_cuda_records_calibration_is_one_line_of_its_reports():
+    """The device calibration a CUDA run records (ops.calibrate, in its environment) is said in one line of the
+    terminal table and of the Markdown report, not as a raw dict in the environment line; a record without one
+    says nothing."""
+    doc = document(str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "h100_adb7620"
+                       / "staged_settings.jsonl"))
+    text, table = markdown(doc), terminal_table(doc)
+    line = ("Calibration (ops.calibrate), the kernel against the copy engine on pinned host memory: to host "
+            "0.93x (51.1 against 54.9 GB/s); from host 0.92x")
+    assert line in text and line in table and "'sm_slow'" not in text
+    del doc["environment"]["calibration"]
+    assert "Calibration" not in markdown(doc)
 
 
 def test_a_loaded_machine_is_flagged_by_the_baseline_spread():
