@@ -61,7 +61,7 @@ def sm_is_slow(device: torch.device, host_is_dst: bool, probe: bool = True) -> b
     where it is not yet, ``probe`` asks for it and a probe may run here; else False: the fixed rule)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index_of(device)
     found = _results.get(index)
     if found is None:
         if not (probe and _may_probe()):
@@ -96,6 +96,11 @@ def _device_index(device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"calibrate: device must be a CUDA device, got {device}")
+    return _index_of(device)
+
+
+def _index_of(device: torch.device) -> int:
+    """A CUDA device's index (the current device's where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 

@@ -367,8 +367,8 @@ def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device) -> str 
     if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas, sm_slow):
         return None
     direction = "to_host" if plan.host_is_dst else "from_host"
-    least = _auto_min_bytes(plan.host_is_dst, sm_slow or calibration.sm_is_slow(device, plan.host_is_dst,
-                                                                                probe=False))
+    # (as calibrated so far: a small call that asked for no calibration is told the device's threshold if known)
+    least = _auto_min_bytes(plan.host_is_dst, calibration.sm_is_slow(device, plan.host_is_dst, probe=False))
     if max_ctas and plan.payload_bytes >= least:
         return (f"max_ctas = {max_ctas}: under an SM budget auto stages only transfers from the host under at most "
                 f"{AUTO_MAX_BUDGET_FROM_HOST} SMs (engine='staged' stages it)")

@@ -773,8 +773,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tokens"), py::arg("groups"), py::arg("per_chunk"), py::arg("to_host"), py::arg("max_ctas"),
       "How a staged call of `tokens` tokens (past skip_prefix) in `groups` layer groups and chunks of "
-      "`per_chunk` tokens under an SM budget of `max_ctas` (0: none) is cut: (tokens of the first chunk of the group at the pipeline's idle end, of each "
-      "later one but the last, of the call's short chunk (0: none), the call's chunks in all groups).");
+      "`per_chunk` tokens under an SM budget of `max_ctas` (0: none) is cut: (tokens of the first chunk "
+      "of the group at the pipeline's idle end, of each later one but the last, of the call's short "
+      "chunk (0: none), the call's chunks in all groups).");
   m.def(
       "staged_copies",
       [](const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& segments, int64_t t0,
