@@ -355,9 +355,10 @@ def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int, sm_slow: b
     return max_ctas == 0 or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
 
-def auto_stages_on(device: torch.device, host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
-    """:func:`auto_stages` for a call on ``device``."""
-    return auto_stages(host_is_dst, payload_bytes, max_ctas, _sm_slow(device, host_is_dst, payload_bytes))
+def auto_stages_on(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
+    """:func:`auto_stages` for a call on a device (``on``: the device, or a tensor of the call on it, whose device
+    is read only where the choice depends on the device's calibration: a repeated call's path)."""
+    return auto_stages(host_is_dst, payload_bytes, max_ctas, _sm_slow(on, host_is_dst, payload_bytes))
 
 
 def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device) -> str | None:
@@ -381,12 +382,12 @@ def _auto_min_bytes(host_is_dst: bool, sm_slow: bool) -> int:
     return min(least, calibration.SLOW_SM_AUTO_MIN_BYTES) if sm_slow else least
 
 
-def _sm_slow(device: torch.device, host_is_dst: bool, payload_bytes: int) -> bool:
-    """Whether ``device``'s SMs move host memory that way slowly, asked (and the device calibrated) only where
-    auto's choice for ``payload_bytes`` depends on it."""
+def _sm_slow(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int) -> bool:
+    """Whether the SMs of the device (``on``: it, or a tensor on it) move host memory that way slowly, asked (and
+    the device calibrated) only where auto's choice for ``payload_bytes`` depends on it."""
     return (calibration.SLOW_SM_AUTO_MIN_BYTES <= payload_bytes < AUTO_MIN_BYTES["to_host" if host_is_dst
                                                                                  else "from_host"]
-            and calibration.sm_is_slow(device, host_is_dst))
+            and calibration.sm_is_slow(getattr(on, "device", on), host_is_dst))
 
 
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,

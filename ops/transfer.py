@@ -146,8 +146,8 @@ def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: in
     slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
-    return not _staged.auto_stages_on(slots.device, static.host_is_dst,
-                                      static.token_bytes * (slots.shape[0] - skip_prefix), max_ctas)
+    return not _staged.auto_stages_on(slots, static.host_is_dst, static.token_bytes * (slots.shape[0] - skip_prefix),
+                                      max_ctas)
 
 
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
