@@ -1249,9 +1249,11 @@ def test_calibration_measures_each_way_once_and_a_slow_way_is_staged_from_one_ch
     # not calibrated yet, probes allowed: the first call whose choice depends on it probes (inside the call), once
     calibration.forget()
     monkeypatch.setattr(calibration, "LAZY", True)
-    cache.tensors[0].zero_()
+    for twin in (cache, cpu_cache):       # both twins: the rows the load does not write must stay equal too
+        twin.tensors[0].zero_()
     ops.transfer(chunk, cache, None, device_slots, skip_prefix=5)
     ops.transfer(chunk, cache, None, device_slots, skip_prefix=5)
+    ops.transfer(cpu_chunk, cpu_cache, None, slots, skip_prefix=5)
     torch.cuda.synchronize()
     assert ops.cache_info()["calibrations"] == 1 and torch.equal(_bytes(cache), _bytes(cpu_cache))
 
