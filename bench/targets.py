@@ -63,9 +63,12 @@ class Check:
 
 
 def _auto_stages(r: dict, calibration: dict | None) -> bool:
+    """Whether auto stages the row's case: the bench repeats each call between the same cache objects, so as
+    between a pair that moved before, but where it binds caches anew at every call."""
     from kvlayout.ops.staged import auto_stages
     sm_slow = calibration is not None and calibration.get(r["direction"], {}).get("sm_slow", False)
-    return auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"], sm_slow)
+    return auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"], sm_slow,
+                       moved_before=r.get("call") != "bind-per-call")
 
 
 def auto_rows(rows: list[dict], calibration: dict | None = None) -> list[dict]:

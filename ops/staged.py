@@ -94,7 +94,18 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # the kernel's loads at 54-63 % of the pinned ceiling, staged loads of 9 MiB and more at 82-99 % where their
 # graph is launched by the host, caches bound anew at every call included), auto stages that way from
 # calibration.SLOW_SM_AUTO_MIN_BYTES on.
+# A load between a pair of cache objects that moved before (the planning above is paid: an engine's own caches)
+# stages from AUTO_MIN_BYTES_MOVED_BEFORE on without an SM budget. The loads of 64 and 80 MiB (L32 H1 T=4096,
+# L80 H8 T=256) between kept caches were faster staged than by the kernel in every record, both timings: the
+# H200 of b8f11a3 (8 MiB chunks then) 1.009-1.028x, the H100 of 00c04b3 (16 MiB chunks; its SMs read the host
+# at 0.92x the copy engine: bench/results/h100_00c04b3/) 1.031-1.050x, the H100 of adb7620 97.3 % of the pinned
+# ceiling end to end against the kernel's 90.8-92.9 % (bench/results/h100_adb7620/). Between caches bound anew
+# at every call the same loads were slower staged on the H100 of 00c04b3 (0.957-0.994x end to end: 191-313 us
+# of host work against the kernel's 45-65), so a pair's first call keeps AUTO_MIN_BYTES. Stores of 80 MiB were
+# 0.980-1.007x staged (every record): they keep it too, as do loads under a budget (L32 H1 T=4096 under 4 SMs:
+# 0.992x end to end on the H100 of 00c04b3).
 AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
+AUTO_MIN_BYTES_MOVED_BEFORE = {"from_host": 64 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
@@ -346,47 +357,62 @@ def _ring_plan(sides: _Sides) -> StagedPlan:
                       layers, tokens, groups, sides.host_is_dst, token_bytes=per_token)
 
 
-def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int, sm_slow: bool = False) -> bool:
-    """The rule of ``engine="auto"`` for a stageable transfer: from :data:`AUTO_MIN_BYTES` on, or from
-    :data:`~kvlayout.ops.calibration.SLOW_SM_AUTO_MIN_BYTES` where the device's SMs move host memory that way
-    slowly beside its copy engine (``sm_slow``, :func:`~kvlayout.ops.calibration.calibrate`)."""
-    if payload_bytes < _auto_min_bytes(host_is_dst, sm_slow):
+def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int, sm_slow: bool = False,
+                moved_before: bool = False) -> bool:
+    """The rule of ``engine="auto"`` for a stageable transfer: from :data:`AUTO_MIN_BYTES` on; without an SM
+    budget, from :data:`AUTO_MIN_BYTES_MOVED_BEFORE` between a pair of cache objects that ``moved_before`` (a
+    call of theirs ran); from :data:`~kvlayout.ops.calibration.SLOW_SM_AUTO_MIN_BYTES` where the device's SMs
+    move host memory that way slowly beside its copy engine (``sm_slow``,
+    :func:`~kvlayout.ops.calibration.calibrate`)."""
+    if payload_bytes < _auto_min_bytes(host_is_dst, sm_slow, moved_before, max_ctas):
         return False
     return max_ctas == 0 or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
 
-def auto_stages_on(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, max_ctas: int) -> bool:
+def auto_stages_on(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, max_ctas: int,
+                   moved_before: bool = False) -> bool:
     """:func:`auto_stages` for a call on a device (``on``: the device, or a tensor of the call on it, whose device
     is read only where the choice depends on the device's calibration: a repeated call's path)."""
-    return auto_stages(host_is_dst, payload_bytes, max_ctas, _sm_slow(on, host_is_dst, payload_bytes))
+    return auto_stages(host_is_dst, payload_bytes, max_ctas,
+                       _sm_slow(on, host_is_dst, payload_bytes, moved_before, max_ctas), moved_before)
 
 
-def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device) -> str | None:
+def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device, moved_before: bool = False) -> str | None:
     """Why ``engine="auto"`` runs a stageable transfer (``plan``, with its payload) on ``device``'s kernel;
-    ``None``: it stages it."""
-    sm_slow = _sm_slow(device, plan.host_is_dst, plan.payload_bytes)
-    if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas, sm_slow):
+    ``None``: it stages it. ``moved_before``: the pair of cache objects moved before (:func:`auto_stages`)."""
+    sm_slow = _sm_slow(device, plan.host_is_dst, plan.payload_bytes, moved_before, max_ctas)
+    if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas, sm_slow, moved_before):
         return None
     direction = "to_host" if plan.host_is_dst else "from_host"
     # (as calibrated so far: a small call that asked for no calibration is told the device's threshold if known)
-    least = _auto_min_bytes(plan.host_is_dst, calibration.sm_is_slow(device, plan.host_is_dst, probe=False))
+    known_slow = calibration.sm_is_slow(device, plan.host_is_dst, probe=False)
+    least = _auto_min_bytes(plan.host_is_dst, known_slow, moved_before, max_ctas)
     if max_ctas and plan.payload_bytes >= least:
         return (f"max_ctas = {max_ctas}: under an SM budget auto stages only transfers from the host under at most "
                 f"{AUTO_MAX_BUDGET_FROM_HOST} SMs (engine='staged' stages it)")
-    return (f"{plan.payload_bytes} bytes {direction.replace('_', ' ')}: below {least} the kernel's direct path is "
-            "as fast")
+    reason = f"{plan.payload_bytes} bytes {direction.replace('_', ' ')}: below {least} the kernel's direct path is "
+    reason += "as fast"
+    later = _auto_min_bytes(plan.host_is_dst, known_slow, True, max_ctas)
+    if not moved_before and later <= plan.payload_bytes:
+        reason += (f" for a first call between these caches (staging plans the pair first); from their second "
+                   f"call on, auto stages from {later}")
+    return reason
 
 
-def _auto_min_bytes(host_is_dst: bool, sm_slow: bool) -> int:
-    least = AUTO_MIN_BYTES["to_host" if host_is_dst else "from_host"]
+def _auto_min_bytes(host_is_dst: bool, sm_slow: bool, moved_before: bool, max_ctas: int) -> int:
+    direction = "to_host" if host_is_dst else "from_host"
+    least = AUTO_MIN_BYTES[direction]
+    if moved_before and max_ctas == 0:   # (never above the first call's: either table may be set alone)
+        least = min(least, AUTO_MIN_BYTES_MOVED_BEFORE[direction])
     return min(least, calibration.SLOW_SM_AUTO_MIN_BYTES) if sm_slow else least
 
 
-def _sm_slow(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int) -> bool:
+def _sm_slow(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, moved_before: bool,
+             max_ctas: int) -> bool:
     """Whether the SMs of the device (``on``: it, or a tensor on it) move host memory that way slowly, asked (and
     the device calibrated) only where auto's choice for ``payload_bytes`` depends on it."""
-    return (calibration.SLOW_SM_AUTO_MIN_BYTES <= payload_bytes < AUTO_MIN_BYTES["to_host" if host_is_dst
-                                                                                 else "from_host"]
+    return (calibration.SLOW_SM_AUTO_MIN_BYTES <= payload_bytes
+            < _auto_min_bytes(host_is_dst, False, moved_before, max_ctas)
             and calibration.sm_is_slow(getattr(on, "device", on), host_is_dst))
 
 

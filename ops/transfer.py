@@ -78,7 +78,8 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
         if hit is not None and hit[0]() is dst and not _is_compiling():
             c = hit[1]
             if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
-                                       or _auto_keeps_kernel(c.staged_plan, src_slots, dst_slots, skip_prefix, 0)):
+                                       or _auto_keeps_kernel(c.staged_plan, src_slots, dst_slots, skip_prefix, 0,
+                                                             _moved_before(c))):
                 run_checking = c.run_checking
                 if run_checking is not None and run_checking(0, src_slots, dst_slots, skip_prefix, 0,
                                                              validating(validate)):
@@ -96,7 +97,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             # pair's binding from its second call on (the long way plans and checks in Python first)
             c = checked_choice(src, dst, src_layers, dst_layers, None, None, max_ctas, engine)
             if c.shared is not None and (engine == "kernel" or _auto_keeps_kernel(
-                    c.shared.ring_plan, src_slots, dst_slots, skip_prefix, max_ctas)):
+                    c.shared.ring_plan, src_slots, dst_slots, skip_prefix, max_ctas, _moved_before(c))):
                 checks = validating(validate)
                 if (routes.try_direct(c, src_slots, dst_slots, skip_prefix, checks)
                         or (c.bound is None and c.kernel_calls == 0
@@ -131,11 +132,18 @@ def _moves_nothing(c: CheckedChoice, T: int) -> bool:
     return T == 0 or not c.src_layers or not c.src_planes
 
 
-def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: int, max_ctas: int) -> bool:
+def _moved_before(c: CheckedChoice) -> bool:
+    """Whether a call of the choice's pair of cache objects ran (auto's rule: ops.staged.auto_stages)."""
+    return c.kernel_calls > 0 or c.staged_kept is not None
+
+
+def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: int, max_ctas: int,
+                       moved_before: bool) -> bool:
     """For the paths that skip planning: whether auto keeps the kernel for a call with these slot arguments, from
     a kept staged plan (``(ring size, plan)``: a choice's ``staged_plan``, or the ``ring_plan`` of its caches'
     shapes, which leaves out the host memory's pinning: an unpinned host side is never staged, so where that
-    plan keeps the kernel the call's does too). False: not known here, the long way decides."""
+    plan keeps the kernel the call's does too) and whether the pair moved before (:func:`_moved_before`). False:
+    not known here, the long way decides."""
     if kept is None or kept[0] != _staged.STAGING_BYTES:
         return False                     # not known yet: the long way decides (and plans)
     static = kept[1]
@@ -147,7 +155,7 @@ def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: in
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
     return not _staged.auto_stages_on(slots, static.host_is_dst, static.token_bytes * (slots.shape[0] - skip_prefix),
-                                      max_ctas)
+                                      max_ctas, moved_before)
 
 
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
@@ -162,7 +170,7 @@ def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slo
     if engine == "staged" and not staged.stageable:
         raise ValueError(f"engine='staged' cannot stage this transfer: {staged.reason}")
     if engine == "auto" and staged.stageable:
-        declined = _staged.auto_declines(staged, c.max_ctas, c.device)
+        declined = _staged.auto_declines(staged, c.max_ctas, c.device, _moved_before(c))
         if declined is not None:
             return StagedPlan(declined)
         refusal = _staged.ring_refusal(c.device, allocate)

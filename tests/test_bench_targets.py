@@ -29,14 +29,18 @@ def test_auto_rows_take_the_staged_twin_where_auto_stages_the_case():
             _row(T=256, payload_bytes=small), _row(T=256, payload_bytes=small, engine="staged", group="staged"),
             _row(group="ctas", max_ctas=4), _row(group="ctas", max_ctas=4, engine="staged")]
     rows[-1]["group"] = "staged"
+    load = staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE["from_host"]    # a load the bench repeats between its caches
+    rows += [_row(T=1024, direction="from_host", payload_bytes=load),
+             _row(T=1024, direction="from_host", payload_bytes=load, engine="staged", group="staged")]
     picked = targets.auto_rows(rows)
-    assert [(r["T"], r["max_ctas"], r["engine"]) for r in picked] == [(4096, 0, "staged"), (256, 0, "kernel"),
-                                                                         (4096, 4, "kernel")]   # (to host: kernel)
+    assert [(r["T"], r["max_ctas"], r["engine"]) for r in picked] == [
+        (4096, 0, "staged"), (256, 0, "kernel"), (4096, 4, "kernel"), (1024, 0, "staged")]  # (budget to host: kernel)
     assert picked[0]["pct_of_limit"] == 98.0
     # on a device whose SMs store to the host slowly (the record's calibration) auto stages the smaller row too
     slow = {"to_host": {"sm_slow": True}, "from_host": {"sm_slow": False}}
     picked = targets.auto_rows(rows, slow)
-    assert [(r["T"], r["engine"]) for r in picked] == [(4096, "staged"), (256, "staged"), (4096, "kernel")]
+    assert [(r["T"], r["engine"]) for r in picked] == [(4096, "staged"), (256, "staged"), (4096, "kernel"),
+                                                       (1024, "staged")]
 
 
 def test_the_command_judges_a_record_as_on_a_device_calibrated_slow(tmp_path, capsys):
@@ -48,7 +52,9 @@ def test_the_command_judges_a_record_as_on_a_device_calibrated_slow(tmp_path, ca
     fixed = capsys.readouterr().out
     assert targets.main([str(record), "--sm-slow", "from_host"]) == 0
     slow = capsys.readouterr().out
-    assert "L32_H1_D128 T=4096 from_host (staged)" in slow and "L32_H1_D128 T=4096 from_host (staged)" not in fixed
+    # 32 MiB: staged only where the SMs load slowly, and then ahead of the peers (a miss of the kernel's only)
+    row = "L32_H8_D128 T=256 from_host"
+    assert f"| {row} |" in fixed and row not in slow
 
 
 def test_each_target_is_met_at_its_bound_and_missed_past_it():

@@ -549,28 +549,57 @@ def _sm_slow_in(head: dict, rows: list[dict], direction: str) -> bool:
     return statistics.median(shares) < 100 * calibration.SLOW_SM_RATIO
 
 
-@pytest.mark.parametrize("record,slow", [("h200.jsonl", set()), ("h100.jsonl", {"from_host"})])
+@pytest.mark.parametrize("record,slow", [("h200.jsonl", set()), ("h100.jsonl", {"from_host"}),
+                                         ("h100_00c04b3/h100.jsonl", set())])
 def test_auto_stages_only_where_the_record_shows_staging_no_slower(record, slow):
     """engine="auto"'s rule against each GPU record it is drawn from, with the record's device's SMs slow or not
     (the H100 of b1ed027 reads pinned host memory through its SMs at 54-63 % of the ceiling): for every staged row
     beside the kernel row of the same transfer, where the rule stages, staging was at least as fast in both
-    timings (and it stages some)."""
+    timings (and it stages some). The bench repeats a call between the same caches (a pair that moved before)
+    but in its bind-per-call rows, which bind both anew at every call. A staged row whose kernel-only figure is
+    under its own end-to-end one was disturbed while timed (kernel only hides the host's time: it cannot be
+    slower) and is left out; the H100 record of 00c04b3 has one (L61 MLA T=4096 to the host, 50.4 against
+    54.1 GB/s, the kernel's 52.3 / 52.2)."""
     from kvlayout.bench.run import read_jsonl
     head, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / record))
     assert {d for d in ("to_host", "from_host") if _sm_slow_in(head, rows, d)} == slow
     by_key = {r["key"]: r for r in rows}
-    picked = []
+    picked, disturbed = [], []
     for r in rows:
-        if r["engine"] != "staged" or "gbps" not in r or r.get("call", "transfer") != "transfer":
+        if r["engine"] != "staged" or "gbps" not in r or r.get("call", "transfer") not in ("transfer",
+                                                                                           "bind-per-call"):
             continue
         kernel = by_key[r["key"].replace(" staged", "")]
         if staged_mod.auto_stages(r["direction"] == "to_host", r["payload_bytes"], r["max_ctas"],
-                                  r["direction"] in slow):
+                                  r["direction"] in slow, moved_before=r.get("call") != "bind-per-call"):
+            if r["kernel_gbps"] < 0.97 * r["gbps"]:
+                disturbed.append(r["key"])
+                continue
             picked.append(r["key"])
             assert r["gbps"] >= kernel["gbps"] and r["kernel_gbps"] >= kernel["kernel_gbps"], r["key"]
-    assert len(picked) >= 20, picked
-    if slow:   # below the fixed rule's threshold too
-        assert any(by_key[k]["payload_bytes"] < staged_mod.AUTO_MIN_BYTES["from_host"] for k in picked), picked
+    assert len(picked) >= 20 and len(disturbed) <= 1, (picked, disturbed)
+    # below the first call's threshold too: loads between caches that moved before (or a slow device's)
+    assert any(by_key[k]["payload_bytes"] < staged_mod.AUTO_MIN_BYTES["from_host"] for k in picked), picked
+
+
+def test_auto_stages_loads_between_caches_that_moved_before_from_their_own_threshold():
+    """Without an SM budget a load between a pair of cache objects that moved before stages from
+    AUTO_MIN_BYTES_MOVED_BEFORE on; a pair's first call, a store and a budgeted load keep AUTO_MIN_BYTES, and
+    explain's reason for a declined first call says from when the pair's later calls stage."""
+    cuda0 = torch.device("cuda", 0)
+    first, later = staged_mod.AUTO_MIN_BYTES["from_host"], staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE["from_host"]
+    assert later < first
+    assert staged_mod.auto_stages(False, later, 0, moved_before=True)
+    assert not staged_mod.auto_stages(False, later - 1, 0, moved_before=True)
+    assert not staged_mod.auto_stages(False, later, 0)
+    assert not staged_mod.auto_stages(False, later, 2, moved_before=True)                 # under a budget
+    assert staged_mod.auto_stages(False, first, 2, moved_before=True)
+    assert not staged_mod.auto_stages(True, later, 0, moved_before=True)                  # a store
+    load = staged_mod.StagedPlan("", 1, 16, 1, host_is_dst=False, payload_bytes=later)
+    assert f"from their second call on, auto stages from {later}" in staged_mod.auto_declines(load, 0, cuda0)
+    assert staged_mod.auto_declines(load, 0, cuda0, moved_before=True) is None
+    budgeted = staged_mod.auto_declines(load, 2, cuda0, moved_before=True)
+    assert f"below {first} the kernel" in budgeted and "second call" not in budgeted
 
 
 def test_auto_stages_from_one_chunk_on_where_the_devices_sms_move_host_memory_slowly(monkeypatch):
@@ -859,6 +888,58 @@ def test_auto_repeated_calls_take_the_engine_their_payload_calls_for(cuda_device
         torch.cuda.synchronize()
         assert torch.equal(_bytes(chunk), _bytes(expected)), T
     assert staged_tokens == [32, 32, 32, 16]
+
+
+def test_auto_stages_a_load_from_the_second_call_between_caches_that_moved_before(cuda_device, monkeypatch):
+    """Auto's lower threshold for loads between a pair of cache objects that moved before (set here to 16 tokens'
+    payload; a pair's first call keeps AUTO_MIN_BYTES, set out of reach): a kept pair's first call runs the kernel
+    (explain says why and from when it stages), its later calls stage, also down the repeated-call path; a chunk
+    bound anew at every call is never staged; every call leaves exactly the bytes the CPU kernel leaves."""
+    transfer_module = importlib.import_module("kvlayout.ops.transfer")
+    per_token = 2 * L * H * D * 2
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "from_host", 1 << 40)
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE, "from_host", 16 * per_token)
+    staged_calls = []
+    run_staged, run_kept = transfer_module.run_staged, staged_mod._Transfer.run_kept
+
+    def counting(*args):
+        staged_calls.append("planned")
+        return run_staged(*args)
+
+    def counting_kept(self, *args):
+        ran = run_kept(self, *args)
+        if ran:
+            staged_calls.append("kept")
+        return ran
+    monkeypatch.setattr(transfer_module, "run_staged", counting)
+    monkeypatch.setattr(staged_mod._Transfer, "run_kept", counting_kept)
+    T = 32
+    data = torch.randint(-2**15, 2**15, (2, L, T, H * D), generator=torch.Generator().manual_seed(5),
+                         dtype=torch.int16)
+    pinned = data.view(torch.bfloat16).pin_memory()
+    chunk, cpu_chunk = ops.bind("lmcache_kv_2ltd", pinned), ops.bind("lmcache_kv_2ltd", data.view(torch.bfloat16))
+    cache, cpu_cache = _device_cache(cuda_device), _device_cache("cpu")
+    g = torch.Generator().manual_seed(6)
+
+    def load(src, n):
+        slots = torch.randperm(NB * BS, generator=g)[:n]
+        ops.transfer(src, cache, None, slots.to(cuda_device))
+        ops.transfer(cpu_chunk, cpu_cache, None, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(cache), _bytes(cpu_cache)), n
+
+    first = ops.explain(chunk, cache, None, torch.arange(T, device=cuda_device))
+    assert first["engine"] == "kernel" and f"from their second call on, auto stages from {16 * per_token}" in \
+        first["reason"]
+    load(chunk, T)
+    assert staged_calls == []
+    assert ops.explain(chunk, cache, None, torch.arange(T, device=cuda_device))["engine"] == "staged"
+    for n in (T, T, T, 15, T):          # (15 tokens: below the threshold, the kernel)
+        load(chunk, n)
+    assert staged_calls == ["planned", "kept", "kept", "kept"]
+    for _ in range(3):                  # a chunk bound anew at every call: each is its pair's first call
+        load(ops.bind("lmcache_kv_2ltd", pinned), T)
+    assert len(staged_calls) == 4
 
 
 def test_auto_runs_the_kernel_where_no_ring_fits(cuda_device, monkeypatch):
