@@ -35,6 +35,8 @@ LAZY = environment_choice("KVLAYOUT_CALIBRATE", ("1", "0")) == "1"
 
 _lock = fork_safe(threading.Lock())
 _results: dict[int, dict] = {}  # device index -> calibrate()'s result
+_cuda_indices: dict[torch.device, int] = {}   # a CUDA device naming its index -> it (reading a torch.device's
+#                                               type costs a repeated call more than this lookup)
 
 
 def calibrate(device: torch.device | str | int | None = None, *, again: bool = False) -> dict:
@@ -59,9 +61,13 @@ def calibrate(device: torch.device | str | int | None = None, *, again: bool = F
 def sm_is_slow(device: torch.device, host_is_dst: bool, probe: bool = True) -> bool:
     """Whether the SMs of ``device`` move host memory that way slowly beside the copy engine (calibrating it now
     where it is not yet, ``probe`` asks for it and a probe may run here; else False: the fixed rule)."""
-    if device.type != "cuda":
-        return False
-    index = _index_of(device)
+    index = _cuda_indices.get(device)
+    if index is None:
+        if device.type != "cuda":
+            return False
+        index = _index_of(device)
+        if device.index is not None:
+            _cuda_indices[device] = index
     found = _results.get(index)
     if found is None:
         if not (probe and _may_probe()):

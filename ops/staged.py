@@ -372,9 +372,15 @@ def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int, sm_slow: b
 def auto_stages_on(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, max_ctas: int,
                    moved_before: bool = False) -> bool:
     """:func:`auto_stages` for a call on a device (``on``: the device, or a tensor of the call on it, whose device
-    is read only where the choice depends on the device's calibration: a repeated call's path)."""
-    return auto_stages(host_is_dst, payload_bytes, max_ctas,
-                       _sm_slow(on, host_is_dst, payload_bytes, moved_before, max_ctas), moved_before)
+    is read only where the choice depends on the device's calibration). A repeated call's path: the same rule in
+    one function, every threshold read once."""
+    direction = "to_host" if host_is_dst else "from_host"
+    if (payload_bytes < AUTO_MIN_BYTES[direction]
+            and (not moved_before or max_ctas or payload_bytes < AUTO_MIN_BYTES_MOVED_BEFORE[direction])
+            and (payload_bytes < calibration.SLOW_SM_AUTO_MIN_BYTES
+                 or not calibration.sm_is_slow(getattr(on, "device", on), host_is_dst))):
+        return False      # (below _auto_min_bytes's threshold for the call)
+    return not max_ctas or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
 
 def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device, moved_before: bool = False) -> str | None:

@@ -77,9 +77,10 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
         hit = src._checked_choices.get(key) if key is not None else None
         if hit is not None and hit[0]() is dst and not _is_compiling():
             c = hit[1]
+            # (the last argument is _moved_before(c), inlined)
             if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
                                        or _auto_keeps_kernel(c.staged_plan, src_slots, dst_slots, skip_prefix, 0,
-                                                             _moved_before(c))):
+                                                             c.kernel_calls > 0 or c.staged_kept is not None)):
                 run_checking = c.run_checking
                 if run_checking is not None and run_checking(0, src_slots, dst_slots, skip_prefix, 0,
                                                              validating(validate)):
@@ -154,7 +155,7 @@ def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: in
     slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
-    return not _staged.auto_stages_on(slots, static.host_is_dst, static.token_bytes * (slots.shape[0] - skip_prefix),
+    return not _staged.auto_stages_on(slots, static.host_is_dst, static.token_bytes * (slots.numel() - skip_prefix),
                                       max_ctas, moved_before)
 
 

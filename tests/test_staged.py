@@ -603,6 +603,35 @@ def test_auto_stages_loads_between_caches_that_moved_before_from_their_own_thres
     assert f"below {first} the kernel" in budgeted and "second call" not in budgeted
 
 
+@pytest.mark.parametrize("slow_way", [None, "to_host", "from_host"])
+@pytest.mark.parametrize("thresholds", ["fixed", "zero", "moved above first"])
+def test_the_repeated_calls_rule_is_auto_stages(monkeypatch, slow_way, thresholds):
+    """auto_stages_on (the rule in one function, for repeated calls) decides every call as auto_stages does with
+    the device's calibration: each way, below, at and above every threshold, with and without a budget, for a pair
+    that moved before or not, whichever thresholds are set."""
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(calibration, "_results", {0: {
+        way: {"kernel_gbps": 30.0, "copy_engine_gbps": 54.0, "ratio": 0.5, "sm_slow": way == slow_way}
+        for way in ("to_host", "from_host")}})
+    if thresholds == "zero":
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "from_host", 0)
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    elif thresholds == "moved above first":
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE, "from_host", 512 << 20)
+    marks = sorted({b for d in ("to_host", "from_host")
+                    for b in (staged_mod.AUTO_MIN_BYTES[d], staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE[d],
+                              calibration.SLOW_SM_AUTO_MIN_BYTES)})
+    payloads = sorted({max(p + e, 0) for p in marks for e in (-1, 0, 1)} | {0, 1 << 40})
+    for host_is_dst in (True, False):
+        for payload in payloads:
+            for max_ctas in (0, 1, staged_mod.AUTO_MAX_BUDGET_FROM_HOST, staged_mod.AUTO_MAX_BUDGET_FROM_HOST + 1):
+                for moved in (False, True):
+                    slow = calibration.sm_is_slow(cuda0, host_is_dst)
+                    expected = staged_mod.auto_stages(host_is_dst, payload, max_ctas, slow, moved)
+                    assert staged_mod.auto_stages_on(cuda0, host_is_dst, payload, max_ctas, moved) == expected, \
+                        (host_is_dst, payload, max_ctas, moved)
+
+
 def test_auto_stages_from_one_chunk_on_where_the_devices_sms_move_host_memory_slowly(monkeypatch):
     """A device whose calibration found its SMs slow one way (ops.calibrate; injected here): auto stages that way
     from SLOW_SM_AUTO_MIN_BYTES on, the other way from AUTO_MIN_BYTES, and says where; a call too small for either
