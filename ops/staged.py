@@ -369,16 +369,15 @@ def auto_stages(host_is_dst: bool, payload_bytes: int, max_ctas: int, sm_slow: b
     return max_ctas == 0 or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
 
-def auto_stages_on(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, max_ctas: int,
+def auto_stages_on(device: torch.device, host_is_dst: bool, payload_bytes: int, max_ctas: int,
                    moved_before: bool = False) -> bool:
-    """:func:`auto_stages` for a call on a device (``on``: the device, or a tensor of the call on it, whose device
-    is read only where the choice depends on the device's calibration). A repeated call's path: the same rule in
-    one function, every threshold read once."""
+    """:func:`auto_stages` for a call on ``device``, whose calibration is asked for only where the choice depends
+    on it. A repeated call's path: the same rule in one function, every threshold read once."""
     direction = "to_host" if host_is_dst else "from_host"
     if (payload_bytes < AUTO_MIN_BYTES[direction]
             and (not moved_before or max_ctas or payload_bytes < AUTO_MIN_BYTES_MOVED_BEFORE[direction])
             and (payload_bytes < calibration.SLOW_SM_AUTO_MIN_BYTES
-                 or not calibration.sm_is_slow(getattr(on, "device", on), host_is_dst))):
+                 or not calibration.sm_is_slow(device, host_is_dst))):
         return False      # (below _auto_min_bytes's threshold for the call)
     return not max_ctas or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
 
@@ -413,13 +412,13 @@ def _auto_min_bytes(host_is_dst: bool, sm_slow: bool, moved_before: bool, max_ct
     return min(least, calibration.SLOW_SM_AUTO_MIN_BYTES) if sm_slow else least
 
 
-def _sm_slow(on: torch.device | torch.Tensor, host_is_dst: bool, payload_bytes: int, moved_before: bool,
+def _sm_slow(device: torch.device, host_is_dst: bool, payload_bytes: int, moved_before: bool,
              max_ctas: int) -> bool:
-    """Whether the SMs of the device (``on``: it, or a tensor on it) move host memory that way slowly, asked (and
-    the device calibrated) only where auto's choice for ``payload_bytes`` depends on it."""
+    """Whether the SMs of ``device`` move host memory that way slowly, asked (and the device calibrated) only
+    where auto's choice for ``payload_bytes`` depends on it."""
     return (calibration.SLOW_SM_AUTO_MIN_BYTES <= payload_bytes
             < _auto_min_bytes(host_is_dst, False, moved_before, max_ctas)
-            and calibration.sm_is_slow(getattr(on, "device", on), host_is_dst))
+            and calibration.sm_is_slow(device, host_is_dst))
 
 
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,

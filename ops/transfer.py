@@ -77,10 +77,8 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
         hit = src._checked_choices.get(key) if key is not None else None
         if hit is not None and hit[0]() is dst and not _is_compiling():
             c = hit[1]
-            # (the last argument is _moved_before(c), inlined)
             if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
-                                       or _auto_keeps_kernel(c.staged_plan, src_slots, dst_slots, skip_prefix, 0,
-                                                             c.kernel_calls > 0 or c.staged_kept is not None)):
+                                       or _auto_keeps_kernel(c.staged_plan, c, src_slots, dst_slots, skip_prefix, 0)):
                 run_checking = c.run_checking
                 if run_checking is not None and run_checking(0, src_slots, dst_slots, skip_prefix, 0,
                                                              validating(validate)):
@@ -98,7 +96,7 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
             # pair's binding from its second call on (the long way plans and checks in Python first)
             c = checked_choice(src, dst, src_layers, dst_layers, None, None, max_ctas, engine)
             if c.shared is not None and (engine == "kernel" or _auto_keeps_kernel(
-                    c.shared.ring_plan, src_slots, dst_slots, skip_prefix, max_ctas, _moved_before(c))):
+                    c.shared.ring_plan, c, src_slots, dst_slots, skip_prefix, max_ctas)):
                 checks = validating(validate)
                 if (routes.try_direct(c, src_slots, dst_slots, skip_prefix, checks)
                         or (c.bound is None and c.kernel_calls == 0
@@ -138,13 +136,13 @@ def _moved_before(c: CheckedChoice) -> bool:
     return c.kernel_calls > 0 or c.staged_kept is not None
 
 
-def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: int, max_ctas: int,
-                       moved_before: bool) -> bool:
-    """For the paths that skip planning: whether auto keeps the kernel for a call with these slot arguments, from
-    a kept staged plan (``(ring size, plan)``: a choice's ``staged_plan``, or the ``ring_plan`` of its caches'
-    shapes, which leaves out the host memory's pinning: an unpinned host side is never staged, so where that
-    plan keeps the kernel the call's does too) and whether the pair moved before (:func:`_moved_before`). False:
-    not known here, the long way decides."""
+def _auto_keeps_kernel(kept: tuple | None, c: CheckedChoice, src_slots, dst_slots, skip_prefix: int,
+                       max_ctas: int) -> bool:
+    """For the paths that skip planning: whether auto keeps the kernel for a call of the choice ``c`` with these
+    slot arguments, from a kept staged plan (``(ring size, plan)``: the choice's ``staged_plan``, or the
+    ``ring_plan`` of its caches' shapes, which leaves out the host memory's pinning: an unpinned host side is never
+    staged, so where that plan keeps the kernel the call's does too). False: not known here, the long way
+    decides."""
     if kept is None or kept[0] != _staged.STAGING_BYTES:
         return False                     # not known yet: the long way decides (and plans)
     static = kept[1]
@@ -155,8 +153,9 @@ def _auto_keeps_kernel(kept: tuple | None, src_slots, dst_slots, skip_prefix: in
     slots = src_slots if static.host_is_dst else dst_slots
     if type(slots) is not torch.Tensor or slots.dim() != 1:
         return False
-    return not _staged.auto_stages_on(slots, static.host_is_dst, static.token_bytes * (slots.numel() - skip_prefix),
-                                      max_ctas, moved_before)
+    return not _staged.auto_stages_on(c.device, static.host_is_dst,
+                                      static.token_bytes * (slots.numel() - skip_prefix), max_ctas,
+                                      c.kernel_calls > 0 or c.staged_kept is not None)   # (_moved_before, inlined)
 
 
 def _staging_choice(src: KVCache, dst: KVCache, c: CheckedChoice, s_slots, d_slots, T: int, skip_prefix: int,
