@@ -11,6 +11,8 @@ repeated-call path keeps the choice's bound program), times in turn within every
 * ``C++ call``: that C++ call alone (``PreparedCopy.run_checking`` of the choice's bound program: the slot
   arguments and the bound tensors checked, the kernel launched);
 * ``C++ checks``: the same call with ``skip_prefix`` = T (everything checked, nothing launched);
+* ``auto's rule``, for a pair that could be staged (a device cache and a pinned host chunk): the Python that
+  decides a repeated call's engine before that C++ call (``_auto_keeps_kernel``), alone;
 * ``torch op`` (the bench's yardstick: ``index_select`` of three rows of a small tensor) and, on CUDA,
   ``bare launch`` (``torch.cuda._sleep(0)``);
 
@@ -24,6 +26,7 @@ A diagnostic beside the bench's ``host_cost`` rows, not a measurement of record.
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import torch
 
@@ -40,6 +43,8 @@ def parts(case, device: torch.device) -> dict:
     """The callables timed for ``case`` (see the module's docstring), after the calls that bind it."""
     from kvlayout import ops
     from kvlayout.bench import cases as C
+    from kvlayout.ops import staged
+    transfer_module = importlib.import_module("kvlayout.ops.transfer")   # (ops.transfer is the function)
 
     if case.engine != "kernel" or case.layerwise:
         raise SystemExit(f"{case.key}: not an all-layer kernel row (the call this script takes apart)")
@@ -57,8 +62,11 @@ def parts(case, device: torch.device) -> dict:
         "ops.transfer": lambda: ops.transfer(src, dst, ss, ds),
         "C++ call": lambda: bound.run_checking(0, ss, ds, 0, 0, False),
         "C++ checks": lambda: bound.run_checking(0, ss, ds, T, 0, False),
-        "torch op": lambda: torch.index_select(x, 0, index),
     }
+    choice = memo[1]
+    if choice.never_staged != staged.STAGING_BYTES and choice.staged_plan is not None:
+        fns["auto's rule"] = lambda: transfer_module._auto_keeps_kernel(choice.staged_plan, choice, ss, ds, 0, 0)
+    fns["torch op"] = lambda: torch.index_select(x, 0, index)
     if device.type == "cuda":
         fns["bare launch"] = lambda: torch.cuda._sleep(0)
     return fns

@@ -665,6 +665,27 @@ def test_host_path_script_splits_an_all_layer_call_into_its_parts():
             host_path.parts(row, torch.device("cpu"))
 
 
+def test_host_path_script_times_autos_rule_alone_for_a_pair_that_could_be_staged(monkeypatch):
+    """For a pair auto decides each call for (one that could be staged: no such pair on a CPU, so a CPU pair's
+    choice is made to look like one, with a plan that cannot be staged), the script also times that decision."""
+    from kvlayout.ops import staged
+    from kvlayout.ops.arguments import CheckedChoice
+    host_path = _script("host_path")
+    (key,) = host_path.DEFAULT_KEYS["cpu"]
+    case = next(c for c in C.cpu_cases() if c.key == key)
+    made = []
+    original = CheckedChoice.bind
+
+    def looks_stageable(self, bound):      # (each choice as it binds: never_staged unknown, a plan kept)
+        original(self, bound)
+        self.never_staged, self.staged_plan = 0, (staged.STAGING_BYTES, staged.StagedPlan("cannot"))
+        made.append(self)
+    monkeypatch.setattr(CheckedChoice, "bind", looks_stageable)
+    fns = host_path.parts(case, torch.device("cpu"))
+    assert made and list(fns) == ["ops.transfer", "C++ call", "C++ checks", "auto's rule", "torch op"]
+    assert fns["auto's rule"]() is True           # (the kernel: the plan cannot be staged)
+
+
 def test_host_profile_lists_the_calls_events_without_its_own_syncs():
     """The events listed are the largest by host self time, the script's synchronizations between the calls
     (which wait for the device) left out."""
