@@ -386,8 +386,7 @@ def auto_stages_on(device: torch.device, host_is_dst: bool, payload_bytes: int, 
 def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device, moved_before: bool = False) -> str | None:
     """Why ``engine="auto"`` runs a stageable transfer (``plan``, with its payload) on ``device``'s kernel;
     ``None``: it stages it. ``moved_before``: the pair of cache objects moved before (:func:`auto_stages`)."""
-    sm_slow = _sm_slow(device, plan.host_is_dst, plan.payload_bytes, moved_before, max_ctas)
-    if auto_stages(plan.host_is_dst, plan.payload_bytes, max_ctas, sm_slow, moved_before):
+    if auto_stages_on(device, plan.host_is_dst, plan.payload_bytes, max_ctas, moved_before):
         return None
     direction = "to_host" if plan.host_is_dst else "from_host"
     # (as calibrated so far: a small call that asked for no calibration is told the device's threshold if known)
@@ -411,15 +410,6 @@ def _auto_min_bytes(host_is_dst: bool, sm_slow: bool, moved_before: bool, max_ct
     if moved_before and max_ctas == 0:   # (never above the first call's: either table may be set alone)
         least = min(least, AUTO_MIN_BYTES_MOVED_BEFORE[direction])
     return min(least, calibration.SLOW_SM_AUTO_MIN_BYTES) if sm_slow else least
-
-
-def _sm_slow(device: torch.device, host_is_dst: bool, payload_bytes: int, moved_before: bool,
-             max_ctas: int) -> bool:
-    """Whether the SMs of ``device`` move host memory that way slowly, asked (and the device calibrated) only
-    where auto's choice for ``payload_bytes`` depends on it."""
-    return (calibration.SLOW_SM_AUTO_MIN_BYTES <= payload_bytes
-            < _auto_min_bytes(host_is_dst, False, moved_before, max_ctas)
-            and calibration.sm_is_slow(device, host_is_dst))
 
 
 def staged_plan(src: KVCache, dst: KVCache, choice, src_slots, dst_slots, num_tokens: int,
