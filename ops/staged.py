@@ -95,18 +95,20 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # graph is launched by the host, caches bound anew at every call included), auto stages that way from
 # calibration.SLOW_SM_AUTO_MIN_BYTES on.
 # A load between a pair of cache objects that moved before (the planning above is paid: an engine's own caches)
-# stages from AUTO_MIN_BYTES_MOVED_BEFORE on without an SM budget. The loads of 64 and 80 MiB (L32 H1 T=4096,
-# L80 H8 T=256) between kept caches were faster staged than by the kernel in every record, both timings: the
-# H200 of b8f11a3 (8 MiB chunks then) 1.009-1.028x, the H100 of 00c04b3 (16 MiB chunks; its SMs read the host
-# at 0.92x the copy engine: bench/results/h100_00c04b3/) 1.031-1.050x, the H100 of dbc67bc (the rule measured)
-# 1.036-1.065x, the H100 of adb7620 97.3 % of the pinned ceiling end to end against the kernel's 90.8-92.9 %
-# (bench/results/h100_adb7620/). Between caches bound anew at every call the same loads were slower staged
+# stages from AUTO_MIN_BYTES_MOVED_BEFORE on without an SM budget. The loads of 32, 64 and 80 MiB (L32 H8 T=256,
+# L32 H1 T=4096, L80 H8 T=256) between kept caches were faster staged than by the kernel in every record, both
+# timings: the H200 of b8f11a3 (8 MiB chunks then) 1.009-1.028x, the H100 of 00c04b3 (16 MiB chunks; its SMs
+# read the host at 0.92x the copy engine: bench/results/h100_00c04b3/) 1.031-1.050x, the H100 of dbc67bc
+# 1.036-1.065x, the H100 of 4af85c4 1.039-1.063x, the H100 of adb7620 97.3 % of the pinned ceiling end to end
+# against the kernel's 90.8-92.9 % (bench/results/h100_adb7620/). Below 32 MiB it is not so in every record: the
+# 17 MiB load (L61 MLA T=256, 3 chunks) 1.014-1.028x end to end but 0.994x kernel only on the H200, the 9 MiB
+# one (L32 MLA T=256, one chunk) 0.90-0.98x. Between caches bound anew at every call the same loads were slower staged
 # (0.957-0.994x end to end on the H100 of 00c04b3: 191-313 us of host work against the kernel's 45-65;
 # 0.902-0.934x on that of dbc67bc), so a pair's first call keeps AUTO_MIN_BYTES. Stores of 80 MiB were
 # 0.980-1.007x staged (every record): they keep it too, as do loads under a budget (L32 H1 T=4096 under 4 SMs:
 # 0.992x end to end on the H100 of 00c04b3).
 AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
-AUTO_MIN_BYTES_MOVED_BEFORE = {"from_host": 64 << 20, "to_host": 128 << 20}
+AUTO_MIN_BYTES_MOVED_BEFORE = {"from_host": 32 << 20, "to_host": 128 << 20}
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)

@@ -52,9 +52,10 @@ def test_the_command_judges_a_record_as_on_a_device_calibrated_slow(tmp_path, ca
     fixed = capsys.readouterr().out
     assert targets.main([str(record), "--sm-slow", "from_host"]) == 0
     slow = capsys.readouterr().out
-    # 32 MiB: staged only where the SMs load slowly, and then ahead of the peers (a miss of the kernel's only)
-    row = "L32_H8_D128 T=256 from_host"
-    assert f"| {row} |" in fixed and row not in slow
+    # 9 MiB: staged only where the SMs load slowly (under every threshold of the fixed rule)
+    row = "L32_MLA_D576 T=256 from_host"
+    assert f"| {row} |" in fixed and f"| {row} (staged) |" not in fixed
+    assert f"| {row} (staged) |" in slow and f"| {row} |" not in slow
 
 
 def test_each_target_is_met_at_its_bound_and_missed_past_it():

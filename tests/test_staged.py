@@ -550,7 +550,8 @@ def _sm_slow_in(head: dict, rows: list[dict], direction: str) -> bool:
 
 
 @pytest.mark.parametrize("record,slow", [("h200.jsonl", set()), ("h100.jsonl", {"from_host"}),
-                                         ("h100_00c04b3/h100.jsonl", set()), ("h100_dbc67bc/h100.jsonl", set())])
+                                         ("h100_00c04b3/h100.jsonl", set()), ("h100_dbc67bc/h100.jsonl", set()),
+                                         ("h100_4af85c4/h100.jsonl", set())])
 def test_auto_stages_only_where_the_record_shows_staging_no_slower(record, slow):
     """engine="auto"'s rule against each GPU record it is drawn from, with the record's device's SMs slow or not
     (the H100 of b1ed027 reads pinned host memory through its SMs at 54-63 % of the ceiling): for every staged row
@@ -559,8 +560,8 @@ def test_auto_stages_only_where_the_record_shows_staging_no_slower(record, slow)
     but in its bind-per-call rows, which bind both anew at every call. A staged row whose kernel-only figure is
     under its own end-to-end one was disturbed while timed (kernel only hides the host's time: it cannot be
     slower) and is left out; the H100 record of 00c04b3 has one (L61 MLA T=4096 to the host, 50.4 against
-    54.1 GB/s, the kernel's 52.3 / 52.2). The records of 00c04b3 and dbc67bc are the first with chunks of 16 MiB
-    (the loads of 64 and 80 MiB between kept caches staged 1.031-1.065x the kernel in both timings)."""
+    54.1 GB/s, the kernel's 52.3 / 52.2). The records of 00c04b3, dbc67bc and 4af85c4 have chunks of 16 MiB
+    (the loads of 32, 64 and 80 MiB between kept caches staged 1.031-1.065x the kernel in both timings)."""
     from kvlayout.bench.run import read_jsonl
     head, rows, _ = read_jsonl(str(Path(__file__).resolve().parents[1] / "bench" / "results" / record))
     assert {d for d in ("to_host", "from_host") if _sm_slow_in(head, rows, d)} == slow
