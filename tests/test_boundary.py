@@ -129,7 +129,7 @@ def test_the_raw_op_refuses_freed_slots(device):
 # Threads
 # ---------------------------------------------------------------------------------------------
 
-ROUNDS = int(os.environ.get("KVLAYOUT_THREAD_ROUNDS", "2000"))   # (the recorded H200 run: 10000)
+ROUNDS = int(os.environ.get("KVLAYOUT_THREAD_ROUNDS", "1000"))   # (the recorded H200 run: 10000)
 THREADS = 8
 
 
@@ -285,7 +285,7 @@ def test_a_fork_while_another_thread_holds_the_program_lock_waits_for_it():
 # Weeks of uptime
 # ---------------------------------------------------------------------------------------------
 
-CALLS = int(os.environ.get("KVLAYOUT_SOAK_CALLS", "20000"))   # (the recorded soak runs 100000)
+CALLS = int(os.environ.get("KVLAYOUT_SOAK_CALLS", "10000"))   # (the recorded soak runs 100000)
 
 
 def _resident_bytes() -> int:
