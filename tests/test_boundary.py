@@ -307,6 +307,7 @@ def test_many_calls_keep_memory_and_caches_bounded(device):
     warmup = min(2000, CALLS // 10)
     peak_caches: dict = {}
     base = None
+    trail = []      # resident memory against the warm-up's end, every tenth of the calls (MiB)
     for call in range(CALLS):
         if call == warmup:
             base = _resident_bytes()
@@ -327,12 +328,14 @@ def test_many_calls_keep_memory_and_caches_bounded(device):
         if call % 1000 == 0:
             for name, value in ops.cache_info().items():
                 peak_caches[name] = max(peak_caches.get(name, 0), value)
+        if base is not None and (call + 1) % max(1, CALLS // 10) == 0:
+            trail.append(f"{call + 1}: {(_resident_bytes() - base) / 2**20:+.1f}")
     TC.sync(device)
     assert all(torch.equal(a, b) for a, b in zip(kv.tensors, kv_before))
     grown = _resident_bytes() - base
     info = ops.cache_info()
-    print(f"\n{CALLS} calls: resident memory grew {grown / 2**20:.1f} MiB after {warmup} warm-up calls; "
-          f"cache peaks {peak_caches}; now {info}")
+    print(f"\n{CALLS} calls: resident memory grew {grown / 2**20:.1f} MiB after {warmup} warm-up calls "
+          f"(MiB by call: {', '.join(trail)}); cache peaks {peak_caches}; now {info}")
     assert peak_caches["programs"] <= info["programs_capacity"] + info["pinned_programs"]
     assert peak_caches["native_programs"] <= info["programs_capacity"] + info["pinned_programs"]
     assert peak_caches["bindings"] <= info["bindings_capacity"]
