@@ -1,0 +1,265 @@
+"""kvlayout beside LMCache's transfer kernel on the same tensors, in one process, timed alike.
+
+    python -m kvlayout.bench.side_by_side --lmcache PATH [--tokens 256,4096] [--out DIR]
+
+``PATH`` is LMCache's compiled CUDA extension (the ``cuda_ops`` module of
+LMCache 0.5.x, a ``.so`` file), a folder holding it, or an LMCache wheel
+(the extension is read out of it; nothing else of LMCache is imported, so
+none of its Python dependencies are needed). Without ``--lmcache`` the
+script imports ``lmcache.cuda_ops`` (or the older ``lmcache.c_ops``).
+
+For every headline case (L32 H8 / H1 / MLA; each token count; to the host,
+from the host, gather and scatter on the device) it builds the bench's
+tensors once (``kvlayout.bench.cases.build``: a vLLM paged cache per layer,
+an LMCache chunk ``[planes, L, T, row]``, page-granular slots) and times on
+them:
+
+* ``kvlayout``: ``ops.transfer`` as an engine calls it (``engine="auto"``);
+* ``kvlayout kernel``: the same with ``engine="kernel"`` (host rows only,
+  where auto may stage);
+* ``LMCache``: ``multi_layer_kv_transfer`` straight between the paged cache
+  and the chunk (on the host: the kernel reads or writes pinned memory);
+* ``LMCache staging`` (host rows): ``multi_layer_kv_transfer`` into a device
+  chunk, then one pinned ``copy_`` (the other way round for loads).
+
+Before timing, every call's output is checked bit for bit against the
+first's (from the same starting contents). Each call is timed in both of
+the bench's timings (:class:`kvlayout.bench.timing.Timer`): *idle* (the
+device idle before the call: host issue time counts; kvlayout's "end to
+end") and *overlapped* (issued while the device is busy: kvlayout's "kernel
+only"), in ``--rounds`` rounds that visit the calls in turn, the median of
+the rounds' medians kept. The run's copy limits are measured at its start.
+
+Writes ``DIR/side_by_side.jsonl`` (one row per case and call) and
+``DIR/side_by_side.md`` (the table, kvlayout's default call against the
+best LMCache call in each timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import zipfile
+
+import torch
+
+from kvlayout import ops
+
+from .cases import SHAPES, Case, Inputs, _default_layouts, build, endpoints
+from .timing import Timer, measure_limits
+
+SHAPE_NAMES = ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
+DIRECTIONS = ("to_host", "from_host", "gather_device", "scatter_device")
+
+# LMCache's transfer direction (paged cache -> chunk is "D2H" whichever memory the chunk is in) and its
+# engine cache formats: the vLLM flash-attention NHD cache per layer [2, blocks, page, heads, head_size],
+# the vLLM MLA cache per layer [blocks, page, width]
+LMCACHE_H2D, LMCACHE_D2H = 0, 1
+LMCACHE_FLASH_NHD, LMCACHE_MLA = 1, 3
+
+
+def load_lmcache(path: str | None):
+    """LMCache's CUDA extension module from ``path`` (a ``.so``, a folder holding one, or a wheel), or imported
+    from an installed LMCache."""
+    if path is None:
+        for name in ("lmcache.cuda_ops", "lmcache.c_ops"):
+            try:
+                return importlib.import_module(name)
+            except ImportError:
+                continue
+        raise SystemExit("side_by_side: no LMCache installed; pass --lmcache PATH (its cuda_ops .so or wheel)")
+    if path.endswith(".whl"):
+        with zipfile.ZipFile(path) as wheel:
+            members = [m for m in wheel.namelist() if os.path.basename(m).startswith(("cuda_ops.", "c_ops."))
+                       and m.endswith(".so")]
+            if not members:
+                raise SystemExit(f"side_by_side: {path} holds no cuda_ops / c_ops extension")
+            path = wheel.extract(members[0], tempfile.mkdtemp(prefix="lmcache_"))
+    elif os.path.isdir(path):
+        found = [os.path.join(root, f) for root, _, files in os.walk(path) for f in files
+                 if f.startswith(("cuda_ops.", "c_ops.")) and f.endswith(".so")]
+        if not found:
+            raise SystemExit(f"side_by_side: no cuda_ops / c_ops extension under {path}")
+        path = found[0]
+    name = os.path.basename(path).split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lmcache_calls(lmc, case: Case, data: dict) -> dict:
+    """The LMCache calls doing ``case``'s job on ``data``'s tensors: the kernel straight, and (host rows) the
+    staging pattern."""
+    shape = SHAPES[case.shape]
+    cache, chunk = data["cache"], data["buffer"].tensors[0]
+    device = cache.tensors[0].device
+    pointers = torch.tensor([t.data_ptr() for t in cache.tensors], dtype=torch.int64, device=device)
+    slots = data["cache_slots"]
+    stores = case.direction in ("to_host", "gather_device")
+    common = dict(key_value_ptrs=pointers, slot_mapping=slots, paged_memory_device=device,
+                  page_buffer_size=cache.geometry.N, direction=LMCACHE_D2H if stores else LMCACHE_H2D,
+                  engine_kv_format=LMCACHE_MLA if shape.mla else LMCACHE_FLASH_NHD,
+                  block_size=case.page_size, head_size=shape.D)
+
+    def straight():
+        lmc.multi_layer_kv_transfer(chunk, **common)
+    calls = {"LMCache": straight}
+    if case.direction in ("to_host", "from_host"):
+        staging = torch.empty(chunk.shape, dtype=chunk.dtype, device=device)
+
+        def staged():
+            if stores:
+                lmc.multi_layer_kv_transfer(staging, **common)
+                chunk.copy_(staging, non_blocking=True)
+            else:
+                staging.copy_(chunk, non_blocking=True)
+                lmc.multi_layer_kv_transfer(staging, **common)
+        calls["LMCache staging"] = staged
+    return calls
+
+
+def kvlayout_calls(case: Case, data: dict) -> dict:
+    src, ss, dst, ds = endpoints(case, data)
+    calls = {"kvlayout": lambda: ops.transfer(src, dst, ss, ds)}
+    if case.direction in ("to_host", "from_host"):
+        calls["kvlayout kernel"] = lambda: ops.transfer(src, dst, ss, ds, engine="kernel")
+    return calls
+
+
+def _outputs(case: Case, data: dict) -> list[torch.Tensor]:
+    _, _, dst, _ = endpoints(case, data)
+    return list(dst.tensors)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
+
+
+def check_same_output(case: Case, data: dict, calls: dict) -> None:
+    """Every call, run from the same starting contents, leaves its output bit for bit as the first call
+    does; raises naming the first that differs."""
+    outputs = _outputs(case, data)
+    start = [t.clone() for t in outputs]
+    first = None
+    for name, call in calls.items():
+        for t, s in zip(outputs, start):
+            t.copy_(s)
+        call()
+        if data["cache"].device.type == "cuda":
+            torch.cuda.synchronize()
+        result = [t.clone() for t in outputs]
+        if first is None:
+            first = (name, result)
+            continue
+        for i, (a, b) in enumerate(zip(first[1], result)):
+            if not torch.equal(_bits(a), _bits(b)):
+                raise AssertionError(f"side_by_side: {case.key}: {name} wrote tensor {i} of the output "
+                                     f"unlike {first[0]}")
+    del start, first
+
+
+def time_calls(timer: Timer, calls: dict, rounds: int) -> dict:
+    """Per call: median seconds idle and overlapped (median of the rounds' medians), and host seconds."""
+    samples = {name: {"idle": [], "overlapped": [], "host": []} for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            idle = timer(call)
+            overlapped = timer(call, kernel_only=True, host_s=idle.host)
+            samples[name]["idle"].append(idle.median)
+            samples[name]["overlapped"].append(overlapped.median)
+            samples[name]["host"].append(idle.host)
+    return {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
+
+
+def measure(lmc, tokens: list[int], shapes: list[str], directions: list[str], rounds: int, reps: int):
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = Timer(device, reps=reps, budget_s=5.0)
+    limits = measure_limits(timer, quick=True)
+    yield {"limits": limits, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+           "lmcache_module": getattr(lmc, "__file__", "")}
+    inputs = Inputs(device)
+    for name in shapes:
+        dev, buf = _default_layouts(SHAPES[name])
+        for T in tokens:
+            for direction in directions:
+                case = Case("headline", name, dev, buf, T, 16, direction)
+                data = build(case, inputs)
+                calls = {**kvlayout_calls(case, data), **lmcache_calls(lmc, case, data)}
+                check_same_output(case, data, calls)
+                times = time_calls(timer, calls, rounds)
+                nbytes = case.payload_bytes()
+                for call, t in times.items():
+                    yield {"shape": name, "T": T, "direction": direction, "call": call, "bytes": nbytes,
+                           "idle_gbps": nbytes / t["idle"] / 1e9,
+                           "overlapped_gbps": nbytes / t["overlapped"] / 1e9, "host_us": t["host"] * 1e6}
+                del data, calls
+                torch.cuda.empty_cache()
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    lim = header["limits"]
+    out = [f"# kvlayout beside LMCache, same tensors, one process ({header['gpu']}, torch {header['torch']})", "",
+           "Limits at the start (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in lim.items()), "",
+           "GB/s one way, overlapped (kvlayout's kernel only) / idle (end to end); ratio = kvlayout's default "
+           "call / the best LMCache call in the same timing.", "",
+           "| shape | T | direction | kvlayout | kvlayout kernel | LMCache | LMCache staging | ratio overlapped | "
+           "ratio idle |", "|---|---|---|---|---|---|---|---|---|"]
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        cases.setdefault((r["shape"], r["T"], r["direction"]), {})[r["call"]] = r
+
+    def cell(r):
+        return f"{r['overlapped_gbps']:.1f} / {r['idle_gbps']:.1f}" if r else ""
+    for (shape, T, direction), calls in cases.items():
+        peers = [r for c, r in calls.items() if c.startswith("LMCache")]
+        ours = calls["kvlayout"]
+        ratios = [ours[f"{k}_gbps"] / max(p[f"{k}_gbps"] for p in peers) for k in ("overlapped", "idle")]
+        out.append(f"| {shape} | {T} | {direction} | {cell(ours)} | {cell(calls.get('kvlayout kernel'))} | "
+                   f"{cell(calls.get('LMCache'))} | {cell(calls.get('LMCache staging'))} | "
+                   f"{ratios[0]:.2f}x | {ratios[1]:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lmcache", help="LMCache's cuda_ops extension (.so), a folder holding it, or a wheel")
+    parser.add_argument("--tokens", default="256,4096,32768")
+    parser.add_argument("--shapes", default=",".join(SHAPE_NAMES))
+    parser.add_argument("--directions", default=",".join(DIRECTIONS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("side_by_side: needs a CUDA device", file=sys.stderr)
+        return 2
+    lmc = load_lmcache(args.lmcache)
+    # (the binding's own signature, on record beside the figures)
+    print(f"LMCache: {getattr(lmc, '__file__', lmc)}\n{lmc.multi_layer_kv_transfer.__doc__}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    header, rows = None, []
+    with open(os.path.join(args.out, "side_by_side.jsonl"), "w") as f:
+        for row in measure(lmc, [int(t) for t in args.tokens.split(",")], args.shapes.split(","),
+                           args.directions.split(","), args.rounds, args.reps):
+            print(json.dumps(row), file=f, flush=True)
+            print(json.dumps(row), flush=True)
+            if header is None:
+                header = row
+            else:
+                rows.append(row)
+    table = markdown(header, rows)
+    with open(os.path.join(args.out, "side_by_side.md"), "w") as f:
+        f.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
