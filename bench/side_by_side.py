@@ -33,6 +33,11 @@ the rounds' medians kept. The run's copy limits are measured at its start.
 Writes ``DIR/side_by_side.jsonl`` (one row per case and call) and
 ``DIR/side_by_side.md`` (the table, kvlayout's default call against the
 best LMCache call in each timing).
+
+``--ncu`` instead profiles every call of every case with Nsight Compute, one
+ncu process per call (its second call, as ``kvlayout bench --ncu`` does:
+:mod:`kvlayout.bench.profile`'s counters), into ``DIR/side_by_side_ncu.{json,md}``:
+the two libraries' kernels side by side, counters that say why one is faster.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import zipfile
@@ -51,7 +57,9 @@ import torch
 
 from kvlayout import ops
 
+from . import profile
 from .cases import SHAPES, Case, Inputs, _default_layouts, build, endpoints
+from .report import _fmt, markdown_table
 from .timing import Timer, measure_limits
 
 SHAPE_NAMES = ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
@@ -178,29 +186,112 @@ def time_calls(timer: Timer, calls: dict, rounds: int) -> dict:
     return {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
 
 
-def measure(lmc, tokens: list[int], shapes: list[str], directions: list[str], rounds: int, reps: int):
+def headline_cases(tokens: list[int], shapes: list[str], directions: list[str]):
+    for name in shapes:
+        dev, buf = _default_layouts(SHAPES[name])
+        for T in tokens:
+            for direction in directions:
+                yield Case("headline", name, dev, buf, T, 16, direction)
+
+
+def measure(lmc, cases, rounds: int, reps: int):
     device = torch.device("cuda", torch.cuda.current_device())
     timer = Timer(device, reps=reps, budget_s=5.0)
     limits = measure_limits(timer, quick=True)
     yield {"limits": limits, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
            "lmcache_module": getattr(lmc, "__file__", "")}
     inputs = Inputs(device)
-    for name in shapes:
-        dev, buf = _default_layouts(SHAPES[name])
-        for T in tokens:
-            for direction in directions:
-                case = Case("headline", name, dev, buf, T, 16, direction)
-                data = build(case, inputs)
-                calls = {**kvlayout_calls(case, data), **lmcache_calls(lmc, case, data)}
-                check_same_output(case, data, calls)
-                times = time_calls(timer, calls, rounds)
-                nbytes = case.payload_bytes()
-                for call, t in times.items():
-                    yield {"shape": name, "T": T, "direction": direction, "call": call, "bytes": nbytes,
-                           "idle_gbps": nbytes / t["idle"] / 1e9,
-                           "overlapped_gbps": nbytes / t["overlapped"] / 1e9, "host_us": t["host"] * 1e6}
-                del data, calls
-                torch.cuda.empty_cache()
+    for case in cases:
+        data = build(case, inputs)
+        calls = {**kvlayout_calls(case, data), **lmcache_calls(lmc, case, data)}
+        check_same_output(case, data, calls)
+        times = time_calls(timer, calls, rounds)
+        nbytes = case.payload_bytes()
+        for call, t in times.items():
+            yield {"shape": case.shape, "T": case.T, "direction": case.direction, "call": call, "bytes": nbytes,
+                   "idle_gbps": nbytes / t["idle"] / 1e9, "overlapped_gbps": nbytes / t["overlapped"] / 1e9,
+                   "host_us": t["host"] * 1e6}
+        del data, calls
+        torch.cuda.empty_cache()
+
+
+def _case_label(case: Case) -> str:
+    return f"{case.shape},{case.T},{case.direction}"
+
+
+def _case_of(label: str) -> Case:
+    shape, T, direction = label.split(",")
+    return next(headline_cases([int(T)], [shape], [direction]))
+
+
+def profile_call(lmc, label: str, call: str) -> int:
+    """Runs one call of one case (``SHAPE,T,DIRECTION``) once warm, then once inside the profiler's window."""
+    case = _case_of(label)
+    data = build(case, Inputs(torch.device("cuda", torch.cuda.current_device())))
+    fn = {**kvlayout_calls(case, data), **lmcache_calls(lmc, case, data)}[call]
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return 0
+
+
+NCU_HEADER = ["case", "call", "kernels", "kernel µs", "CTAs", "registers", "achieved occupancy %",
+              "PCIe rd+wr GB/s", "DRAM rd+wr GB/s", "sectors/request ld / st", "top stalls (% of warp cycles)"]
+
+
+def _ncu_cells(r: dict) -> list[str]:
+    if "error" in r:
+        return [r["case"], r["call"], f"no counters (exit {r['returncode']})"] + ["–"] * (len(NCU_HEADER) - 3)
+    pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
+    dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
+    stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(r["stalls_pct"].items())[:2])
+    return [r["case"], r["call"], str(r["kernels"]), f"{r['time_us']:.1f}", _fmt(r.get("grid"), ".0f"),
+            _fmt(r.get("registers"), ".0f"), _fmt(r.get("occupancy_achieved_pct"), ".0f"), f"{pcie:.1f}",
+            f"{dram:.0f}", f"{_fmt(r.get('ld_sectors_per_request'))} / {_fmt(r.get('st_sectors_per_request'))}",
+            stalls]
+
+
+def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
+    """Every call of every case profiled in its own ncu process (:func:`profile_call`)."""
+    ncu = profile.find_ncu()
+    if ncu is None:
+        print("side_by_side --ncu: Nsight Compute (ncu) not found", file=sys.stderr)
+        return 2
+    metrics = profile.available_metrics(ncu, list(profile.METRICS.values()) + list(profile.STALLS.values()))
+    results = []
+    for case in cases:
+        host = case.direction in ("to_host", "from_host")
+        names = ["kvlayout"] + (["kvlayout kernel"] if host else []) + ["LMCache"] + \
+            (["LMCache staging"] if host else [])
+        for call in names:
+            cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
+                   "--metrics", ",".join(metrics), sys.executable, "-m", "kvlayout.bench.side_by_side",
+                   "--profile-case", _case_label(case), "--profile-call", call]
+            if lmcache_path:
+                cmd += ["--lmcache", lmcache_path]
+            print(f"{_case_label(case)} {call}", file=sys.stderr, flush=True)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            kernels = profile._parse_raw_csv(done.stdout)
+            row = {"case": _case_label(case), "call": call, "returncode": done.returncode,
+                   "kernels_raw": kernels}
+            if done.returncode != 0 or not kernels:
+                row["error"] = (done.stderr or done.stdout)[-2000:]
+            else:
+                row.update(profile._summary(kernels))
+            results.append(row)
+            with open(os.path.join(out, "side_by_side_ncu.json"), "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(0), "metrics": metrics, "results": results}, f,
+                          indent=1)
+            with open(os.path.join(out, "side_by_side_ncu.md"), "w") as f:
+                f.write(f"# kvlayout beside LMCache: ncu counters ({torch.cuda.get_device_name(0)})\n\n"
+                        "One ncu process per call (`--clock-control none`, the call's second run only); rates "
+                        "are bytes over the kernels' summed `gpu__time_duration` (a staged or staging call's "
+                        "copy-engine copies are not kernels and not counted).\n\n"
+                        + markdown_table(NCU_HEADER, [_ncu_cells(r) for r in results]) + "\n")
+    return 1 if any("error" in r for r in results) else 0
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
@@ -236,18 +327,26 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--ncu", action="store_true", help="profile every call with Nsight Compute instead")
+    parser.add_argument("--profile-case", help=argparse.SUPPRESS)    # (one ncu process's case and call)
+    parser.add_argument("--profile-call", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("side_by_side: needs a CUDA device", file=sys.stderr)
         return 2
     lmc = load_lmcache(args.lmcache)
+    if args.profile_case:
+        return profile_call(lmc, args.profile_case, args.profile_call)
+    cases = list(headline_cases([int(t) for t in args.tokens.split(",")], args.shapes.split(","),
+                                args.directions.split(",")))
+    os.makedirs(args.out, exist_ok=True)
+    if args.ncu:
+        return run_ncu(args.lmcache, cases, args.out)
     # (the binding's own signature, on record beside the figures)
     print(f"LMCache: {getattr(lmc, '__file__', lmc)}\n{lmc.multi_layer_kv_transfer.__doc__}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
     header, rows = None, []
     with open(os.path.join(args.out, "side_by_side.jsonl"), "w") as f:
-        for row in measure(lmc, [int(t) for t in args.tokens.split(",")], args.shapes.split(","),
-                           args.directions.split(","), args.rounds, args.reps):
+        for row in measure(lmc, cases, args.rounds, args.reps):
             print(json.dumps(row), file=f, flush=True)
             print(json.dumps(row), flush=True)
             if header is None:

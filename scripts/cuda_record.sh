@@ -33,6 +33,8 @@
 #   side-by-side kvlayout.bench.side_by_side: kvlayout beside LMCache's multi_layer_kv_transfer on the same
 #                tensors, both timings (LMCACHE: LMCache's cuda_ops extension or its wheel; SIDE_TOKENS the
 #                token counts, default 256,4096,32768)    -> side_by_side.txt, side-by-side.tgz (side_by_side.{jsonl,md})
+#   side-by-side-ncu  the same cases' calls under Nsight Compute (SIDE_NCU_TOKENS default 256,
+#                SIDE_NCU_DIRECTIONS default to_host)      -> side_by_side_ncu.txt, side-by-side.tgz (side_by_side_ncu.{json,md})
 #   ab-old       starts building the older tree AB_OLD for `ab` in the background
 #                (scripts/ab_record.sh AB_OLD AB_DIR 0), beside the steps after it -> ab_old_build.txt
 #   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
@@ -58,7 +60,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|side-by-side|ab-old|ab|probe|walk-probe|staged-settings ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|side-by-side|side-by-side-ncu|ab-old|ab|probe|walk-probe|staged-settings ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -136,6 +138,11 @@ for step in "${steps[@]}"; do
                           --lmcache "${LMCACHE:?cuda_record.sh: side-by-side needs LMCACHE, the LMCache wheel or its cuda_ops .so}" \
                           --tokens "${SIDE_TOKENS:-256,4096,32768}" --out "$out/side-by-side"
                       pack side-by-side side-by-side ;;
+        side-by-side-ncu) run_step side-by-side-ncu side_by_side_ncu.txt $py -m kvlayout.bench.side_by_side --ncu \
+                              --lmcache "${LMCACHE:?cuda_record.sh: side-by-side-ncu needs LMCACHE}" \
+                              --tokens "${SIDE_NCU_TOKENS:-256}" --directions "${SIDE_NCU_DIRECTIONS:-to_host}" \
+                              --out "$out/side-by-side"
+                          pack side-by-side side-by-side ;;
         host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
         binding-cost) run_step binding-cost binding_cost.txt $py scripts/binding_cost.py --device cuda ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"
