@@ -5,7 +5,9 @@
 ``PATH`` is LMCache's compiled CUDA extension (the ``cuda_ops`` module of
 LMCache 0.5.x, a ``.so`` file), a folder holding it, or an LMCache wheel
 (the extension is read out of it; nothing else of LMCache is imported, so
-none of its Python dependencies are needed). Without ``--lmcache`` the
+none of its Python dependencies are needed). A wheel's extension loads only
+under the torch release it was linked against; for another,
+``scripts/build_lmcache_ops.py`` builds it from LMCache's sdist. Without ``--lmcache`` the
 script imports ``lmcache.cuda_ops`` (or the older ``lmcache.c_ops``).
 
 For every headline case (L32 H8 / H1 / MLA; each token count; to the host,

@@ -30,9 +30,12 @@
 #                the C++ checks, the launch), warm and with the device idle -> host_path.txt
 #   binding-cost scripts/binding_cost.py: calls with tensors bound at every call (ops, LMCache and
 #                SGLang entry points) beside one torch op     -> binding_cost.txt
+#   lmcache-ops  scripts/build_lmcache_ops.py: LMCache's CUDA extension built from its sdist (LMCACHE_SDIST)
+#                against this torch, into /tmp/lmcache-ops   -> lmcache_ops.txt
 #   side-by-side kvlayout.bench.side_by_side: kvlayout beside LMCache's multi_layer_kv_transfer on the same
-#                tensors, both timings (LMCACHE: LMCache's cuda_ops extension or its wheel; SIDE_TOKENS the
-#                token counts, default 256,4096,32768)    -> side_by_side.txt, side-by-side.tgz (side_by_side.{jsonl,md})
+#                tensors, both timings (LMCACHE: LMCache's cuda_ops extension, a folder holding it or its wheel;
+#                default /tmp/lmcache-ops; SIDE_TOKENS the token counts, default 256,4096,32768)
+#                                                                   -> side_by_side.txt, side-by-side.tgz (side_by_side.{jsonl,md})
 #   side-by-side-ncu  the same cases' calls under Nsight Compute (SIDE_NCU_TOKENS default 256,
 #                SIDE_NCU_DIRECTIONS default to_host)      -> side_by_side_ncu.txt, side-by-side.tgz (side_by_side_ncu.{json,md})
 #   ab-old       starts building the older tree AB_OLD for `ab` in the background
@@ -60,7 +63,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|side-by-side|side-by-side-ncu|ab-old|ab|probe|walk-probe|staged-settings ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|lmcache-ops|side-by-side|side-by-side-ncu|ab-old|ab|probe|walk-probe|staged-settings ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -134,12 +137,14 @@ for step in "${steps[@]}"; do
         staged-timeline) IFS=, read -r -a timeline_keys <<< "${TIMELINE_KEYS:-$default_timeline_keys}"
                          run_step staged-timeline staged_timeline.txt $py scripts/host_profile.py --timeline \
                              --calls 10 "${timeline_keys[@]}" ;;
+        lmcache-ops) run_step lmcache-ops lmcache_ops.txt $py scripts/build_lmcache_ops.py \
+                         "${LMCACHE_SDIST:?cuda_record.sh: lmcache-ops needs LMCACHE_SDIST, an LMCache .tar.gz}" /tmp/lmcache-ops ;;
         side-by-side) run_step side-by-side side_by_side.txt $py -m kvlayout.bench.side_by_side \
-                          --lmcache "${LMCACHE:?cuda_record.sh: side-by-side needs LMCACHE, the LMCache wheel or its cuda_ops .so}" \
+                          --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
                           --tokens "${SIDE_TOKENS:-256,4096,32768}" --out "$out/side-by-side"
                       pack side-by-side side-by-side ;;
         side-by-side-ncu) run_step side-by-side-ncu side_by_side_ncu.txt $py -m kvlayout.bench.side_by_side --ncu \
-                              --lmcache "${LMCACHE:?cuda_record.sh: side-by-side-ncu needs LMCACHE}" \
+                              --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
                               --tokens "${SIDE_NCU_TOKENS:-256}" --directions "${SIDE_NCU_DIRECTIONS:-to_host}" \
                               --out "$out/side-by-side"
                           pack side-by-side side-by-side ;;
