@@ -51,3 +51,45 @@ def test_the_table_compares_with_the_best_lmcache_call_in_each_timing():
             dict(row, call="LMCache staging", overlapped_gbps=52.0, idle_gbps=30.0)]
     line = [x for x in side_by_side.markdown(header, rows).splitlines() if x.startswith("| L32_H8_D128")][0]
     assert line.endswith("| 0.96x | 0.96x |"), line
+
+
+class _LMCacheDouble:
+    """A stand-in for LMCache's ``multi_layer_kv_transfer`` on CPU tensors, written from its documented
+    semantics (each layer's paged tensor found by its address; format 1: a layer is ``[2, slots, row]``,
+    format 3: ``[slots, row]``; direction 1 copies paged rows into the chunk ``[K, L, T, row]``, 0 back; a
+    negative slot is skipped), so that the script's mapping of a case onto LMCache's arguments is checked
+    against kvlayout here; on a GPU the real extension is."""
+
+    def __init__(self, tensors):
+        self.by_address = {t.data_ptr(): t for t in tensors}
+
+    def multi_layer_kv_transfer(self, key_value, key_value_ptrs, slot_mapping, paged_memory_device,
+                                page_buffer_size, direction, engine_kv_format, block_size=0, head_size=0,
+                                skip_prefix_n_tokens=0):
+        assert engine_kv_format in (1, 3) and direction in (0, 1)
+        planes, layers, tokens = key_value.shape[:3]
+        for layer, address in enumerate(key_value_ptrs.tolist()):
+            paged = self.by_address[address].reshape(planes, page_buffer_size, -1)
+            for plane in range(planes):
+                for token in range(skip_prefix_n_tokens, tokens):
+                    slot = int(slot_mapping[token])
+                    if slot < 0:
+                        continue
+                    if direction == 1:
+                        key_value[plane, layer, token].copy_(paged[plane, slot].reshape(key_value.shape[3:]))
+                    else:
+                        paged[plane, slot].copy_(key_value[plane, layer, token].reshape(-1))
+
+
+@pytest.mark.parametrize("shape", ["L32_H1_D128", "L32_MLA_D576"])
+@pytest.mark.parametrize("direction", ["gather_device", "scatter_device"])
+def test_the_lmcache_calls_do_the_cases_job(shape, direction):
+    from kvlayout.bench.cases import SHAPES, _default_layouts
+
+    dev, buf = _default_layouts(SHAPES[shape])
+    case = Case("headline", shape, dev, buf, 24, 16, direction)
+    data = build(case, Inputs(torch.device("cpu")), min_cache_slots=128)
+    lmc = _LMCacheDouble(data["cache"].tensors)
+    calls = {**side_by_side.kvlayout_calls(case, data), **side_by_side.lmcache_calls(lmc, case, data)}
+    assert list(calls) == ["kvlayout", "LMCache"]
+    side_by_side.check_same_output(case, data, calls)
