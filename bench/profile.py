@@ -182,6 +182,22 @@ def _summary(kernels: list[dict]) -> dict:
     return s
 
 
+def profiled(ncu: str, metrics: list[str], python_args: list[str]) -> dict:
+    """The counters of one Python process (``python_args`` after the interpreter) under ncu, which profiles
+    what it runs between ``cudaProfilerStart`` and ``Stop``: ``returncode``, ``kernels_raw`` (every counter of
+    every kernel) and :func:`_summary`'s keys, or ``error`` (the process's last output) where none came."""
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
+           "--metrics", ",".join(metrics), sys.executable, *python_args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    kernels = _parse_raw_csv(done.stdout)
+    row = {"returncode": done.returncode, "kernels_raw": kernels}
+    if done.returncode != 0 or not kernels:
+        row["error"] = (done.stderr or done.stdout)[-2000:]
+    else:
+        row.update(_summary(kernels))
+    return row
+
+
 def run_ncu(out: str, stem: str, only: str | None = None) -> int:
     """Profiles every case of :func:`profile_cases` in its own ncu process."""
     ncu = find_ncu()
@@ -196,17 +212,8 @@ def run_ncu(out: str, stem: str, only: str | None = None) -> int:
     results = []
     for i, key in enumerate(keys):
         print(f"[{i + 1}/{len(keys)}] {key}", file=sys.stderr, flush=True)
-        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-               "--metrics", ",".join(metrics), sys.executable, "-m", "kvlayout", "bench", "--device", "cuda",
-               "--profile-case", key]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        kernels = _parse_raw_csv(done.stdout)
-        row = {"key": key, "returncode": done.returncode, "kernels_raw": kernels}
-        if done.returncode != 0 or not kernels:
-            row["error"] = (done.stderr or done.stdout)[-2000:]
-        else:
-            row.update(_summary(kernels))
-        results.append(row)
+        results.append({"key": key, **profiled(ncu, metrics, ["-m", "kvlayout", "bench", "--device", "cuda",
+                                                             "--profile-case", key])})
         _write(results, metrics, out, stem, ncu)
     bad = [r["key"] for r in results if "error" in r]
     if bad:
@@ -214,23 +221,29 @@ def run_ncu(out: str, stem: str, only: str | None = None) -> int:
     return 1 if bad else 0
 
 
-NCU_HEADER = ["case", "kernel µs", "CTAs", "registers", "achieved occupancy %", "DRAM rd+wr GB/s (% peak)",
-              "PCIe rd+wr GB/s", "sectors/request ld / st", "top stalls (% of warp cycles)"]
+# the counters of one profiled call (:func:`counter_cells`), after the columns that name it
+COUNTER_HEADER = ["kernel µs", "CTAs", "registers", "achieved occupancy %", "DRAM rd+wr GB/s (% peak)",
+                  "PCIe rd+wr GB/s", "sectors/request ld / st", "top stalls (% of warp cycles)"]
+NCU_HEADER = ["case"] + COUNTER_HEADER
+
+
+def counter_cells(r: dict) -> list[str]:
+    """:data:`COUNTER_HEADER`'s cells of one profiled call (:func:`profiled`'s row)."""
+    if "error" in r:
+        return [f"no counters (exit {r['returncode']})"] + ["–"] * (len(COUNTER_HEADER) - 1)
+    dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
+    pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
+    stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(r["stalls_pct"].items())[:2])
+    return [f"{r['time_us']:.1f}", _fmt(r.get("grid"), ".0f"), _fmt(r.get("registers"), ".0f"),
+            _fmt(r.get("occupancy_achieved_pct"), ".0f"), f"{dram:.0f} ({r.get('dram_peak_pct') or 0:.0f}%)",
+            f"{pcie:.1f}", f"{_fmt(r.get('ld_sectors_per_request'))} / {_fmt(r.get('st_sectors_per_request'))}",
+            stalls]
 
 
 def ncu_cells(r: dict) -> list[str]:
     """One profiled case (:data:`NCU_HEADER`), named by shape, T, direction and CTA budget."""
     words = r["key"].split()       # shape T=.. ps=.. layouts direction all layers ctas=..
-    label = " ".join([words[0], words[1], words[4], words[-1]])
-    if "error" in r:
-        return [label, f"no counters (exit {r['returncode']})"] + ["–"] * (len(NCU_HEADER) - 2)
-    dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
-    pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
-    stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(r["stalls_pct"].items())[:2])
-    return [label, f"{r['time_us']:.1f}", _fmt(r.get("grid"), ".0f"), _fmt(r.get("registers"), ".0f"),
-            _fmt(r.get("occupancy_achieved_pct"), ".0f"), f"{dram:.0f} ({r.get('dram_peak_pct') or 0:.0f}%)",
-            f"{pcie:.1f}",
-            f"{_fmt(r.get('ld_sectors_per_request'))} / {_fmt(r.get('st_sectors_per_request'))}", stalls]
+    return [" ".join([words[0], words[1], words[4], words[-1]])] + counter_cells(r)
 
 
 def ncu_markdown(doc: dict) -> str:

@@ -50,7 +50,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -61,7 +60,7 @@ from kvlayout import ops
 
 from . import profile
 from .cases import SHAPES, Case, Inputs, _default_layouts, build, endpoints
-from .report import _fmt, markdown_table
+from .report import markdown_table
 from .timing import Timer, measure_limits
 
 SHAPE_NAMES = ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
@@ -240,20 +239,11 @@ def profile_call(lmc, label: str, call: str) -> int:
     return 0
 
 
-NCU_HEADER = ["case", "call", "kernels", "kernel µs", "CTAs", "registers", "achieved occupancy %",
-              "PCIe rd+wr GB/s", "DRAM rd+wr GB/s", "sectors/request ld / st", "top stalls (% of warp cycles)"]
+NCU_HEADER = ["case", "call", "kernels"] + profile.COUNTER_HEADER
 
 
 def _ncu_cells(r: dict) -> list[str]:
-    if "error" in r:
-        return [r["case"], r["call"], f"no counters (exit {r['returncode']})"] + ["–"] * (len(NCU_HEADER) - 3)
-    pcie = (r.get("pcie_read_gbps") or 0) + (r.get("pcie_write_gbps") or 0)
-    dram = (r.get("dram_read_gbps") or 0) + (r.get("dram_write_gbps") or 0)
-    stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(r["stalls_pct"].items())[:2])
-    return [r["case"], r["call"], str(r["kernels"]), f"{r['time_us']:.1f}", _fmt(r.get("grid"), ".0f"),
-            _fmt(r.get("registers"), ".0f"), _fmt(r.get("occupancy_achieved_pct"), ".0f"), f"{pcie:.1f}",
-            f"{dram:.0f}", f"{_fmt(r.get('ld_sectors_per_request'))} / {_fmt(r.get('st_sectors_per_request'))}",
-            stalls]
+    return [r["case"], r["call"], str(r.get("kernels", "–"))] + profile.counter_cells(r)
 
 
 def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
@@ -269,21 +259,11 @@ def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
         names = ["kvlayout"] + (["kvlayout kernel"] if host else []) + ["LMCache"] + \
             (["LMCache staging"] if host else [])
         for call in names:
-            cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-                   "--metrics", ",".join(metrics), sys.executable, "-m", "kvlayout.bench.side_by_side",
-                   "--profile-case", _case_label(case), "--profile-call", call]
+            args = ["-m", "kvlayout.bench.side_by_side", "--profile-case", _case_label(case), "--profile-call", call]
             if lmcache_path:
-                cmd += ["--lmcache", lmcache_path]
+                args += ["--lmcache", lmcache_path]
             print(f"{_case_label(case)} {call}", file=sys.stderr, flush=True)
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            kernels = profile._parse_raw_csv(done.stdout)
-            row = {"case": _case_label(case), "call": call, "returncode": done.returncode,
-                   "kernels_raw": kernels}
-            if done.returncode != 0 or not kernels:
-                row["error"] = (done.stderr or done.stdout)[-2000:]
-            else:
-                row.update(profile._summary(kernels))
-            results.append(row)
+            results.append({"case": _case_label(case), "call": call, **profile.profiled(ncu, metrics, args)})
             with open(os.path.join(out, "side_by_side_ncu.json"), "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(0), "metrics": metrics, "results": results}, f,
                           indent=1)

@@ -539,6 +539,31 @@ def test_ncu_profile_cases_are_bench_rows_and_counters_fold_per_case():
     assert list(s["stalls_pct"].items()) == [("long_scoreboard", 30.0), ("drain", 25.0)]
 
 
+def test_a_profiled_process_gives_its_counters_or_its_error(tmp_path):
+    """profile.profiled runs one Python process under ncu (a stand-in here that prints ncu's raw CSV) and folds
+    its kernels, or keeps the process's output where no counters came; both tables' cells come from it."""
+    from kvlayout.bench import profile as P
+    from kvlayout.bench import side_by_side
+
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *fail*) echo 'no kernels profiled' >&2; exit 3;; esac\n"
+                    "echo '\"ID\",\"Kernel Name\",\"gpu__time_duration.sum\",\"launch__grid_size\"'\n"
+                    "echo '\"\",\"\",\"nsecond\",\"\"'\n"
+                    "echo '\"0\",\"copy_rows_kernel\",\"2,000\",\"132\"'\n")
+    fake.chmod(0o755)
+    metrics = [P.METRICS["time_ns"], P.METRICS["grid"]]
+    row = P.profiled(str(fake), metrics, ["-c", "pass"])
+    assert row["returncode"] == 0 and row["kernels"] == 1 and row["time_us"] == 2.0 and row["grid"] == 132.0
+    cells = P.ncu_cells({"key": "L32_H8_D128 T=256 ps=16 a->b to_host all layers ctas=default", **row})
+    assert cells[:3] == ["L32_H8_D128 T=256 to_host ctas=default", "2.0", "132"]
+    assert side_by_side._ncu_cells({"case": "c", "call": "LMCache", **row})[:5] == ["c", "LMCache", "1", "2.0", "132"]
+    failed = P.profiled(str(fake), metrics, ["-c", "fail"])
+    assert failed["returncode"] == 3 and "no kernels profiled" in failed["error"]
+    assert side_by_side._ncu_cells({"case": "c", "call": "kvlayout", **failed}) == \
+        ["c", "kvlayout", "–", "no counters (exit 3)"] + ["–"] * (len(P.COUNTER_HEADER) - 1)
+
+
 def test_readme_tables_come_from_the_recorded_run(capsys):
     """The README's performance tables are printed from the committed H200 run (kvlayout.bench.summary), with
     kvlayout's standing against the peers per timing."""
