@@ -103,6 +103,17 @@ def load_lmcache(path: str | None):
     return module
 
 
+def _moves_host_rows(case: Case) -> bool:
+    return case.direction in ("to_host", "from_host")
+
+
+def call_names(case: Case) -> list[str]:
+    """The calls timed for ``case``, in the order of :func:`kvlayout_calls` then :func:`lmcache_calls`: each
+    library straight, and for host rows also kvlayout's kernel engine and LMCache's staging pattern."""
+    host = _moves_host_rows(case)
+    return ["kvlayout"] + (["kvlayout kernel"] if host else []) + ["LMCache"] + (["LMCache staging"] if host else [])
+
+
 def lmcache_calls(lmc, case: Case, data: dict) -> dict:
     """The LMCache calls doing ``case``'s job on ``data``'s tensors: the kernel straight, and (host rows) the
     staging pattern."""
@@ -120,7 +131,7 @@ def lmcache_calls(lmc, case: Case, data: dict) -> dict:
     def straight():
         lmc.multi_layer_kv_transfer(chunk, **common)
     calls = {"LMCache": straight}
-    if case.direction in ("to_host", "from_host"):
+    if _moves_host_rows(case):
         staging = torch.empty(chunk.shape, dtype=chunk.dtype, device=device)
 
         def staged():
@@ -137,7 +148,7 @@ def lmcache_calls(lmc, case: Case, data: dict) -> dict:
 def kvlayout_calls(case: Case, data: dict) -> dict:
     src, ss, dst, ds = endpoints(case, data)
     calls = {"kvlayout": lambda: ops.transfer(src, dst, ss, ds)}
-    if case.direction in ("to_host", "from_host"):
+    if _moves_host_rows(case):
         calls["kvlayout kernel"] = lambda: ops.transfer(src, dst, ss, ds, engine="kernel")
     return calls
 
@@ -255,10 +266,7 @@ def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
     metrics = profile.available_metrics(ncu, list(profile.METRICS.values()) + list(profile.STALLS.values()))
     results = []
     for case in cases:
-        host = case.direction in ("to_host", "from_host")
-        names = ["kvlayout"] + (["kvlayout kernel"] if host else []) + ["LMCache"] + \
-            (["LMCache staging"] if host else [])
-        for call in names:
+        for call in call_names(case):
             args = ["-m", "kvlayout.bench.side_by_side", "--profile-case", _case_label(case), "--profile-call", call]
             if lmcache_path:
                 args += ["--lmcache", lmcache_path]
