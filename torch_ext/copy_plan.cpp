@@ -6,7 +6,7 @@
 #include "slots.h"
 #include "kvlayout/copy_rows_kernel.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // (not ATen/ATen.h: every operator declared costs each file seconds of compile time)
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 

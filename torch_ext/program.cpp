@@ -3,7 +3,7 @@
 
 #include "slots.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // (not ATen/ATen.h: every operator declared costs each file seconds of compile time)
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>

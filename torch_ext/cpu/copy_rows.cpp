@@ -7,7 +7,7 @@
 // run detection, slots.h for_each_block) and moved with one memmove per
 // segment. memmove (not memcpy)
 // keeps a copy within one tensor defined when a row is copied onto itself.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // (not ATen/ATen.h: every operator declared costs each file seconds of compile time)
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

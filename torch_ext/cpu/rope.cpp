@@ -1,7 +1,7 @@
 // CPU implementation of kvlayout::rope_reposition: positions are read once and
 // validated before anything is written, then tokens are split over threads; the pair
 // math is the shared rope.h code.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // (not ATen/ATen.h: every operator declared costs each file seconds of compile time)
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
