@@ -73,6 +73,11 @@ LMCACHE_H2D, LMCACHE_D2H = 0, 1
 LMCACHE_FLASH_NHD, LMCACHE_MLA = 1, 3
 
 
+def _is_extension(filename: str) -> bool:
+    """Whether ``filename`` (a base name) is LMCache's compiled CUDA extension (``cuda_ops``, earlier ``c_ops``)."""
+    return filename.startswith(("cuda_ops.", "c_ops.")) and filename.endswith(".so")
+
+
 def load_lmcache(path: str | None):
     """LMCache's CUDA extension module from ``path`` (a ``.so``, a folder holding one, or a wheel), or imported
     from an installed LMCache."""
@@ -85,14 +90,12 @@ def load_lmcache(path: str | None):
         raise SystemExit("side_by_side: no LMCache installed; pass --lmcache PATH (its cuda_ops .so or wheel)")
     if path.endswith(".whl"):
         with zipfile.ZipFile(path) as wheel:
-            members = [m for m in wheel.namelist() if os.path.basename(m).startswith(("cuda_ops.", "c_ops."))
-                       and m.endswith(".so")]
+            members = [m for m in wheel.namelist() if _is_extension(os.path.basename(m))]
             if not members:
                 raise SystemExit(f"side_by_side: {path} holds no cuda_ops / c_ops extension")
             path = wheel.extract(members[0], tempfile.mkdtemp(prefix="lmcache_"))
     elif os.path.isdir(path):
-        found = [os.path.join(root, f) for root, _, files in os.walk(path) for f in files
-                 if f.startswith(("cuda_ops.", "c_ops.")) and f.endswith(".so")]
+        found = [os.path.join(root, f) for root, _, files in os.walk(path) for f in files if _is_extension(f)]
         if not found:
             raise SystemExit(f"side_by_side: no cuda_ops / c_ops extension under {path}")
         path = found[0]
@@ -182,7 +185,6 @@ def check_same_output(case: Case, data: dict, calls: dict) -> None:
             if not torch.equal(_bits(a), _bits(b)):
                 raise AssertionError(f"side_by_side: {case.key}: {name} wrote tensor {i} of the output "
                                      f"unlike {first[0]}")
-    del start, first
 
 
 def time_calls(timer: Timer, calls: dict, rounds: int) -> dict:
@@ -337,8 +339,9 @@ def main(argv=None) -> int:
     header, rows = None, []
     with open(os.path.join(args.out, "side_by_side.jsonl"), "w") as f:
         for row in measure(lmc, cases, args.rounds, args.reps):
-            print(json.dumps(row), file=f, flush=True)
-            print(json.dumps(row), flush=True)
+            line = json.dumps(row)
+            print(line, file=f, flush=True)
+            print(line, flush=True)
             if header is None:
                 header = row
             else:
