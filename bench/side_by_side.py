@@ -99,6 +99,11 @@ def load_lmcache(path: str | None):
         if not found:
             raise SystemExit(f"side_by_side: no cuda_ops / c_ops extension under {path}")
         path = found[0]
+    # LMCache's extension imports lmcache.lmcache_native as it loads: scripts/build_lmcache_ops.py builds that
+    # module beside it, in a package folder of its own
+    beside = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(beside, "lmcache", "__init__.py")) and beside not in sys.path:
+        sys.path.insert(0, beside)
     name = os.path.basename(path).split(".")[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
