@@ -1,5 +1,6 @@
 """The side-by-side script's own checks (its CUDA timings run where LMCache is at hand)."""
 
+import sys
 import zipfile
 
 import pytest
@@ -41,6 +42,18 @@ def test_a_wheel_without_the_extension_is_refused(tmp_path):
         z.writestr("lmcache/__init__.py", "")
     with pytest.raises(SystemExit, match="holds no cuda_ops"):
         side_by_side.load_lmcache(str(wheel))
+
+
+def test_a_built_extension_finds_the_lmcache_package_built_beside_it(tmp_path, monkeypatch):
+    """scripts/build_lmcache_ops.py puts lmcache.lmcache_native in DIR/lmcache/, which cuda_ops imports as it
+    loads: loading DIR's extension puts DIR on sys.path first (here the stand-in .so then fails to load)."""
+    (tmp_path / "lmcache").mkdir()
+    (tmp_path / "lmcache" / "__init__.py").write_text("")
+    (tmp_path / "cuda_ops.so").write_bytes(b"not an ELF file")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(ImportError):
+        side_by_side.load_lmcache(str(tmp_path))
+    assert sys.path[0] == str(tmp_path)
 
 
 def test_the_table_compares_with_the_best_lmcache_call_in_each_timing():
