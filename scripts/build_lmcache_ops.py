@@ -38,10 +38,10 @@ NATIVE_SOURCES = ["csrc/lmcache_native/bitmap.cpp", "csrc/lmcache_native/fold.cp
 NATIVE_PACKAGE = "lmcache"   # cuda_ops imports lmcache.lmcache_native
 
 
-def build_native(root: str, out: str, abi: str) -> str:
+def build_native(root: str, out: str, abi: str) -> None:
     """``lmcache.lmcache_native`` built into ``out/lmcache/`` (with an empty ``__init__.py``), not imported: the
     import of ``cuda_ops`` is its first, under the name ``cuda_ops`` asks for (pybind11 registers a module's
-    types once per process). Returns the folder to put on ``sys.path``."""
+    types once per process); with ``out`` on ``sys.path`` that import finds it."""
     from torch.utils import cpp_extension
 
     package = os.path.join(out, NATIVE_PACKAGE)
@@ -50,7 +50,6 @@ def build_native(root: str, out: str, abi: str) -> str:
     cpp_extension.load(name="lmcache_native", sources=[os.path.join(root, s) for s in NATIVE_SOURCES],
                        extra_include_paths=[os.path.join(root, "csrc", "lmcache_native"), os.path.join(root, "csrc")],
                        extra_cflags=["-O3", abi], build_directory=package, is_python_module=False, verbose=False)
-    return out
 
 
 def main(argv: list[str]) -> int:
@@ -74,7 +73,8 @@ def main(argv: list[str]) -> int:
         return 1
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
     os.makedirs(out, exist_ok=True)
-    sys.path.insert(0, build_native(root, out, abi))   # (loading cuda_ops below imports it)
+    build_native(root, out, abi)
+    sys.path.insert(0, out)   # (loading cuda_ops below imports lmcache.lmcache_native)
     cpp_extension.load(name="cuda_ops", sources=[os.path.join(root, s) for s in SOURCES],
                        extra_include_paths=[os.path.join(root, "csrc")], extra_cflags=["-O3", abi],
                        extra_cuda_cflags=["-O3", abi], build_directory=out, verbose=False)
