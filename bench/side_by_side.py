@@ -291,6 +291,47 @@ def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
+TIMINGS = ("overlapped", "idle")
+
+
+def read(path: str) -> tuple[dict, list[dict]]:
+    """(header, rows) of a ``side_by_side.jsonl``."""
+    with open(path, encoding="utf-8") as f:
+        header, *rows = [json.loads(line) for line in f if line.strip()]
+    return header, rows
+
+
+def _by_case(rows: list[dict]) -> dict[tuple, dict]:
+    """The rows by (shape, T, direction), each case's calls by name."""
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        cases.setdefault((r["shape"], r["T"], r["direction"]), {})[r["call"]] = r
+    return cases
+
+
+def ratios(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """Per case (shape, T, direction): kvlayout's default call / the best LMCache call, in each timing."""
+    out = {}
+    for case, calls in _by_case(rows).items():
+        peers = [r for c, r in calls.items() if c.startswith("LMCache")]
+        out[case] = {k: calls["kvlayout"][f"{k}_gbps"] / max(p[f"{k}_gbps"] for p in peers) for k in TIMINGS}
+    return out
+
+
+def standing(rows: list[dict]) -> str:
+    """Ahead (ratio >= 1) and behind per timing, with the rows behind and their ratios."""
+    by_case = ratios(rows)
+    parts = []
+    for timing, label in zip(TIMINGS, ("overlapped (kvlayout's kernel only)", "idle (end to end)")):
+        behind = [(r[timing], case) for case, r in by_case.items() if r[timing] < 1.0]
+        text = f"{label}: ahead on {len(by_case) - len(behind)} of {len(by_case)} rows, behind on {len(behind)}"
+        if behind:
+            text += " (" + ", ".join(f"{shape} T={T} {direction} {ratio:.3f}x"
+                                     for ratio, (shape, T, direction) in sorted(behind)) + ")"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def markdown(header: dict, rows: list[dict]) -> str:
     lim = header["limits"]
     out = [f"# kvlayout beside LMCache, same tensors, one process ({header['gpu']}, torch {header['torch']})", "",
@@ -299,20 +340,16 @@ def markdown(header: dict, rows: list[dict]) -> str:
            "call / the best LMCache call in the same timing.", "",
            "| shape | T | direction | kvlayout | kvlayout kernel | LMCache | LMCache staging | ratio overlapped | "
            "ratio idle |", "|---|---|---|---|---|---|---|---|---|"]
-    cases: dict[tuple, dict] = {}
-    for r in rows:
-        cases.setdefault((r["shape"], r["T"], r["direction"]), {})[r["call"]] = r
+    by_case = ratios(rows)
 
     def cell(r):
         return f"{r['overlapped_gbps']:.1f} / {r['idle_gbps']:.1f}" if r else ""
-    for (shape, T, direction), calls in cases.items():
-        peers = [r for c, r in calls.items() if c.startswith("LMCache")]
-        ours = calls["kvlayout"]
-        ratios = [ours[f"{k}_gbps"] / max(p[f"{k}_gbps"] for p in peers) for k in ("overlapped", "idle")]
-        out.append(f"| {shape} | {T} | {direction} | {cell(ours)} | {cell(calls.get('kvlayout kernel'))} | "
-                   f"{cell(calls.get('LMCache'))} | {cell(calls.get('LMCache staging'))} | "
-                   f"{ratios[0]:.2f}x | {ratios[1]:.2f}x |")
-    return "\n".join(out) + "\n"
+    for (shape, T, direction), calls in _by_case(rows).items():
+        ratio = by_case[(shape, T, direction)]
+        out.append(f"| {shape} | {T} | {direction} | {cell(calls['kvlayout'])} | "
+                   f"{cell(calls.get('kvlayout kernel'))} | {cell(calls.get('LMCache'))} | "
+                   f"{cell(calls.get('LMCache staging'))} | {ratio['overlapped']:.2f}x | {ratio['idle']:.2f}x |")
+    return "\n".join(out) + "\n\n" + standing(rows) + "\n"
 
 
 def main(argv=None) -> int:

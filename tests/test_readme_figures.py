@@ -18,13 +18,16 @@ import subprocess
 import sys
 import tempfile
 
-from kvlayout.bench import summary, targets
+from kvlayout.bench import side_by_side, summary, targets
 from kvlayout.bench.report import compared_with_peers, peer_standing
 from kvlayout.bench.run import document, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "results"
 REPORTS = ROOT / "conformance" / "reports"
+
+# The run of kvlayout beside LMCache on the same tensors that the README cites (its side_by_side*.jsonl files).
+SIDE_BY_SIDE_RUN = "h200_29be2ee"
 
 # The headline rows the README shows: (shape, T, direction), all from the H200 record's headline group.
 README_HEADLINE = [(shape, 4096, direction) for shape in ("L32_H8_D128", "L32_MLA_D576")
@@ -162,6 +165,18 @@ def peer_sentence() -> str:
     return peer_standing(compared_with_peers(document(str(BENCH / "h200.jsonl"))))
 
 
+def side_by_side_sentence() -> str:
+    """The README's standing beside LMCache on the same tensors, per timing, from that run's files."""
+    rows = []
+    for path in sorted((BENCH / SIDE_BY_SIDE_RUN).glob("side_by_side*.jsonl")):
+        rows += side_by_side.read(str(path))[1]
+    return side_by_side.standing(rows)
+
+
+def test_readme_side_by_side_standing_is_the_run_beside_lmcache():
+    assert fold(side_by_side_sentence()) in fold(_readme())
+
+
 def test_readme_peer_standing_is_the_h200_record():
     assert fold(peer_sentence()) in fold(_readme())
 
@@ -178,8 +193,8 @@ def test_readme_limits_notes_name_every_flagged_limit():
 def test_readme_has_no_figure_without_a_source():
     """With the rendered parts and the code blocks taken out, no number with a unit is left in the README."""
     text = fold(re.sub(r"```.*?```", " ", _readme(), flags=re.S))
-    parts = [headline_table(), host_cost_table(), main_job_sentence(), peer_sentence()] + [limits_note(s) for s in
-                                                                          ("h200", "cpu")]
+    parts = [headline_table(), host_cost_table(), main_job_sentence(), peer_sentence(), side_by_side_sentence()] + [
+        limits_note(s) for s in ("h200", "cpu")]
     for part in parts + method_figures():
         text = text.replace(fold(part), " ")
     assert not FIGURE.findall(text), FIGURE.findall(text)
@@ -218,7 +233,8 @@ DOCUMENTS = ("README.md", "docs/performance.md", "docs/conformance.md")
 def rendered_parts() -> dict[str, str]:
     """Every part the documents hold, rendered from the records under BENCH and REPORTS, by name."""
     parts = {"headline": headline_table(), "host cost": host_cost_table(), "main job": main_job_sentence(),
-             "peers": peer_sentence(), "targets": targets_section(), **record_tables()}
+             "peers": peer_sentence(), "side by side": side_by_side_sentence(), "targets": targets_section(),
+             **record_tables()}
     parts.update({f"limits {p.stem}": limits_note(p.stem) for p in sorted(BENCH.glob("*.jsonl"))})
     parts.update({f"conformance {n}": conformance_record(n) for n in ("cpu", "h200")})
     return parts

@@ -1,5 +1,6 @@
 """The side-by-side script's own checks (its CUDA timings run where LMCache is at hand)."""
 
+import json
 import sys
 import zipfile
 
@@ -64,6 +65,23 @@ def test_the_table_compares_with_the_best_lmcache_call_in_each_timing():
             dict(row, call="LMCache staging", overlapped_gbps=52.0, idle_gbps=30.0)]
     line = [x for x in side_by_side.markdown(header, rows).splitlines() if x.startswith("| L32_H8_D128")][0]
     assert line.endswith("| 0.96x | 0.96x |"), line
+
+
+def test_the_standing_counts_each_timing_and_names_the_rows_behind(tmp_path):
+    """A ratio of at least 1 is ahead; the rows behind are named with their ratios, lowest first; the record's
+    file reads back as (header, rows)."""
+    def case(T, ours, peer):
+        row = dict(shape="L32_H1_D128", T=T, direction="to_host", bytes=1)
+        return [dict(row, call="kvlayout", overlapped_gbps=ours[0], idle_gbps=ours[1]),
+                dict(row, call="LMCache", overlapped_gbps=peer[0], idle_gbps=peer[1])]
+    rows = case(256, (46.0, 40.0), (50.0, 40.0)) + case(4096, (52.0, 50.0), (52.0, 51.0))
+    path = tmp_path / "side_by_side.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"limits": {}, "gpu": "G", "torch": "t"}] + rows) + "\n")
+    header, read_rows = side_by_side.read(str(path))
+    assert header["gpu"] == "G" and read_rows == rows
+    assert side_by_side.standing(rows) == (
+        "overlapped (kvlayout's kernel only): ahead on 1 of 2 rows, behind on 1 (L32_H1_D128 T=256 to_host 0.920x); "
+        "idle (end to end): ahead on 1 of 2 rows, behind on 1 (L32_H1_D128 T=4096 to_host 0.980x)")
 
 
 class _LMCacheDouble:

@@ -549,7 +549,8 @@ def _sm_slow_in(head: dict, rows: list[dict], direction: str) -> bool:
     return statistics.median(shares) < 100 * calibration.SLOW_SM_RATIO
 
 
-@pytest.mark.parametrize("record,slow", [("h200.jsonl", set()), ("h100.jsonl", {"from_host"}),
+@pytest.mark.parametrize("record,slow", [("h200.jsonl", set()), ("h200_8f0a720/h200.jsonl", set()),
+                                         ("h100.jsonl", {"from_host"}),
                                          ("h100_00c04b3/h100.jsonl", set()), ("h100_dbc67bc/h100.jsonl", set()),
                                          ("h100_4af85c4/h100.jsonl", set()),
                                          ("h100_bffd2c3/h100.jsonl", {"from_host"})])
