@@ -1,6 +1,6 @@
 """The README's performance tables, from a bench run's JSON-lines file.
 
-    python -m kvlayout.bench.summary bench/results/h200.jsonl [--ncu bench/results/h200_ncu.json]
+    python -m kvlayout.bench.summary bench/results/h200.jsonl [--ncu bench/results/h200_8f0a720/h200_ncu.json]
 
 prints Markdown: the headline rows (L32 shapes, all layers, T = 256 and
 4096; kernel only against the peers' overlapped figures and end to end

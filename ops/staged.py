@@ -77,7 +77,7 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # engine="auto" (the default) stages a stageable transfer from AUTO_MIN_BYTES on (both directions), without an
 # SM budget or, from the host, under a budget of at most AUTO_MAX_BUDGET_FROM_HOST SMs; every other call runs
 # the direct kernel. From the staged group against the kernel rows of the same cases, both timings, staged calls
-# replayed from their captured graphs, in the H200 record (bench/results/h200.jsonl, tree of 8f0a720) and the
+# replayed from their captured graphs, in the H200 record of 8f0a720 (bench/results/h200_8f0a720/h200.jsonl) and the
 # H100 record (bench/results/h100.jsonl, tree of ecd86ed): without a budget staging was at least as fast from
 # 144 MiB on in both directions (1.03-1.19x) and slower to the host at 80 MiB and below (L80 H8 T=256, 80 MiB:
 # 0.96-0.98x end to end; L32 H1 T=4096, 64 MiB: 0.97-1.00x), so auto stages from 128 MiB on. From the host it
@@ -87,7 +87,7 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # (an adapter binding a fresh host chunk per call) plans a staged transfer every time, and the staged group's
 # "bind-per-call" rows (H100 record of 0d38bb0) show that costing 872-1,647 us of host work per call, end to
 # end 24.0-31.7 GB/s against the kernel's 46.8-48.5: loads keep the threshold. Under a budget of 1, 2 or 4
-# SMs it was 1.29-3.41x as fast from the host in the H200 record (the copy engine crosses PCIe, the budget's
+# SMs it was 1.29-3.41x as fast from the host in that H200 record (the copy engine crosses PCIe, the budget's
 # SMs only move rows inside device memory); at 8 SMs slower for 256-byte rows (0.95x). To the host under a
 # budget it was slower end to end for rows under 2 KiB at every budget (0.73-0.98x), and for 2 KiB rows at 1 SM.
 # Where a device's SMs move host memory slowly beside its copy engine (calibration.py; the H100 record of b1ed027:
