@@ -19,7 +19,9 @@
 #   bench        kvlayout bench --device cuda (full)               -> bench.txt, bench.tgz (<gpu>.{jsonl,json,md,png})
 #   bench-quick  kvlayout bench --device cuda --quick              -> bench_quick.txt, bench-quick.tgz
 #   ncu          kvlayout bench --device cuda --ncu (Nsight Compute
-#                counters of the cases that miss their targets)     -> ncu.txt, ncu.tgz (<gpu>_ncu.{json,md})
+#                counters of the cases that miss their targets; NCU_ONLY: only those the bench's --only
+#                selects, e.g. "to_host" or "from_host", so that the rows of a full run, about 25 s
+#                each, can be split over calls)                    -> ncu.txt, ncu.tgz (<gpu>_ncu.{json,md})
 #   host-profile scripts/host_profile.py on the staged rows over 50 us of host
 #                time per call in this OUTDIR's bench record (else
 #                bench/results/h200.jsonl; HOST_PROFILE_CALL: only rows of that call, e.g. transfer, the rows
@@ -129,7 +131,8 @@ for step in "${steps[@]}"; do
         bench-quick) run_step bench-quick bench_quick.txt $py -m kvlayout bench --device cuda --quick \
                          --out "$out/bench-quick"
                      pack bench-quick bench-quick ;;
-        ncu) run_step ncu ncu.txt $py -m kvlayout bench --device cuda --ncu --out "$out/ncu"
+        ncu) run_step ncu ncu.txt $py -m kvlayout bench --device cuda --ncu --out "$out/ncu" \
+                 ${NCU_ONLY:+--only "$NCU_ONLY"}
              pack ncu ncu ;;
         host-profile) recorded=$(mktemp -d)
                       [ -f "$out/bench.tgz" ] && tar xzf "$out/bench.tgz" -C "$recorded"

@@ -63,6 +63,11 @@ def test_each_report_folder_comes_back_as_one_archive(tmp_path: Path, stand_in: 
     steps = (out / "steps.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in steps] == ["conformance", "bench", "ncu"]
     assert all(": exit 0 in " in line for line in steps)
+    assert "--only" not in (out / "ncu.txt").read_text()
+    env = dict(os.environ, PYTHON=str(stand_in), NCU_ONLY="from_host")    # a run's counters split over calls
+    subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "ncu"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    assert "--ncu --out " in (out / "ncu.txt").read_text() and " --only from_host" in (out / "ncu.txt").read_text()
 
 
 def test_a_step_run_again_adds_to_its_archive_and_host_profile_reads_the_packed_record(tmp_path: Path,
