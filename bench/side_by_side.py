@@ -29,8 +29,8 @@ first's (from the same starting contents). Each call is timed in both of
 the bench's timings (:class:`kvlayout.bench.timing.Timer`): *idle* (the
 device idle before the call: host issue time counts; kvlayout's "end to
 end") and *overlapped* (issued while the device is busy: kvlayout's "kernel
-only"), in ``--rounds`` rounds that visit the calls in turn, the median of
-the rounds' medians kept. The run's copy limits are measured at its start.
+only"), in ``--rounds`` rounds that visit the calls in turn, each round from
+another call on, the median of the rounds' medians kept. The run's copy limits are measured at its start.
 
 Writes ``DIR/side_by_side.jsonl`` (one row per case and call) and
 ``DIR/side_by_side.md`` (the table, kvlayout's default call against the
@@ -193,10 +193,15 @@ def check_same_output(case: Case, data: dict, calls: dict) -> None:
 
 
 def time_calls(timer: Timer, calls: dict, rounds: int) -> dict:
-    """Per call: median seconds idle and overlapped (median of the rounds' medians), and host seconds."""
+    """Per call: median seconds idle and overlapped (median of the rounds' medians), and host seconds.
+
+    Each round visits the calls in turn, round r from the r-th call on, so that no call is always timed
+    first after another case's calls (whose memory the host's caches then hold)."""
     samples = {name: {"idle": [], "overlapped": [], "host": []} for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    names = list(calls)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            call = calls[name]
             idle = timer(call)
             overlapped = timer(call, kernel_only=True, host_s=idle.host)
             samples[name]["idle"].append(idle.median)

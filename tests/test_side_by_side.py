@@ -67,6 +67,26 @@ def test_the_table_compares_with_the_best_lmcache_call_in_each_timing():
     assert line.endswith("| 0.96x | 0.96x |"), line
 
 
+def test_each_round_starts_from_another_call():
+    """time_calls visits every call in every round, round r from the r-th call on, and keeps each call's
+    medians: a stand-in timer records the order and returns a time per call."""
+    order = []
+
+    class Stamp:
+        def __init__(self, s):
+            self.median, self.host = s, s / 10
+
+    def timer(call, kernel_only=False, host_s=None):
+        if not kernel_only:
+            order.append(call())
+        return Stamp(0.5 if kernel_only else 1.0)
+    calls = {name: (lambda name=name: name) for name in ("kvlayout", "kvlayout kernel", "LMCache")}
+    times = side_by_side.time_calls(timer, calls, rounds=3)
+    assert order == ["kvlayout", "kvlayout kernel", "LMCache", "kvlayout kernel", "LMCache", "kvlayout",
+                     "LMCache", "kvlayout", "kvlayout kernel"]
+    assert times["LMCache"] == {"idle": 1.0, "overlapped": 0.5, "host": 0.1}
+
+
 def test_the_standing_counts_each_timing_and_names_the_rows_behind(tmp_path):
     """A ratio of at least 1 is ahead; the rows behind are named with their ratios, lowest first; the record's
     file reads back as (header, rows)."""
