@@ -19,6 +19,9 @@ them:
 * ``kvlayout``: ``ops.transfer`` as an engine calls it (``engine="auto"``);
 * ``kvlayout kernel``: the same with ``engine="kernel"`` (host rows only,
   where auto may stage);
+* ``kvlayout walk``: ``engine="kernel"`` under
+  ``ops.set_host_launch_shape("walk")`` (host rows: the kernel's other launch
+  shape, one CTA per SM, beside its default of one CTA per row);
 * ``LMCache``: ``multi_layer_kv_transfer`` straight between the paged cache
   and the chunk (on the host: the kernel reads or writes pinned memory);
 * ``LMCache staging`` (host rows): ``multi_layer_kv_transfer`` into a device
@@ -57,6 +60,7 @@ import zipfile
 import torch
 
 from kvlayout import ops
+from kvlayout.ops import _native
 
 from . import profile
 from .cases import SHAPES, Case, Inputs, _default_layouts, build, endpoints
@@ -117,9 +121,11 @@ def _moves_host_rows(case: Case) -> bool:
 
 def call_names(case: Case) -> list[str]:
     """The calls timed for ``case``, in the order of :func:`kvlayout_calls` then :func:`lmcache_calls`: each
-    library straight, and for host rows also kvlayout's kernel engine and LMCache's staging pattern."""
+    library straight, and for host rows also kvlayout's kernel engine in either launch shape and LMCache's
+    staging pattern."""
     host = _moves_host_rows(case)
-    return ["kvlayout"] + (["kvlayout kernel"] if host else []) + ["LMCache"] + (["LMCache staging"] if host else [])
+    return (["kvlayout"] + (["kvlayout kernel", "kvlayout walk"] if host else []) + ["LMCache"]
+            + (["LMCache staging"] if host else []))
 
 
 def lmcache_calls(lmc, case: Case, data: dict) -> dict:
@@ -158,6 +164,15 @@ def kvlayout_calls(case: Case, data: dict) -> dict:
     calls = {"kvlayout": lambda: ops.transfer(src, dst, ss, ds)}
     if _moves_host_rows(case):
         calls["kvlayout kernel"] = lambda: ops.transfer(src, dst, ss, ds, engine="kernel")
+
+        def walk():
+            ops.set_host_launch_shape("walk")
+            try:
+                ops.transfer(src, dst, ss, ds, engine="kernel")
+            finally:
+                ops.set_host_launch_shape(shape)
+        shape = _native.host_launch_shape()
+        calls["kvlayout walk"] = walk
     return calls
 
 
@@ -343,8 +358,8 @@ def markdown(header: dict, rows: list[dict]) -> str:
            "Limits at the start (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in lim.items()), "",
            "GB/s one way, overlapped (kvlayout's kernel only) / idle (end to end); ratio = kvlayout's default "
            "call / the best LMCache call in the same timing.", "",
-           "| shape | T | direction | kvlayout | kvlayout kernel | LMCache | LMCache staging | ratio overlapped | "
-           "ratio idle |", "|---|---|---|---|---|---|---|---|---|"]
+           "| shape | T | direction | kvlayout | kvlayout kernel | kvlayout walk | LMCache | LMCache staging | "
+           "ratio overlapped | ratio idle |", "|---|---|---|---|---|---|---|---|---|---|"]
     by_case = ratios(rows)
 
     def cell(r):
@@ -352,7 +367,8 @@ def markdown(header: dict, rows: list[dict]) -> str:
     for (shape, T, direction), calls in _by_case(rows).items():
         ratio = by_case[(shape, T, direction)]
         out.append(f"| {shape} | {T} | {direction} | {cell(calls['kvlayout'])} | "
-                   f"{cell(calls.get('kvlayout kernel'))} | {cell(calls.get('LMCache'))} | "
+                   f"{cell(calls.get('kvlayout kernel'))} | {cell(calls.get('kvlayout walk'))} | "
+                   f"{cell(calls.get('LMCache'))} | "
                    f"{cell(calls.get('LMCache staging'))} | {ratio['overlapped']:.2f}x | {ratio['idle']:.2f}x |")
     return "\n".join(out) + "\n\n" + standing(rows) + "\n"
 

@@ -23,7 +23,7 @@ Operations (same names and rules as ``kvlayout.reference``): ``transfer``,
 copy program, ``kvlayout.ops.program``) and ``torch.ops.kvlayout.rope_reposition``.
 """
 
-from ._native import set_host_cache_hints
+from ._native import set_host_cache_hints, set_host_launch_shape
 from .caches import cache_info, set_cache_capacity
 from .calibration import calibrate
 from .pages import dummy_flat_page, get_page, page_buffer_meta, page_spans, set_page, zero_page
@@ -38,4 +38,4 @@ __all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfe
            "skip_prefix", "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans",
            "page_buffer_meta", "dummy_flat_page", "rope_reposition", "release_staging", "set_staged_chunks",
            "set_staged_graph_launch",
-           "set_host_cache_hints", "cache_info", "set_cache_capacity", "calibrate"]
+           "set_host_cache_hints", "set_host_launch_shape", "cache_info", "set_cache_capacity", "calibrate"]

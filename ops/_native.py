@@ -139,6 +139,30 @@ def host_cache_hints() -> str:
 
 set_host_cache_hints(environment_choice("KVLAYOUT_HOST_CACHE_HINTS", HOST_CACHE_HINTS))
 
+# How the CUDA kernel moves a transfer that reads or writes pinned host memory without an SM budget:
+# "row_per_cta" (the default: one CTA per row of a token and segment, in 8-byte words, for launches of up to 64 MiB
+# whose rows hold 256 bytes or more in 8- or 16-byte words; larger ones walk) or "walk" (one CTA per SM, each
+# walking its share of every row). The side-by-side's "kvlayout walk" call measures the second beside the first.
+HOST_LAUNCH_SHAPES = ("row_per_cta", "walk")
+
+
+def set_host_launch_shape(shape: str) -> None:
+    """The shape of CUDA copy-kernel launches that touch pinned host memory without an SM budget:
+    ``"row_per_cta"`` (the default, ``KVLAYOUT_HOST_LAUNCH_SHAPE``) or ``"walk"``. Process-wide
+    (:func:`host_launch_shape` reads it), read by every run of a launch; a launch captured in a CUDA graph keeps
+    the shape it was captured with. Results are the same bytes either way."""
+    if shape not in HOST_LAUNCH_SHAPES:
+        raise ValueError(f"a host launch shape must be one of {HOST_LAUNCH_SHAPES}, got {shape!r}")
+    _C.set_host_launch_shape(HOST_LAUNCH_SHAPES.index(shape))
+
+
+def host_launch_shape() -> str:
+    """The setting of :func:`set_host_launch_shape`."""
+    return HOST_LAUNCH_SHAPES[_C.host_launch_shape()]
+
+
+set_host_launch_shape(environment_choice("KVLAYOUT_HOST_LAUNCH_SHAPE", HOST_LAUNCH_SHAPES))
+
 _status: dict[torch.device, torch.Tensor] = {}
 
 

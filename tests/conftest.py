@@ -110,6 +110,7 @@ def walk_lib(tmp_path_factory):
     lib.kvl_wait_counts.argtypes = [p]
     lib.kvl_walk_unrolls.argtypes = [p]
     lib.kvl_set_recording.argtypes = [i64, i64]
+    lib.kvl_set_row_word.argtypes = [i32]
     lib.kvl_max_walk_count.restype = ctypes.c_int64
     return lib
 

@@ -422,24 +422,32 @@ def test_staged_graph_capacity_is_a_setting_and_a_variable(monkeypatch):
         environment_capacity("KVLAYOUT_STAGED_GRAPHS", 8, minimum=0)
 
 
-def test_host_cache_hints_are_a_setting_and_a_variable():
-    """ops.set_host_cache_hints: "streaming" (the default) or "default"; anything else refused, by the Python
-    setter and by the native one; KVLAYOUT_HOST_CACHE_HINTS sets it at import."""
+@pytest.mark.parametrize("name, choices, native_error", [
+    ("host_cache_hints", ("streaming", "default"), "host cache hints must be 0 .streaming. or 1 .default., got 2"),
+    ("host_launch_shape", ("row_per_cta", "walk"),
+     "a host launch shape must be 0 .row per CTA. or 1 .walk., got 2"),
+])
+def test_host_launch_settings_are_settings_and_variables(name, choices, native_error):
+    """ops.set_host_cache_hints and ops.set_host_launch_shape: the first of their choices by default, the other
+    when set; anything else refused, by the Python setter and by the native one; KVLAYOUT_<NAME> sets it at
+    import."""
     from kvlayout import _C
     from kvlayout.ops import _native
-    assert _native.host_cache_hints() == "streaming"
+    default, other = choices
+    setter, read_native = getattr(ops, f"set_{name}"), getattr(_C, name)
+    assert getattr(_native, name)() == default
     try:
-        ops.set_host_cache_hints("default")
-        assert _native.host_cache_hints() == "default" and _C.host_cache_hints() == 1
+        setter(other)
+        assert getattr(_native, name)() == other and read_native() == 1
         for bad in ("cached", None, 1):
-            with pytest.raises(ValueError, match="host cache hints must be one of"):
-                ops.set_host_cache_hints(bad)
-        with pytest.raises(ValueError, match="host cache hints must be 0 .streaming. or 1 .default., got 2"):
-            _C.set_host_cache_hints(2)
-        assert _native.host_cache_hints() == "default"
+            with pytest.raises(ValueError, match=f"{name.replace('_', ' ')} must be one of"):
+                setter(bad)
+        with pytest.raises(ValueError, match=native_error):
+            getattr(_C, f"set_{name}")(2)
+        assert getattr(_native, name)() == other
     finally:
-        ops.set_host_cache_hints("streaming")
-    read = "_native.host_cache_hints()"
-    assert TC.read_at_import("KVLAYOUT_HOST_CACHE_HINTS", "default", read).stdout.strip() == "default"
-    bad = TC.read_at_import("KVLAYOUT_HOST_CACHE_HINTS", "fast", read)
-    assert bad.returncode != 0 and "KVLAYOUT_HOST_CACHE_HINTS = 'fast'" in bad.stderr
+        setter(default)
+    variable, read = f"KVLAYOUT_{name.upper()}", f"_native.{name}()"
+    assert TC.read_at_import(variable, other, read).stdout.strip() == other
+    bad = TC.read_at_import(variable, "fast", read)
+    assert bad.returncode != 0 and f"{variable} = 'fast'" in bad.stderr

@@ -117,18 +117,24 @@ def _case(rng, walk_lib, *, num_segments=None):
                 slot_bytes=np.dtype(slot_dtype).itemsize, expected=expected, invalid=invalid)
 
 
+def _emulate_rc(walk_lib, c, unroll, num_threads, dst=None, status=None) -> int:
+    """kvl_emulate_walk on the case (into ``dst`` and ``status`` where given): its return code."""
+    dst = c["dst_buf"].copy() if dst is None else dst
+    status = np.zeros(5, np.int64) if status is None else status
+    return walk_lib.kvl_emulate_walk(
+        _ptr(c["sg"]), _ptr(c["dg"]), _ptr(c["src_arr"]), c["stride"], _ptr(c["dst_arr"]),
+        c["stride"], c["slot_bytes"], c["skip"], c["num_tokens"], c["S"], _ptr(c["src_off"]),
+        _ptr(c["dst_off"]), _ptr(c["src_buf"]), _ptr(dst), c["num_pieces"], c["piece_bytes"],
+        c["vec"], unroll, num_threads, _ptr(status))
+
+
 def _emulate(walk_lib, c, unroll, num_threads):
     """The case's launch emulated (unroll 0: one row per CTA, ``num_threads`` lanes each): its
     destination and status; the source is left as it was."""
     status = np.zeros(5, np.int64)
     dst = c["dst_buf"].copy()
     src_before = c["src_buf"].copy()
-    rc = walk_lib.kvl_emulate_walk(
-        _ptr(c["sg"]), _ptr(c["dg"]), _ptr(c["src_arr"]), c["stride"], _ptr(c["dst_arr"]),
-        c["stride"], c["slot_bytes"], c["skip"], c["num_tokens"], c["S"], _ptr(c["src_off"]),
-        _ptr(c["dst_off"]), _ptr(c["src_buf"]), _ptr(dst), c["num_pieces"], c["piece_bytes"],
-        c["vec"], unroll, num_threads, _ptr(status))
-    assert rc == 0
+    assert _emulate_rc(walk_lib, c, unroll, num_threads, dst, status) == 0
     assert np.array_equal(c["src_buf"], src_before), "the copy wrote its source"
     return dst, status
 
@@ -184,6 +190,24 @@ def test_one_row_per_cta_moves_exactly_the_rows_of_the_formula(walk_lib, seed):
     c = _case(rng, walk_lib)
     for lanes in (1, 32, 128, int(rng.integers(2, 200))):
         _assert_the_formulas_rows(c, *_emulate(walk_lib, c, 0, lanes), f"{lanes} lanes")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_row_per_cta_in_narrower_words_moves_the_same_rows(walk_lib, seed):
+    """copy_one_row in words narrower than the launch's vectors (the CUDA host variant moves 16-byte vectors as
+    8-byte words): each vector's words at consecutive addresses, the same bytes and records as the formula."""
+    rng = np.random.default_rng(1000 + seed)
+    c = _case(rng, walk_lib)
+    words = [w for w in (1, 2, 4, 8) if w < c["vec"]]
+    try:
+        for word in words:
+            walk_lib.kvl_set_row_word(word)
+            for lanes in (1, 32, 128, int(rng.integers(2, 200))):
+                _assert_the_formulas_rows(c, *_emulate(walk_lib, c, 0, lanes), f"{word}-byte words, {lanes} lanes")
+        walk_lib.kvl_set_row_word(2 * c["vec"])   # wider than a vector: refused
+        assert _emulate_rc(walk_lib, c, 0, 32) == -1
+    finally:
+        walk_lib.kvl_set_row_word(0)
 
 
 def test_a_threads_first_batch_loads_before_its_wait(walk_lib):

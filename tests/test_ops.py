@@ -295,15 +295,19 @@ def test_vector_widths(device, dtype, width, heads, src_off, dst_off, vec):
 # CUDA: pinned host memory on either side, slots on the device or in pinned memory
 # ---------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["streaming", "default"])
-def host_cache_hints(request):
-    """Each cache-operator setting of launches that touch pinned memory (ops.set_host_cache_hints), restored
-    after the test."""
+@pytest.fixture(params=[("streaming", "row_per_cta"), ("default", "row_per_cta"), ("streaming", "walk"),
+                        ("default", "walk")], ids="-".join)
+def host_launch_settings(request):
+    """Each cache-operator setting (ops.set_host_cache_hints) and launch shape (ops.set_host_launch_shape) of
+    launches that touch pinned memory, restored after the test."""
     from kvlayout.ops import _native
-    kept = _native.host_cache_hints()
-    ops.set_host_cache_hints(request.param)
+    kept = _native.host_cache_hints(), _native.host_launch_shape()
+    hints, shape = request.param
+    ops.set_host_cache_hints(hints)
+    ops.set_host_launch_shape(shape)
     yield request.param
-    ops.set_host_cache_hints(kept)
+    ops.set_host_cache_hints(kept[0])
+    ops.set_host_launch_shape(kept[1])
 
 
 @pytest.mark.parametrize("direction", ["device_to_pinned", "pinned_to_device"])
@@ -314,8 +318,9 @@ def host_cache_hints(request):
                                   ("vllm_packed_nhd", "lmcache_kv_2ltd")], ids=lambda p: f"{p[0]}-{p[1]}")
 @settings(max_examples=TC.examples(3))
 @given(data=st.data())
-def test_pinned_host_transfers(cuda_device, direction, slot_place, pair, host_cache_hints, data):
-    """Either side in pinned memory, under both cache-operator settings: every byte as the reference says."""
+def test_pinned_host_transfers(cuda_device, direction, slot_place, pair, host_launch_settings, data):
+    """Either side in pinned memory, under both cache-operator settings and both launch shapes: every byte as the
+    reference says."""
     device_layout, host_layout = pair
     if direction == "device_to_pinned":
         case = data.draw(S.transfer_cases(src_layout=device_layout, dst_layout=host_layout))
@@ -331,7 +336,7 @@ def test_pinned_host_transfers(cuda_device, direction, slot_place, pair, host_ca
 
 
 @pytest.mark.parametrize("slot_place", ["device", "pinned"])
-def test_gather_to_and_scatter_from_pinned_rows(cuda_device, slot_place):
+def test_gather_to_and_scatter_from_pinned_rows(cuda_device, slot_place, host_launch_settings):
     g = Geometry(P=2, L=3, NB=8, BS=16, H=4, E=32)
     rng = np.random.default_rng(9)
     cache_np = S.random_cache("vllm_flashinfer_hnd", g, "bfloat16", rng)

@@ -10,6 +10,7 @@ import torch
 from kvlayout import ops
 from kvlayout.bench import side_by_side
 from kvlayout.bench.cases import Case, Inputs, build, endpoints
+from kvlayout.ops import _native
 
 
 def _case_and_data():
@@ -144,3 +145,6 @@ def test_the_lmcache_calls_do_the_cases_job(shape, direction):
     calls = {**side_by_side.kvlayout_calls(case, data), **side_by_side.lmcache_calls(lmc, case, data)}
     assert list(calls) == side_by_side.call_names(case)
     side_by_side.check_same_output(case, data, calls)
+    # (the walk call sets the host launch shape for its call only)
+    assert ("kvlayout walk" in calls) == (direction in ("to_host", "from_host"))
+    assert _native.host_launch_shape() == "row_per_cta"

@@ -618,6 +618,19 @@ void set_host_cache_hints(int32_t hints) {
 
 int32_t host_cache_hints() { return host_hints.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<int32_t> host_shape{kHostRowPerCta};
+}  // namespace
+
+void set_host_launch_shape(int32_t shape) {
+  TORCH_CHECK_VALUE(shape == kHostRowPerCta || shape == kHostWalk,
+                    "kvlayout: a host launch shape must be ", int(kHostRowPerCta), " (row per CTA) or ",
+                    int(kHostWalk), " (walk), got ", shape);
+  host_shape.store(shape, std::memory_order_relaxed);
+}
+
+int32_t host_launch_shape() { return host_shape.load(std::memory_order_relaxed); }
+
 int64_t binding_cache_size() {
   BindingCache& cache = binding_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);

@@ -320,6 +320,14 @@ int64_t binding_cache_capacity();
 // of a launch (a captured launch keeps the hints it was captured with).
 void set_host_cache_hints(int32_t hints);
 int32_t host_cache_hints();
+// How a backend that has the choice (CUDA) launches a copy that reads or
+// writes pinned host memory without an SM budget: kHostRowPerCta (unless
+// set) one CTA per (token, segment) row where its rows allow, or kHostWalk
+// one CTA per SM walking every row (see copy_rows_cuda.cuh). Process-wide,
+// read by every run of a launch (a captured launch keeps its shape).
+enum HostLaunchShape : int32_t { kHostRowPerCta = 0, kHostWalk = 1 };
+void set_host_launch_shape(int32_t shape);
+int32_t host_launch_shape();
 int64_t binding_cache_size();
 
 // The launch device of a program's tensors: the first non-CPU tensor among

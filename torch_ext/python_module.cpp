@@ -755,6 +755,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_host_cache_hints", &set_host_cache_hints, py::arg("hints"),
         "The CacheHints of launches that touch pinned host memory (0: streaming, 1: default).");
   m.def("host_cache_hints", &host_cache_hints);
+  m.def("set_host_launch_shape", &set_host_launch_shape, py::arg("shape"),
+        "The shape of launches that touch pinned host memory without an SM budget (0: one row per "
+        "CTA where the rows allow, 1: the walk, one CTA per SM).");
+  m.def("host_launch_shape", &host_launch_shape);
   m.def("set_staged_chunks", &set_staged_chunks, py::arg("chunks"),
         "The chunks a staged call aims at without an SM budget (twice as many under one; 1: chunks of "
         "a ring slot's capacity).");

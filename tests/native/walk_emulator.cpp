@@ -150,17 +150,35 @@ bool make_launch(Launch& launch, const int64_t* src_geometry, const int64_t* dst
   return true;
 }
 
-// Every (token, segment) row by copy_one_row, `lanes` lanes each, in the
-// order of a CUDA grid of (tokens, segments) CTAs; the kernel has waited.
-template <int VEC>
+// The word of the next emulated row-per-CTA launches (kvl_set_row_word): 0,
+// the launch's vector; else 1, 2, 4, 8 or 16 bytes, at most the vector.
+int32_t g_row_word = 0;
+
+// Every (token, segment) row by copy_one_row in WORD-byte words, `lanes`
+// lanes each, in the order of a CUDA grid of (tokens, segments) CTAs; the
+// kernel has waited.
+template <int VEC, int WORD>
 void rows_all(const Launch& launch, int64_t lanes) {
   g_counts = WaitCounts{};
   g_counts.waited = true;
   for (int64_t seg = 0; seg < launch.a.num_segments; ++seg)
     for (int64_t t = 0; t < launch.a.tokens; ++t)
       for (int64_t lane = 0; lane < lanes; ++lane)
-        kvlayout::copy_one_row<VEC, HostMem<VEC>>(launch.a, launch.src[seg], launch.dst[seg], t,
-                                                  seg, lane, lanes, HostRecorder{launch.a.status});
+        kvlayout::copy_one_row<VEC, HostMem<WORD>>(launch.a, launch.src[seg], launch.dst[seg], t,
+                                                   seg, lane, lanes, HostRecorder{launch.a.status});
+}
+
+// rows_all in the words of g_row_word; -1 for a word wider than the vector.
+template <int VEC>
+int rows_in_words(const Launch& launch, int64_t lanes) {
+  int rc = 0;
+  const int word = g_row_word == 0 ? VEC : g_row_word;
+  if (with_vec(word, [&](auto w) {
+        if constexpr (w.value <= VEC) rows_all<VEC, w.value>(launch, lanes);
+        else rc = -1;
+      }) != 0)
+    return -1;
+  return rc;
 }
 
 }  // namespace
@@ -170,7 +188,8 @@ extern "C" {
 // geometry: [num_slots, page_size, stride_page, stride_in_page, stride_piece]
 // per side; slots: nullptr for identity (the SlotArray flag); segment offsets index the buffers.
 // unroll: one of kWalkUnrolls, num_threads threads walking; or 0, one row per CTA
-// (copy_one_row) with num_threads lanes each. Returns 0, or -1 for an unsupported vec/unroll.
+// (copy_one_row, in the words kvl_set_row_word set) with num_threads lanes each. Returns 0, or -1
+// for an unsupported vec/unroll/word.
 int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                      const void* src_slots, int64_t src_slot_stride, const void* dst_slots,
                      int64_t dst_slot_stride, int32_t slot_bytes, int64_t skip_prefix,
@@ -184,8 +203,14 @@ int kvl_emulate_walk(const int64_t* src_geometry, const int64_t* dst_geometry,
                    dst_offsets, src_buffer, dst_buffer, num_pieces, piece_bytes, vec, status))
     return -1;
   if (unroll != 0) return walk_unroll(unroll, vec, launch.a, launch.src, launch.dst, num_threads);
-  return with_vec(vec, [&](auto width) { rows_all<width.value>(launch, num_threads); });
+  int rc = 0;
+  if (with_vec(vec, [&](auto width) { rc = rows_in_words<width.value>(launch, num_threads); }) != 0)
+    return -1;
+  return rc;
 }
+
+// The words of the row-per-CTA launches emulated from now on: 0 (the launch's vector) or 1..16 bytes.
+void kvl_set_row_word(int32_t word) { g_row_word = word; }
 
 // kWalkUnrolls: every loads-in-flight count a launch walks with, the ones kvl_emulate_walk takes.
 void kvl_walk_unrolls(int32_t* out) {

@@ -14,8 +14,9 @@
 // device variant (both sides in device memory; kDeviceUnroll loads in flight
 // per thread) and the host variant (either side pinned host memory;
 // kHostUnroll loads in flight per thread for PCIe latency). The device
-// variant's wide rows move one per CTA instead (copy_one_row, the same
-// address math; see kRowPerCtaMinBytes).
+// variant's wide rows and the host variant's rows of launches up to 64 MiB
+// move one per CTA instead (copy_one_row, the same address math; see
+// kRowPerCtaMinBytes).
 //
 // CTA budget (max_ctas): 0 selects the default, one full wave of resident
 // 256-thread CTAs (occupancy of the compiled kernel) for the device variant
@@ -177,23 +178,63 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
   }
 }
 
-// The device variant's rows of kRowPerCtaMinBytes and more move one per CTA
-// (copy_one_row): blockIdx.x the token, blockIdx.y the segment, the row's
-// vectors strided over the CTA's threads. On an H100 (scripts/
-// walk_grid_probe.cu, the gathers of the bench's shapes) this shape took
-// 0.86-0.96x the walk's time on rows of 1,152 and 2,048 bytes at T = 256,
-// 1,024 and 4,096, and 1.7-2.9x on 256-byte rows (16 of its threads busy).
+// Rows moved one per CTA (copy_one_row): blockIdx.x the token, blockIdx.y
+// the segment, the row's words strided over at most kRowPerCtaThreads
+// threads.
+// * The device variant's rows of kRowPerCtaMinBytes and more, in its vectors.
+//   On an H100 (scripts/walk_grid_probe.cu, the gathers of the bench's
+//   shapes) this shape took 0.86-0.96x the walk's time on rows of 1,152 and
+//   2,048 bytes at T = 256, 1,024 and 4,096, and 1.7-2.9x on 256-byte rows
+//   (16 of its threads busy).
+// * The host variant's rows of kHostRowPerCtaMinBytes and more, in 8-byte
+//   words, in launches of up to kHostRowPerCtaMaxBytes without an SM budget
+//   or early loads, unless host_launch_shape() says kHostWalk. On an H100
+//   (walk_grid_probe.cu host: L32 H1, H8 and MLA at T = 256 and 4,096, each
+//   way) this shape moved 0.2-2.9 points more of the pinned copy's rate than
+//   the walk of one CTA per SM on every row, the most on the smallest (L32
+//   H1 at T = 256 to the host: 99.2 % against 96.3 %); on an H200 LMCache's
+//   kernel of this shape stored the rows of those shapes at T = 256 in
+//   0.91-0.98x the walk's time, its warps waiting on loads where the walk's
+//   waited for their last stores to drain. Above the bound the walk keeps
+//   its one CTA per SM: the two moved long transfers at about the same rate
+//   (within 0.7 points at T = 4,096), and one CTA per row would hold every
+//   SM's CTA slots for a long transfer's whole length beside the forward
+//   pass (max_ctas bounds that explicitly).
 constexpr int64_t kRowPerCtaMinBytes = 1024;
+constexpr int64_t kHostRowPerCtaMinBytes = 256;
+constexpr int64_t kHostRowPerCtaMaxBytes = int64_t(64) << 20;
+constexpr int kHostRowWordBytes = 8;
 constexpr int kRowPerCtaThreads = 128;
 
-template <int VEC, class P>
+template <int VEC, int WORD, class P, int HINTS>
 __global__ void __launch_bounds__(kRowPerCtaThreads) copy_row_per_cta_kernel(
     const __grid_constant__ P p) {
+  using Mem = std::conditional_t<HINTS == kDefaultHints, DefaultMem<WORD>, StreamingMem<WORD>>;
   wait_for_previous_kernel();  // before touching memory
   if (p.a.next_start != kNextAfterEnd) let_next_kernel_start();
-  copy_one_row<VEC, StreamingMem<VEC>>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y],
-                                       blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x,
-                                       cuda::StatusRecorder{p.a.status});
+  copy_one_row<VEC, Mem>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], blockIdx.x,
+                         blockIdx.y, threadIdx.x, blockDim.x, cuda::StatusRecorder{p.a.status});
+}
+
+// Whether a launch of the host (HOST) or device variant moves its rows one
+// per CTA (see kRowPerCtaMinBytes), and in words of how many bytes.
+template <int VEC, bool HOST>
+constexpr int row_per_cta_word() {
+  if constexpr (VEC < 8) return 0;  // (8- and 16-byte words only: the widths measured so)
+  else return HOST ? kHostRowWordBytes : VEC;
+}
+template <int VEC, bool HOST, class P>
+bool moves_row_per_cta(const P& p, int64_t max_ctas, bool early_loads) {
+  if constexpr (row_per_cta_word<VEC, HOST>() == 0) {
+    return false;
+  } else {
+    const int64_t row_bytes = p.a.vecs_per_row * VEC;
+    if (max_ctas != 0 || p.a.tokens <= 0 || p.a.tokens >= (int64_t(1) << 31)) return false;
+    if (!HOST) return row_bytes >= kRowPerCtaMinBytes;
+    return !early_loads && host_launch_shape() == kHostRowPerCta &&
+           row_bytes >= kHostRowPerCtaMinBytes &&
+           p.a.tokens * p.a.num_segments <= kHostRowPerCtaMaxBytes / row_bytes;
+  }
 }
 
 // The kernel of a launch of the host (HOST) or device variant, with these
@@ -233,9 +274,12 @@ int64_t resident_ctas_per_sm() {
 // SMs, so that the launches of a layer pipeline that run at once find SMs for
 // their early loads (eight CTAs already carry a PCIe link's bandwidth, while a
 // launch that holds every SM keeps the next one from starting until its CTAs
-// exit). Never more threads than items. A device-memory launch without a
-// budget whose rows hold kRowPerCtaMinBytes or more in 8- or 16-byte words
-// runs one CTA per row instead (copy_row_per_cta_kernel).
+// exit). Never more threads than items. A launch without a budget whose
+// rows moves_row_per_cta says (device memory: rows of kRowPerCtaMinBytes
+// and more; host memory: of kHostRowPerCtaMinBytes and more, up to
+// kHostRowPerCtaMaxBytes a launch, no early loads; either in 8- or 16-byte
+// words) runs one CTA per row instead
+// (copy_row_per_cta_kernel).
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
@@ -259,16 +303,20 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
     config.numAttrs = 1;
     C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   };
-  if constexpr (!kHost && VEC >= 8) {
-    // (8- and 16-byte words only: the widths measured so)
+  constexpr int kWord = row_per_cta_word<VEC, kHost>();
+  if constexpr (kWord > 0) {
     static_assert(kMaxSegmentsPerLaunch <= 65535, "a launch's segments are its grid's y extent");
-    const int64_t row_bytes = p.a.vecs_per_row * VEC;
-    if (max_ctas == 0 && row_bytes >= kRowPerCtaMinBytes && p.a.tokens > 0 &&
-        p.a.tokens < (int64_t(1) << 31)) {
-      const int64_t warps = (p.a.vecs_per_row + kWalkLanes - 1) / kWalkLanes;
+    if (moves_row_per_cta<VEC, kHost>(p, max_ctas, early_loads)) {
+      const int64_t words = p.a.vecs_per_row * (VEC / kWord);
+      const int64_t warps = (words + kWalkLanes - 1) / kWalkLanes;
       const int threads = static_cast<int>(std::min<int64_t>(warps * kWalkLanes, kRowPerCtaThreads));
-      issue(&copy_row_per_cta_kernel<VEC, P>,
-            dim3(static_cast<unsigned>(p.a.tokens), static_cast<unsigned>(p.a.num_segments)),
+      // (a device-memory launch always streams; a host one takes its hints)
+      auto* kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints>;
+      if constexpr (kHost) {
+        if (p.a.cache_hints == kDefaultHints)
+          kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kDefaultHints>;
+      }
+      issue(kernel, dim3(static_cast<unsigned>(p.a.tokens), static_cast<unsigned>(p.a.num_segments)),
             threads);
       return;
     }

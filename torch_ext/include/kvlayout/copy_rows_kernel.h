@@ -418,18 +418,25 @@ KVL_D inline void copy_rows_walk(const CopyRowsArgs& a, const char* const* src_b
 
 // One row of a launch moved by `lanes` cooperating threads, of which this is
 // lane `lane`: segment `seg`'s row of token t (0 <= t < a.tokens;
-// skip_prefix not included), vectors lane, lane + lanes, ... The peers' shape
+// skip_prefix not included), words lane, lane + lanes, ... The peers' shape
 // (one row per CTA), which moves rows of 1 KiB and more faster than the walk
-// on the device (scripts/walk_grid_probe.cu); a backend that uses it runs
-// every (token, segment) row once. src_base/dst_base: the segment's bases.
-// The token's out-of-range slot is recorded by lane 0 of segment 0, as
-// record(token, value, bound, which). The caller has waited for whatever
-// its writes must follow.
+// on the device, and small host transfers' rows in 8-byte words
+// (scripts/walk_grid_probe.cu); a backend that uses it runs every (token,
+// segment) row once. src_base/dst_base: the segment's bases. A word is
+// Mem::vec_type, of VEC bytes or a fraction of them: the launch's VEC-byte
+// vectors (whose offsets vector_offsets gives) are VEC / sizeof(word) words
+// each, at consecutive addresses. The token's out-of-range slot is recorded
+// by lane 0 of segment 0, as record(token, value, bound, which). The caller
+// has waited for whatever its writes must follow.
 template <int VEC, class Mem, class Record>
 KVL_D inline void copy_one_row(const CopyRowsArgs& a, const char* src_base, char* dst_base,
                                int64_t t, int64_t seg, int64_t lane, int64_t lanes,
                                const Record& record) {
-  using V = typename Mem::vec_type;
+  using W = typename Mem::vec_type;
+  constexpr int64_t kWordsPerVec = VEC / int64_t(sizeof(W));
+  static_assert(kWordsPerVec >= 1 && kWordsPerVec * int64_t(sizeof(W)) == VEC &&
+                    (kWordsPerVec & (kWordsPerVec - 1)) == 0,
+                "a row's words must divide its vectors");
   const int64_t token = a.skip_prefix + t;
   const auto on_bad = [&](int64_t value, int64_t bound, int64_t which) {
     record(token, value, bound, which);
@@ -439,11 +446,15 @@ KVL_D inline void copy_one_row(const CopyRowsArgs& a, const char* src_base, char
                          seg == 0 && lane == 0, on_bad, src_row, dst_row))
     return;
   const bool one_piece = a.by_piece.divisor == a.vecs_per_row;
-  for (int64_t v = lane; v < a.vecs_per_row; v += lanes) {
+  const int64_t words = a.vecs_per_row * kWordsPerVec;
+  for (int64_t w = lane; w < words; w += lanes) {
+    // (kWordsPerVec is a power of two: a shift and a mask)
+    const int64_t v = w / kWordsPerVec;
+    const int64_t in_vec = (w % kWordsPerVec) * int64_t(sizeof(W));
     int64_t so, dof;
     vector_offsets<VEC>(a, one_piece, static_cast<int32_t>(v), so, dof);
-    Mem::store(reinterpret_cast<V*>(dst_base + dst_row + dof),
-               Mem::load(reinterpret_cast<const V*>(src_base + src_row + so)));
+    Mem::store(reinterpret_cast<W*>(dst_base + dst_row + dof + in_vec),
+               Mem::load(reinterpret_cast<const W*>(src_base + src_row + so + in_vec)));
   }
 }
 
