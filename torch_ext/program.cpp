@@ -649,12 +649,12 @@ c10::Device program_device(at::TensorList src, at::TensorList dst,
   return c10::Device(c10::kCPU);
 }
 
-void check_writable(const at::Tensor& t, const std::string& op, const std::string& name,
-                    int64_t index) {
+void refuse_write(const at::Tensor& t, const char* op, const char* name, int64_t index) {
   const bool grad_leaf = c10::GradMode::is_enabled() && t.requires_grad() && t.is_leaf();
   const bool inference = t.is_inference() && !c10::InferenceMode::is_enabled();
-  if (!grad_leaf && !inference) return;  // (the name is only spelled out for an error)
-  const std::string what = index < 0 ? name : name + "[" + std::to_string(index) + "]";
+  if (!grad_leaf && !inference) return;  // (a non-leaf, or an inference tensor in inference mode)
+  const std::string what =
+      index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
   TORCH_CHECK(!grad_leaf, op, ": ", what,
               " is a leaf tensor that requires grad; a leaf Variable that requires grad is "
               "being used in an in-place operation (write under torch.no_grad() or into a "

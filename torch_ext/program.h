@@ -23,6 +23,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -339,9 +340,16 @@ c10::Device program_device(at::TensorList src, at::TensorList dst,
 // What autograd requires of a tensor written in place (torch's own rules for
 // in-place ops: no leaf that requires grad under grad mode, no inference
 // tensor outside inference mode); `name`, or `name[index]` for index >= 0,
-// names it in the error.
-void check_writable(const at::Tensor& t, const std::string& op, const std::string& name,
-                    int64_t index = -1);
+// names it in the error. Inline, its error out of line: a call checks every
+// tensor it writes (64 for an all-layer scatter into a vLLM cache), and
+// almost every check passes.
+void refuse_write(const at::Tensor& t, const char* op, const char* name,
+                               int64_t index);
+inline void check_writable(const at::Tensor& t, const char* op, const char* name,
+                           int64_t index = -1) {
+  if (t.is_inference() || (t.requires_grad() && c10::GradMode::is_enabled()))
+    refuse_write(t, op, name, index);  // (raises where the rules above say so)
+}
 
 // How many launches this process made in early-loads form (a dependent
 // launch that may load before the previous kernel of its stream ends; see

@@ -94,7 +94,7 @@ void inplace_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   std::vector<at::Tensor> written;
   for_each_written(op, stack, [&](const at::Tensor& t, const std::string& name, int64_t j) {
     if (!t.defined()) return;
-    check_writable(t, op_name, name, j);
+    check_writable(t, op_name.c_str(), name.c_str(), j);
     written.push_back(t);
   });
   {
