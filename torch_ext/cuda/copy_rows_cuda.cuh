@@ -20,9 +20,9 @@
 //
 // CTA budget (max_ctas): 0 selects the default, one full wave of resident
 // 256-thread CTAs (occupancy of the compiled kernel) for the device variant
-// and 1 per SM for the host variant (a transfer beside the forward pass
-// should leave SMs to it; an early-loads launch a quarter of that, see
-// CudaRows::launch); n > 0 means n SMs: at most n CTAs of 1024 threads, the
+// and 1 per SM for the host variant (a long transfer beside the forward
+// pass should leave SMs to it; an early-loads launch a quarter of that, see
+// CudaRows::launch), unless its rows move one per CTA (below); n > 0 means n SMs: at most n CTAs of 1024 threads, the
 // most one CTA may have, so that each SM of the budget is used fully.
 #pragma once
 
