@@ -352,6 +352,25 @@ def standing(rows: list[dict]) -> str:
     return "; ".join(parts)
 
 
+def launch_shapes(rows: list[dict]) -> str:
+    """kvlayout's kernel in its default host launch shape against the walk (``kvlayout kernel`` / ``kvlayout
+    walk``) and against LMCache's direct kernel, in both timings, per host case of a run that timed both
+    shapes whose payload the default moves one row per CTA (larger ones walk either way)."""
+    parts = []
+    for (shape, T, direction), calls in _by_case(rows).items():
+        if "kvlayout walk" not in calls or calls["kvlayout walk"]["bytes"] > _native.HOST_ROW_PER_CTA_MAX_BYTES:
+            continue
+        kernel = calls["kvlayout kernel"]
+
+        def ratio(other, k=kernel):
+            return " / ".join(f"{k[f'{t}_gbps'] / other[f'{t}_gbps']:.2f}x" for t in TIMINGS)
+        parts.append(f"{shape} T={T} {direction} {ratio(calls['kvlayout walk'])} the walk, "
+                     f"{ratio(calls['LMCache'])} LMCache")
+    return ("kvlayout's kernel moving host rows one per CTA (payloads up to "
+            f"{_native.HOST_ROW_PER_CTA_MAX_BYTES >> 20} MiB) against its walk and against LMCache's kernel, "
+            "kernel only / end to end: " + "; ".join(parts))
+
+
 def markdown(header: dict, rows: list[dict]) -> str:
     lim = header["limits"]
     out = [f"# kvlayout beside LMCache, same tensors, one process ({header['gpu']}, torch {header['torch']})", "",

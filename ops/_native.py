@@ -144,6 +144,7 @@ set_host_cache_hints(environment_choice("KVLAYOUT_HOST_CACHE_HINTS", HOST_CACHE_
 # whose rows hold 256 bytes or more in 8- or 16-byte words; larger ones walk) or "walk" (one CTA per SM, each
 # walking its share of every row). The side-by-side's "kvlayout walk" call measures the second beside the first.
 HOST_LAUNCH_SHAPES = ("row_per_cta", "walk")
+HOST_ROW_PER_CTA_MAX_BYTES = _C.HOST_ROW_PER_CTA_MAX_BYTES   # the largest launch moved one row per CTA
 
 
 def set_host_launch_shape(shape: str) -> None:

@@ -28,6 +28,8 @@ REPORTS = ROOT / "conformance" / "reports"
 
 # The run of kvlayout beside LMCache on the same tensors that the README cites (its side_by_side*.jsonl files).
 SIDE_BY_SIDE_RUN = "h200_29be2ee"
+# The run of the same script that timed the kernel's host launch shapes beside each other.
+LAUNCH_SHAPE_RUN = "h100_c8984fe"
 
 # The headline rows the README shows: (shape, T, direction), all from the H200 record's headline group.
 README_HEADLINE = [(shape, 4096, direction) for shape in ("L32_H8_D128", "L32_MLA_D576")
@@ -177,6 +179,15 @@ def test_readme_side_by_side_standing_is_the_run_beside_lmcache():
     assert fold(side_by_side_sentence()) in fold(_readme())
 
 
+def launch_shape_sentence() -> str:
+    """The README's host launch shapes against each other and LMCache's kernel, from that run's files."""
+    return side_by_side.launch_shapes(side_by_side.read(str(BENCH / LAUNCH_SHAPE_RUN / "side_by_side.jsonl"))[1])
+
+
+def test_readme_launch_shapes_are_the_run_that_timed_both():
+    assert fold(launch_shape_sentence()) in fold(_readme())
+
+
 def test_readme_peer_standing_is_the_h200_record():
     assert fold(peer_sentence()) in fold(_readme())
 
@@ -193,7 +204,8 @@ def test_readme_limits_notes_name_every_flagged_limit():
 def test_readme_has_no_figure_without_a_source():
     """With the rendered parts and the code blocks taken out, no number with a unit is left in the README."""
     text = fold(re.sub(r"```.*?```", " ", _readme(), flags=re.S))
-    parts = [headline_table(), host_cost_table(), main_job_sentence(), peer_sentence(), side_by_side_sentence()] + [
+    parts = [headline_table(), host_cost_table(), main_job_sentence(), peer_sentence(), side_by_side_sentence(),
+             launch_shape_sentence()] + [
         limits_note(s) for s in ("h200", "cpu")]
     for part in parts + method_figures():
         text = text.replace(fold(part), " ")
@@ -233,7 +245,8 @@ DOCUMENTS = ("README.md", "docs/performance.md", "docs/conformance.md")
 def rendered_parts() -> dict[str, str]:
     """Every part the documents hold, rendered from the records under BENCH and REPORTS, by name."""
     parts = {"headline": headline_table(), "host cost": host_cost_table(), "main job": main_job_sentence(),
-             "peers": peer_sentence(), "side by side": side_by_side_sentence(), "targets": targets_section(),
+             "peers": peer_sentence(), "side by side": side_by_side_sentence(),
+             "launch shapes": launch_shape_sentence(), "targets": targets_section(),
              **record_tables()}
     parts.update({f"limits {p.stem}": limits_note(p.stem) for p in sorted(BENCH.glob("*.jsonl"))})
     parts.update({f"conformance {n}": conformance_record(n) for n in ("cpu", "h200")})

@@ -68,6 +68,22 @@ def test_the_table_compares_with_the_best_lmcache_call_in_each_timing():
     assert line.endswith("| 0.96x | 0.96x |"), line
 
 
+def test_the_launch_shapes_compare_the_rows_moved_one_per_cta():
+    """launch_shapes: kvlayout's kernel against its walk and LMCache's kernel per timing, on the host rows whose
+    payload the default moves one row per CTA; a larger row (walked by both calls) and a row without a walk call
+    are left out."""
+    limit = _native.HOST_ROW_PER_CTA_MAX_BYTES
+
+    def case(T, nbytes, walk=True):
+        row = dict(shape="L32_H1_D128", T=T, direction="to_host", bytes=nbytes)
+        calls = [("kvlayout", 50.0, 48.0), ("kvlayout kernel", 50.0, 48.0), ("LMCache", 40.0, 60.0)]
+        calls += [("kvlayout walk", 25.0, 24.0)] if walk else []
+        return [dict(row, call=c, overlapped_gbps=o, idle_gbps=i) for c, o, i in calls]
+    text = side_by_side.launch_shapes(case(256, limit) + case(4096, limit + 1) + case(512, 1, walk=False))
+    assert "L32_H1_D128 T=256 to_host 2.00x / 2.00x the walk, 1.25x / 0.80x LMCache" in text
+    assert "T=4096" not in text and "T=512" not in text and f"up to {limit >> 20} MiB" in text
+
+
 def test_each_round_starts_from_another_call():
     """time_calls visits every call in every round, round r from the r-th call on, and keeps each call's
     medians: a stand-in timer records the order and returns a time per call."""

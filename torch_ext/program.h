@@ -327,6 +327,8 @@ int32_t host_cache_hints();
 // one CTA per SM walking every row (see copy_rows_cuda.cuh). Process-wide,
 // read by every run of a launch (a captured launch keeps its shape).
 enum HostLaunchShape : int32_t { kHostRowPerCta = 0, kHostWalk = 1 };
+// The largest launch (bytes moved) that kHostRowPerCta moves one row per CTA.
+constexpr int64_t kHostRowPerCtaMaxBytes = int64_t(64) << 20;
 void set_host_launch_shape(int32_t shape);
 int32_t host_launch_shape();
 int64_t binding_cache_size();

@@ -759,6 +759,7 @@ PYBIND11_MODULE(_C, m) {
         "The shape of launches that touch pinned host memory without an SM budget (0: one row per "
         "CTA where the rows allow, 1: the walk, one CTA per SM).");
   m.def("host_launch_shape", &host_launch_shape);
+  m.attr("HOST_ROW_PER_CTA_MAX_BYTES") = kHostRowPerCtaMaxBytes;
   m.def("set_staged_chunks", &set_staged_chunks, py::arg("chunks"),
         "The chunks a staged call aims at without an SM budget (twice as many under one; 1: chunks of "
         "a ring slot's capacity).");

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
 //   pass (max_ctas bounds that explicitly).
 constexpr int64_t kRowPerCtaMinBytes = 1024;
 constexpr int64_t kHostRowPerCtaMinBytes = 256;
-constexpr int64_t kHostRowPerCtaMaxBytes = int64_t(64) << 20;
+// (kHostRowPerCtaMaxBytes: program.h)
 constexpr int kHostRowWordBytes = 8;
 constexpr int kRowPerCtaThreads = 128;
 
