@@ -284,8 +284,9 @@ def _ncu_cells(r: dict) -> list[str]:
     return [r["case"], r["call"], str(r.get("kernels", "–"))] + profile.counter_cells(r)
 
 
-def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
-    """Every call of every case profiled in its own ncu process (:func:`profile_call`)."""
+def run_ncu(lmcache_path: str | None, cases, out: str, calls: list[str] | None = None) -> int:
+    """Every call (of ``calls``, where given) of every case profiled in its own ncu process
+    (:func:`profile_call`)."""
     ncu = profile.find_ncu()
     if ncu is None:
         print("side_by_side --ncu: Nsight Compute (ncu) not found", file=sys.stderr)
@@ -293,7 +294,7 @@ def run_ncu(lmcache_path: str | None, cases, out: str) -> int:
     metrics = profile.available_metrics(ncu, list(profile.METRICS.values()) + list(profile.STALLS.values()))
     results = []
     for case in cases:
-        for call in call_names(case):
+        for call in [c for c in call_names(case) if calls is None or c in calls]:
             args = ["-m", "kvlayout.bench.side_by_side", "--profile-case", _case_label(case), "--profile-call", call]
             if lmcache_path:
                 args += ["--lmcache", lmcache_path]
@@ -402,6 +403,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=".")
     parser.add_argument("--ncu", action="store_true", help="profile every call with Nsight Compute instead")
+    parser.add_argument("--calls", help="with --ncu: only these calls (comma-separated names, e.g. "
+                                        "'kvlayout kernel,LMCache')")
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)    # (one ncu process's case and call)
     parser.add_argument("--profile-call", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -415,7 +418,11 @@ def main(argv=None) -> int:
                                 args.directions.split(",")))
     os.makedirs(args.out, exist_ok=True)
     if args.ncu:
-        return run_ncu(args.lmcache, cases, args.out)
+        calls = args.calls.split(",") if args.calls else None
+        unknown = sorted(set(calls or ()) - {c for case in cases for c in call_names(case)})
+        if unknown:
+            parser.error(f"--calls: no call named {', '.join(unknown)}")
+        return run_ncu(args.lmcache, cases, args.out, calls)
     # (the binding's own signature, on record beside the figures)
     print(f"LMCache: {getattr(lmc, '__file__', lmc)}\n{lmc.multi_layer_kv_transfer.__doc__}", flush=True)
     header, rows = None, []

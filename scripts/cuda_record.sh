@@ -35,13 +35,15 @@
 #   binding-cost scripts/binding_cost.py: calls with tensors bound at every call (ops, LMCache and
 #                SGLang entry points) beside one torch op     -> binding_cost.txt
 #   lmcache-ops  scripts/build_lmcache_ops.py: LMCache's CUDA extension built from its sdist (LMCACHE_SDIST)
-#                against this torch, into /tmp/lmcache-ops   -> lmcache_ops.txt
+#                against this torch, into /tmp/lmcache-ops, in the background beside the steps after it (so
+#                "lmcache-ops build ..." builds both libraries at once); side-by-side waits for it -> lmcache_ops.txt
 #   side-by-side kvlayout.bench.side_by_side: kvlayout beside LMCache's multi_layer_kv_transfer on the same
 #                tensors, both timings (LMCACHE: LMCache's cuda_ops extension, a folder holding it or its wheel;
 #                default /tmp/lmcache-ops; SIDE_TOKENS the token counts, default 256,4096,32768)
 #                                                                   -> side_by_side.txt, side-by-side.tgz (side_by_side.{jsonl,md})
-#   side-by-side-ncu  the same cases' calls under Nsight Compute (SIDE_NCU_TOKENS default 256,
-#                SIDE_NCU_DIRECTIONS default to_host)      -> side_by_side_ncu.txt, side-by-side.tgz (side_by_side_ncu.{json,md})
+#   side-by-side-ncu  the same cases' calls under Nsight Compute, about 12 s a call (SIDE_NCU_TOKENS default 256,
+#                SIDE_NCU_DIRECTIONS default to_host, SIDE_NCU_SHAPES default all three, SIDE_NCU_CALLS default
+#                every call, e.g. "kvlayout kernel,LMCache")      -> side_by_side_ncu.txt, side-by-side.tgz (side_by_side_ncu.{json,md})
 #   ab-old       starts building the older tree AB_OLD for `ab` in the background
 #                (scripts/ab_record.sh AB_OLD AB_DIR 0), beside the steps after it -> ab_old_build.txt
 #   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
@@ -144,15 +146,20 @@ for step in "${steps[@]}"; do
         staged-timeline) IFS=, read -r -a timeline_keys <<< "${TIMELINE_KEYS:-$default_timeline_keys}"
                          run_step staged-timeline staged_timeline.txt $py scripts/host_profile.py --timeline \
                              --calls 10 "${timeline_keys[@]}" ;;
-        lmcache-ops) run_step lmcache-ops lmcache_ops.txt $py scripts/build_lmcache_ops.py \
-                         "${LMCACHE_SDIST:?cuda_record.sh: lmcache-ops needs LMCACHE_SDIST, an LMCache .tar.gz}" /tmp/lmcache-ops ;;
-        side-by-side) run_step side-by-side side_by_side.txt $py -m kvlayout.bench.side_by_side \
+        lmcache-ops) : "${LMCACHE_SDIST:?cuda_record.sh: lmcache-ops needs LMCACHE_SDIST, an LMCache .tar.gz}"
+                     (status=0; run_step lmcache-ops lmcache_ops.txt $py scripts/build_lmcache_ops.py \
+                          "$LMCACHE_SDIST" /tmp/lmcache-ops; exit $status) &
+                     lmcache_pid=$! ;;
+        side-by-side) if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; lmcache_pid=; fi
+                      run_step side-by-side side_by_side.txt $py -m kvlayout.bench.side_by_side \
                           --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
                           --tokens "${SIDE_TOKENS:-256,4096,32768}" --out "$out/side-by-side"
                       pack side-by-side side-by-side ;;
-        side-by-side-ncu) run_step side-by-side-ncu side_by_side_ncu.txt $py -m kvlayout.bench.side_by_side --ncu \
+        side-by-side-ncu) if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; lmcache_pid=; fi
+                          run_step side-by-side-ncu side_by_side_ncu.txt $py -m kvlayout.bench.side_by_side --ncu \
                               --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
                               --tokens "${SIDE_NCU_TOKENS:-256}" --directions "${SIDE_NCU_DIRECTIONS:-to_host}" \
+                              ${SIDE_NCU_SHAPES:+--shapes "$SIDE_NCU_SHAPES"} ${SIDE_NCU_CALLS:+--calls "$SIDE_NCU_CALLS"} \
                               --out "$out/side-by-side"
                           pack side-by-side side-by-side ;;
         host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
@@ -204,7 +211,8 @@ for step in "${steps[@]}"; do
         *) echo "cuda_record.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done
-# an older tree still building in the background finishes before the record ends
+# a build still running in the background finishes before the record ends
+if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; fi
 if [ -n "${ab_old_pid:-}" ]; then
     wait "$ab_old_pid"
     echo "ab-old: exit $? (the older tree's build)" | tee -a "$out/steps.txt"

@@ -155,3 +155,27 @@ def test_staged_settings_can_be_replaced_by_a_list_of_settings(tmp_path: Path, s
     assert rows == ["staged graphs= chunks=8", "staged graphs=2 chunks=4"]
     assert {m.split(os.sep)[0] for m in members(out / "staged-settings.tgz")} == {
         "KVLAYOUT_STAGED_CHUNKS=8_1", "KVLAYOUT_STAGED_GRAPHS=2_KVLAYOUT_STAGED_CHUNKS=4_1"}
+
+
+def test_lmcache_builds_beside_the_next_steps_and_the_side_by_side_waits_for_it(tmp_path: Path, stand_in: Path):
+    """lmcache-ops runs in the background (so that "lmcache-ops build" builds both libraries at once); the
+    side-by-side steps start once it ended; SIDE_NCU_SHAPES and SIDE_NCU_CALLS narrow the ncu step."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(stand_in), LMCACHE_SDIST="lmcache.tar.gz", SIDE_TOKENS="256",
+               SIDE_NCU_SHAPES="L32_H1_D128", SIDE_NCU_CALLS="kvlayout kernel,LMCache")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(out), "lmcache-ops", "bench",
+                           "side-by-side", "side-by-side-ncu"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    steps = [line.split(":")[0] for line in (out / "steps.txt").read_text().splitlines()]
+    assert sorted(steps[:2]) == ["bench", "lmcache-ops"] and steps[2:] == ["side-by-side", "side-by-side-ncu"]
+    assert "ran scripts/build_lmcache_ops.py lmcache.tar.gz /tmp/lmcache-ops" in (out / "lmcache_ops.txt").read_text()
+    ncu = (out / "side_by_side_ncu.txt").read_text()
+    assert "--shapes L32_H1_D128 --calls kvlayout kernel,LMCache" in ncu
+    assert "--shapes" not in (out / "side_by_side.txt").read_text()
+    failing = tmp_path / "failing"
+    failing.write_text(STAND_IN.replace('echo "ran $*"', 'echo "ran $*"; case "$*" in *build_lmcache*) exit 3;; esac'))
+    failing.chmod(0o755)
+    env["PYTHON"] = str(failing)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(tmp_path / "out2"), "lmcache-ops"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "lmcache-ops: exit 3" in (tmp_path / "out2" / "steps.txt").read_text()
