@@ -5,7 +5,7 @@
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I torch_ext/include \
 //        scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
-//   /tmp/walk_grid_probe [device|budget|host|all] [reps]
+//   /tmp/walk_grid_probe [device|budget|host|launch|all] [reps]
 //
 // device: gathers on the device at small T (paged cache -> chunk) under other
 //   grids, CTA sizes and loads in flight, beside a one-row-per-CTA kernel of
@@ -26,12 +26,17 @@
 //   buffer, then one pinned copy_; from the host the copy first); GB/s against
 //   the pinned copy_ of the same bytes timed alike.
 //
+// launch: the host's cost of launching parameter blocks of 8, 32, 64 and 128
+//   segments (the library's tables hold 8 or 128), an empty kernel, back to
+//   back and with the device idle before it.
+//
 // Per case and variant: the median kernel time over `reps` launches (CUDA
 // events around one launch, L2 flushed by a read before each), the grid, and
 // the registers of the compiled kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -646,10 +651,68 @@ void run_host(Probe& probe) {
   }
 }
 
+// A kernel that takes a launch's parameter block of N segments and does
+// nothing with it (but read one field, so that the block is passed).
+template <int N>
+__global__ void params_kernel(const __grid_constant__ CopyRowsParams<N> p, int* sink) {
+  if (p.a.tokens < 0) *sink = p.src_base[N - 1] != nullptr;
+}
+
+// The host's cost of launching a parameter block of N segments (the
+// library's tables hold 8 or 128): per launch back to back (2,000 launches
+// after a synchronisation, the host's clock), and one launch with the
+// device idle before it (the host's clock around the launch call, and the
+// events' time from before the launch to the kernel's end: what an idle
+// call's end-to-end time pays for launching).
+template <int N>
+void launch_row(Probe& probe) {
+  CopyRowsParams<N> p{};
+  p.a.tokens = 1;
+  const auto launch = [&] { params_kernel<N><<<1, 32>>>(p, probe.sink); };
+  for (int i = 0; i < 100; ++i) launch();
+  CHECK(cudaDeviceSynchronize());
+  constexpr int kBackToBack = 2000;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < kBackToBack; ++i) launch();
+  const auto t1 = std::chrono::steady_clock::now();
+  CHECK(cudaDeviceSynchronize());
+  const double back_to_back = std::chrono::duration<double, std::micro>(t1 - t0).count() / kBackToBack;
+  std::vector<double> host_us, device_us;
+  for (int r = 0; r < probe.reps + 3; ++r) {
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaEventRecord(probe.e0));
+    const auto a = std::chrono::steady_clock::now();
+    launch();
+    const auto b = std::chrono::steady_clock::now();
+    CHECK(cudaEventRecord(probe.e1));
+    CHECK(cudaEventSynchronize(probe.e1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, probe.e0, probe.e1));
+    if (r < 3) continue;
+    host_us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+    device_us.push_back(ms * 1e3);
+  }
+  CHECK(cudaGetLastError());
+  std::sort(host_us.begin(), host_us.end());
+  std::sort(device_us.begin(), device_us.end());
+  std::printf("%4d segments %6zu B   %8.2f   %8.2f   %8.2f\n", N, sizeof(p), back_to_back,
+              host_us[host_us.size() / 2], device_us[device_us.size() / 2]);
+}
+
+void run_launch(Probe& probe) {
+  std::printf("\n== launch: parameter blocks of N segments, an empty kernel, medians\n");
+  std::printf("table         block     host us/launch   host us idle   idle launch to end us\n");
+  launch_row<8>(probe);
+  launch_row<32>(probe);
+  launch_row<64>(probe);
+  launch_row<128>(probe);
+  launch_row<8>(probe);  // (again: the first row also warmed the process up)
+}
+
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "all";
-  if (what != "device" && what != "budget" && what != "host" && what != "all") {
-    std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|all] [reps]\n");
+  if (what != "device" && what != "budget" && what != "host" && what != "launch" && what != "all") {
+    std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|launch|all] [reps]\n");
     return 2;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row out as it is timed (a run cut short keeps them)
@@ -659,5 +722,6 @@ int main(int argc, char** argv) {
   if (what == "device" || what == "all") run_device(probe);
   if (what == "budget" || what == "all") run_budget(probe);
   if (what == "host" || what == "all") run_host(probe);
+  if (what == "launch" || what == "all") run_launch(probe);
   return 0;
 }
