@@ -345,8 +345,7 @@ c10::Device program_device(at::TensorList src, at::TensorList dst,
 // names it in the error. Inline, its error out of line: a call checks every
 // tensor it writes (64 for an all-layer scatter into a vLLM cache), and
 // almost every check passes.
-void refuse_write(const at::Tensor& t, const char* op, const char* name,
-                               int64_t index);
+void refuse_write(const at::Tensor& t, const char* op, const char* name, int64_t index);
 inline void check_writable(const at::Tensor& t, const char* op, const char* name,
                            int64_t index = -1) {
   if (t.is_inference() || (t.requires_grad() && c10::GradMode::is_enabled()))

@@ -22,8 +22,9 @@
 // 256-thread CTAs (occupancy of the compiled kernel) for the device variant
 // and 1 per SM for the host variant (a long transfer beside the forward
 // pass should leave SMs to it; an early-loads launch a quarter of that, see
-// CudaRows::launch), unless its rows move one per CTA (below); n > 0 means n SMs: at most n CTAs of 1024 threads, the
-// most one CTA may have, so that each SM of the budget is used fully.
+// CudaRows::launch), unless its rows move one per CTA (below); n > 0 means
+// n SMs: at most n CTAs of 1024 threads, the most one CTA may have, so that
+// each SM of the budget is used fully.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -188,18 +189,21 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
 //   (16 of its threads busy).
 // * The host variant's rows of kHostRowPerCtaMinBytes and more, in 8-byte
 //   words, in launches of up to kHostRowPerCtaMaxBytes without an SM budget
-//   or early loads, unless host_launch_shape() says kHostWalk. On an H100
+//   or early loads, unless host_launch_shape() says kHostWalk. On H100s
 //   (walk_grid_probe.cu host: L32 H1, H8 and MLA at T = 256 and 4,096, each
-//   way) this shape moved 0.2-2.9 points more of the pinned copy's rate than
-//   the walk of one CTA per SM on every row, the most on the smallest (L32
-//   H1 at T = 256 to the host: 99.2 % against 96.3 %); on an H200 LMCache's
-//   kernel of this shape stored the rows of those shapes at T = 256 in
-//   0.91-0.98x the walk's time, its warps waiting on loads where the walk's
-//   waited for their last stores to drain. Above the bound the walk keeps
-//   its one CTA per SM: the two moved long transfers at about the same rate
-//   (within 0.7 points at T = 4,096), and one CTA per row would hold every
-//   SM's CTA slots for a long transfer's whole length beside the forward
-//   pass (max_ctas bounds that explicitly).
+//   way) this shape moved as much of the pinned copy's rate as the walk of
+//   one CTA per SM or more on every row, the most on small stores (L32 H1 at
+//   T = 256 to the host: 99.2-100 % against 96.3-97.2 %); beside it in one
+//   process (bench/side_by_side.py, H100 of c8984fe) the library's stores at
+//   T = 256 ran 1.02-1.08x the walk's rate, level with LMCache's kernel of
+//   this shape, whose warps wait on loads where the walk's waited for their
+//   last stores to drain (H200 counters of 29be2ee). Above the bound the
+//   walk keeps its one CTA per SM: one CTA per row would hold every SM's CTA
+//   slots for a long transfer's whole length beside the forward pass
+//   (max_ctas bounds that explicitly), and the two moved long stores at the
+//   same rate within 0.7 points at T = 4,096 (long loads too, where the SMs
+//   read pinned memory at the copy engine's rate; where they read it slowly,
+//   auto stages them).
 constexpr int64_t kRowPerCtaMinBytes = 1024;
 constexpr int64_t kHostRowPerCtaMinBytes = 256;
 // (kHostRowPerCtaMaxBytes: program.h)
@@ -278,8 +282,7 @@ int64_t resident_ctas_per_sm() {
 // rows moves_row_per_cta says (device memory: rows of kRowPerCtaMinBytes
 // and more; host memory: of kHostRowPerCtaMinBytes and more, up to
 // kHostRowPerCtaMaxBytes a launch, no early loads; either in 8- or 16-byte
-// words) runs one CTA per row instead
-// (copy_row_per_cta_kernel).
+// words) runs one CTA per row instead (copy_row_per_cta_kernel).
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
