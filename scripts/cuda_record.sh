@@ -59,7 +59,7 @@
 #                SM budget with other lanes, cache hints and a shared-memory pipeline; host transfers at T = 256
 #                and 4096 without a budget under other grids, one row per CTA and the peers' staging; the host's
 #                cost of launching parameter blocks of 8-128 segments; WALK_PROBE picks the sections (device,
-#                budget, host, launch; default all)   -> walk_probe.txt
+#                budget, host, launch, comma-separated; default all)   -> walk_probe.txt
 #   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
 #                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
 #                rounds (default 2); STAGED_SETTINGS replaces the settings (';' between settings, e.g.

@@ -5,7 +5,7 @@
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I torch_ext/include \
 //        scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
-//   /tmp/walk_grid_probe [device|budget|host|launch|all] [reps]
+//   /tmp/walk_grid_probe [device|budget|host|launch|all[,...]] [reps]
 //
 // device: gathers on the device at small T (paged cache -> chunk) under other
 //   grids, CTA sizes and loads in flight, beside a one-row-per-CTA kernel of
@@ -710,18 +710,31 @@ void run_launch(Probe& probe) {
 }
 
 int main(int argc, char** argv) {
-  const std::string what = argc > 1 ? argv[1] : "all";
-  if (what != "device" && what != "budget" && what != "host" && what != "launch" && what != "all") {
-    std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|launch|all] [reps]\n");
-    return 2;
+  // sections: one of device, budget, host, launch, all, or several joined by commas
+  const std::string arg = argc > 1 ? argv[1] : "all";
+  std::vector<std::string> what;
+  for (size_t at = 0; at <= arg.size();) {
+    const size_t comma = std::min(arg.find(',', at), arg.size());
+    what.push_back(arg.substr(at, comma - at));
+    at = comma + 1;
+  }
+  const auto wants = [&](const char* section) {
+    return std::find(what.begin(), what.end(), section) != what.end() ||
+           std::find(what.begin(), what.end(), "all") != what.end();
+  };
+  for (const std::string& w : what) {
+    if (w != "device" && w != "budget" && w != "host" && w != "launch" && w != "all") {
+      std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|launch|all[,...]] [reps]\n");
+      return 2;
+    }
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row out as it is timed (a run cut short keeps them)
   Probe probe(argc > 2 ? std::atoi(argv[2]) : 50);
   std::printf("%s, %d SMs, L2 %d MiB, %d reps\n", probe.prop.name, probe.sms, probe.prop.l2CacheSize >> 20,
               probe.reps);
-  if (what == "device" || what == "all") run_device(probe);
-  if (what == "budget" || what == "all") run_budget(probe);
-  if (what == "host" || what == "all") run_host(probe);
-  if (what == "launch" || what == "all") run_launch(probe);
+  if (wants("device")) run_device(probe);
+  if (wants("budget")) run_budget(probe);
+  if (wants("host")) run_host(probe);
+  if (wants("launch")) run_launch(probe);
   return 0;
 }
