@@ -92,7 +92,8 @@ class Case:
     #                         or "bind-per-call" (both caches bound anew at each call, as an adapter that
     #                         binds a fresh host chunk per call does: the staged engine plans every call;
     #                         with engine "kernel" too, its twin); host_hints: "default-hints"
-    #                         (ops.set_host_cache_hints("default")); host_cost: "bind-per-call" (as in the
+    #                         (ops.set_host_cache_hints("default")) or "walk" (ops.set_host_launch_shape("walk"));
+    #                         host_cost: "bind-per-call" (as in the
     #                         staged group, nothing moved) or "gather" (ops.gather into a view of the buffer
     #                         made at each call)
     empty: bool = False     # every cache slot is -1: nothing moves, the time is the calls' host cost
@@ -181,6 +182,12 @@ def plan_cases(quick: bool) -> list[Case]:
         dev, buf = _default_layouts(SHAPES[name])
         for T, ctas in ((256, 0), (4096, 0), (4096, 4)) if quick else ((256, 0), (4096, 0), (4096, 1), (4096, 4)):
             cases.append(Case("host_hints", name, dev, buf, T, 16, direction, max_ctas=ctas, call="default-hints"))
+    # the host transfers the kernel moves one row per CTA by default (no budget, payloads up to
+    # HOST_ROW_PER_CTA_MAX_BYTES) walked instead, one CTA per SM, beside the same headline cases
+    for name, direction, T in itertools.product(shapes[:3], ("to_host", "from_host"), [256] if quick else [256, 4096]):
+        walked = Case("host_hints", name, *_default_layouts(SHAPES[name]), T, 16, direction, call="walk")
+        if walked.payload_bytes() <= _native.HOST_ROW_PER_CTA_MAX_BYTES:
+            cases.append(walked)
     # the copy engine on page-granular host transfers (no SMs), against the kernel on the same data
     for name, ps, direction, engine in itertools.product(["L32_H8_D128"] if quick else ["L32_H8_D128", "L32_MLA_D576"],
                                                          [16] if quick else [16, 64], ("to_host", "from_host"),
@@ -553,7 +560,8 @@ def _setting(case: Case):
     directly, as a new shape's is), ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
     slot's capacity; a call shape is captured and replayed under it as under the default),
     ``ops.set_staged_graph_launch("device")`` for a "device-launch" row (the kept graph the body of a
-    conditional node), ``ops.set_host_cache_hints("default")`` for a "default-hints" row; else none. (Each
+    conditional node), ``ops.set_host_cache_hints("default")`` for a "default-hints" row,
+    ``ops.set_host_launch_shape("walk")`` for a "walk" row; else none. (Each
     reads the setting it restores directly, not through ``ops.cache_info``, which walks every ring.)"""
     if case.call == "direct":
         restore = functools.partial(ops.set_cache_capacity, staged_graphs=_C.staged_graph_capacity())
@@ -567,6 +575,9 @@ def _setting(case: Case):
     elif case.call == "default-hints":
         restore = functools.partial(ops.set_host_cache_hints, _native.host_cache_hints())
         ops.set_host_cache_hints("default")
+    elif case.call == "walk":
+        restore = functools.partial(ops.set_host_launch_shape, _native.host_launch_shape())
+        ops.set_host_launch_shape("walk")
     else:
         restore = None
     try:

@@ -163,7 +163,7 @@ def host_hints(rows: list[dict]) -> str:
     default operators are faster)."""
     out = []
     for r in rows:
-        if r["group"] != "host_hints" or "gbps" not in r:
+        if r["group"] != "host_hints" or r.get("call") != "default-hints" or "gbps" not in r:
             continue
         twin = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
                      direction=r["direction"], max_ctas=r["max_ctas"])
@@ -176,13 +176,34 @@ def host_hints(rows: list[dict]) -> str:
                            "kernel only, default vs streaming"], out)
 
 
+def host_launch_shape(rows: list[dict]) -> str | None:
+    """The kernel's host transfers walked, one CTA per SM (host_hints rows of call "walk"), beside the same
+    case in its default shape, one row per CTA (its headline row), both timings, and the kernel-only ratio
+    (above 1: one row per CTA is faster); None for a record without such rows."""
+    out = []
+    for r in rows:
+        if r["group"] != "host_hints" or r.get("call") != "walk" or "gbps" not in r:
+            continue
+        twin = _find(rows, group="headline", shape=r["shape"], T=r["T"], direction=r["direction"], max_ctas=0)
+        ratio = (f"{r['kernel_us'] / twin['kernel_us']:.2f}×" if twin is not None and twin.get("kernel_us")
+                 and r.get("kernel_us") else "–")
+        out.append([r["shape"], str(r["T"]), r["direction"], _pct(twin), _pct(twin, "kernel_gbps"), _pct(r),
+                    _pct(r, "kernel_gbps"), ratio])
+    if not out:
+        return None
+    return markdown_table(["shape", "T", "direction", "row per CTA GB/s (% ceiling)", "row per CTA kernel only",
+                           "walk GB/s (% ceiling)", "walk kernel only", "kernel only, row per CTA vs walk"], out)
+
+
 def sections(jsonl: str) -> list[tuple[str, str]]:
     """(name, markdown) of every table of a bench record (a ``kvlayout bench`` .jsonl), peers compared."""
     doc = compared_with_peers(document(jsonl))
     rows = doc["results"]
-    return [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
-            ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows)),
-            ("Host cache hints", host_hints(rows))]
+    out = [("Headline", headline(doc)), ("Layer-wise", layerwise(rows)), ("Host cost", host_cost(rows)),
+           ("Staged", staged(rows)), ("CTA budget", ctas(rows)), ("Device grid", device_grid(rows)),
+           ("Host cache hints", host_hints(rows))]
+    shapes = host_launch_shape(rows)
+    return out + ([("Host launch shape", shapes)] if shapes is not None else [])
 
 
 def main(argv=None) -> int:

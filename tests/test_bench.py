@@ -860,18 +860,46 @@ def test_host_hint_rows_run_the_kernel_with_the_default_cache_operators():
     from kvlayout.bench import summary
     from kvlayout.ops import _native
 
-    planned = [c for c in C.plan_cases(quick=False) if c.group == "host_hints"]
-    assert len(planned) == 24 and all(c.call == "default-hints" and c.engine == "kernel" for c in planned)
+    planned = [c for c in C.plan_cases(quick=False) if c.group == "host_hints" and c.call == "default-hints"]
+    assert len(planned) == 24 and all(c.engine == "kernel" for c in planned)
     seen = []
     C._with_setting(planned[0], lambda: seen.append(_native.host_cache_hints()))()
     assert seen == ["default"] and _native.host_cache_hints() == "streaming"
     assert P.load_peers().matching(planned[0]) == []
     base = {"shape": "L32_H8_D128", "T": 4096, "direction": "to_host", "limit_gbps": 55.0}
     rows = [dict(base, group="ctas", max_ctas=4, gbps=44.0, kernel_gbps=45.0, kernel_us=120.0),
-            dict(base, group="host_hints", max_ctas=4, gbps=48.0, kernel_gbps=50.0, kernel_us=100.0),
-            dict(base, group="host_hints", max_ctas=0, gbps=52.0, kernel_gbps=52.0, kernel_us=90.0)]
+            dict(base, group="host_hints", call="default-hints", max_ctas=4, gbps=48.0, kernel_gbps=50.0,
+                 kernel_us=100.0),
+            dict(base, group="host_hints", call="default-hints", max_ctas=0, gbps=52.0, kernel_gbps=52.0,
+                 kernel_us=90.0)]
     table = summary.host_hints(rows).splitlines()
     assert len(table) == 4 and table[2].endswith("| 1.20× |") and table[3].endswith("| – |")
+
+
+def test_walk_rows_run_the_host_transfers_moved_one_row_per_cta_in_the_walk_shape():
+    """The host_hints rows of call "walk": every headline host case (L32 shapes, T = 256 and 4096, no budget)
+    whose payload the kernel moves one row per CTA by default, run under ops.set_host_launch_shape("walk") with
+    the setting restored after; the summary sets each beside its headline twin (above 1: one row per CTA is
+    faster) and leaves the table out of a record without such rows."""
+    from kvlayout.bench import summary
+    from kvlayout.ops import _native
+
+    walked = [c for c in C.plan_cases(quick=False) if c.call == "walk"]
+    assert {(c.shape, c.T) for c in walked} == {("L32_H8_D128", 256), ("L32_H1_D128", 256), ("L32_H1_D128", 4096),
+                                                 ("L32_MLA_D576", 256)}
+    assert all(c.group == "host_hints" and c.max_ctas == 0 and c.engine == "kernel" and
+               c.payload_bytes() <= _native.HOST_ROW_PER_CTA_MAX_BYTES for c in walked) and len(walked) == 8
+    seen = []
+    C._with_setting(walked[0], lambda: seen.append(_native.host_launch_shape()))()
+    assert seen == ["walk"] and _native.host_launch_shape() == "row_per_cta"
+    base = {"shape": "L32_H1_D128", "T": 256, "direction": "to_host", "limit_gbps": 55.0, "max_ctas": 0}
+    rows = [dict(base, group="headline", gbps=46.0, kernel_gbps=50.0, kernel_us=84.0),
+            dict(base, group="host_hints", call="default-hints", gbps=45.0, kernel_gbps=49.0, kernel_us=86.0),
+            dict(base, group="host_hints", call="walk", gbps=42.0, kernel_gbps=46.0, kernel_us=92.4)]
+    table = summary.host_launch_shape(rows).splitlines()
+    assert len(table) == 3 and table[2].endswith("| 1.10× |")
+    assert len(summary.host_hints(rows).splitlines()) == 3          # (the walk row is not a hints row)
+    assert summary.host_launch_shape(rows[:2]) is None
 
 
 def test_same_size_copies_are_timed_once_per_size_up_front_and_kept_in_the_record(monkeypatch):
