@@ -881,6 +881,7 @@ def test_walk_rows_run_the_host_transfers_moved_one_row_per_cta_in_the_walk_shap
     whose payload the kernel moves one row per CTA by default, run under ops.set_host_launch_shape("walk") with
     the setting restored after; the summary sets each beside its headline twin (above 1: one row per CTA is
     faster) and leaves the table out of a record without such rows."""
+    from kvlayout.bench import peers as P
     from kvlayout.bench import summary
     from kvlayout.ops import _native
 
@@ -889,6 +890,7 @@ def test_walk_rows_run_the_host_transfers_moved_one_row_per_cta_in_the_walk_shap
                                                  ("L32_MLA_D576", 256)}
     assert all(c.group == "host_hints" and c.max_ctas == 0 and c.engine == "kernel" and
                c.payload_bytes() <= _native.HOST_ROW_PER_CTA_MAX_BYTES for c in walked) and len(walked) == 8
+    assert all(P.load_peers().matching(c) == [] for c in walked)     # (a diagnostic: no peer row is its job's)
     seen = []
     C._with_setting(walked[0], lambda: seen.append(_native.host_launch_shape()))()
     assert seen == ["walk"] and _native.host_launch_shape() == "row_per_cta"
