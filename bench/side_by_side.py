@@ -48,6 +48,7 @@ the two libraries' kernels side by side, counters that say why one is faster.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -63,7 +64,7 @@ from kvlayout import ops
 from kvlayout.ops import _native
 
 from . import profile
-from .cases import SHAPES, Case, Inputs, _default_layouts, build, endpoints
+from .cases import SHAPES, Case, Inputs, _default_layouts, _with_setting, build, endpoints
 from .report import markdown_table
 from .timing import Timer, measure_limits
 
@@ -164,15 +165,8 @@ def kvlayout_calls(case: Case, data: dict) -> dict:
     calls = {"kvlayout": lambda: ops.transfer(src, dst, ss, ds)}
     if _moves_host_rows(case):
         calls["kvlayout kernel"] = lambda: ops.transfer(src, dst, ss, ds, engine="kernel")
-
-        def walk():
-            ops.set_host_launch_shape("walk")
-            try:
-                ops.transfer(src, dst, ss, ds, engine="kernel")
-            finally:
-                ops.set_host_launch_shape(shape)
-        shape = _native.host_launch_shape()
-        calls["kvlayout walk"] = walk
+        # (the bench's "walk" rows' setting, restored after each call)
+        calls["kvlayout walk"] = _with_setting(dataclasses.replace(case, call="walk"), calls["kvlayout kernel"])
     return calls
 
 

@@ -157,20 +157,33 @@ def device_grid(rows: list[dict]) -> str:
                            "kernel only, one CTA per SM vs default"], out)
 
 
+def _setting_rows(rows: list[dict], call: str) -> list[tuple[dict, dict | None, str]]:
+    """(row, twin, ratio) for each host_hints row of ``call`` (a setting's rerun of a case) that has a figure:
+    its twin is the same case under the default settings (the ctas row under a budget, else the headline row),
+    the ratio the twin's kernel-only time over the row's (None where either is missing)."""
+    out = []
+    for r in rows:
+        if r["group"] != "host_hints" or r.get("call") != call or "gbps" not in r:
+            continue
+        twin = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
+                     direction=r["direction"], max_ctas=r["max_ctas"])
+        ratio = (twin["kernel_us"] / r["kernel_us"] if twin is not None and twin.get("kernel_us")
+                 and r.get("kernel_us") else None)
+        out.append((r, twin, ratio))
+    return out
+
+
+def _times(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def host_hints(rows: list[dict]) -> str:
     """The kernel's host transfers with the default cache operators (host_hints rows) beside the same case
     with streaming hints (its headline or ctas row), both timings, and the kernel-only ratio (above 1: the
     default operators are faster)."""
-    out = []
-    for r in rows:
-        if r["group"] != "host_hints" or r.get("call") != "default-hints" or "gbps" not in r:
-            continue
-        twin = _find(rows, group="ctas" if r["max_ctas"] else "headline", shape=r["shape"], T=r["T"],
-                     direction=r["direction"], max_ctas=r["max_ctas"])
-        ratio = (f"{twin['kernel_us'] / r['kernel_us']:.2f}×" if twin is not None and twin.get("kernel_us")
-                 and r.get("kernel_us") else "–")
-        out.append([r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"] or "default"), _pct(twin),
-                    _pct(twin, "kernel_gbps"), _pct(r), _pct(r, "kernel_gbps"), ratio])
+    out = [[r["shape"], str(r["T"]), r["direction"], str(r["max_ctas"] or "default"), _pct(twin),
+            _pct(twin, "kernel_gbps"), _pct(r), _pct(r, "kernel_gbps"), _times(ratio)]
+           for r, twin, ratio in _setting_rows(rows, "default-hints")]
     return markdown_table(["shape", "T", "direction", "CTAs", "streaming GB/s (% ceiling)", "streaming kernel only",
                            "default operators GB/s (% ceiling)", "default operators kernel only",
                            "kernel only, default vs streaming"], out)
@@ -180,15 +193,9 @@ def host_launch_shape(rows: list[dict]) -> str | None:
     """The kernel's host transfers walked, one CTA per SM (host_hints rows of call "walk"), beside the same
     case in its default shape, one row per CTA (its headline row), both timings, and the kernel-only ratio
     (above 1: one row per CTA is faster); None for a record without such rows."""
-    out = []
-    for r in rows:
-        if r["group"] != "host_hints" or r.get("call") != "walk" or "gbps" not in r:
-            continue
-        twin = _find(rows, group="headline", shape=r["shape"], T=r["T"], direction=r["direction"], max_ctas=0)
-        ratio = (f"{r['kernel_us'] / twin['kernel_us']:.2f}×" if twin is not None and twin.get("kernel_us")
-                 and r.get("kernel_us") else "–")
-        out.append([r["shape"], str(r["T"]), r["direction"], _pct(twin), _pct(twin, "kernel_gbps"), _pct(r),
-                    _pct(r, "kernel_gbps"), ratio])
+    out = [[r["shape"], str(r["T"]), r["direction"], _pct(twin), _pct(twin, "kernel_gbps"), _pct(r),
+            _pct(r, "kernel_gbps"), _times(None if ratio is None else 1 / ratio)]
+           for r, twin, ratio in _setting_rows(rows, "walk")]
     if not out:
         return None
     return markdown_table(["shape", "T", "direction", "row per CTA GB/s (% ceiling)", "row per CTA kernel only",

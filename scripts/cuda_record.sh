@@ -108,6 +108,10 @@ run_step() {   # run_step NAME LOGFILE COMMAND...: the command's output goes to 
     [ $rc -eq 0 ] || status=1
 }
 
+wait_lmcache() {   # the LMCache build started by lmcache-ops, if one is running: its end (a failure fails the record)
+    if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; lmcache_pid=; fi
+}
+
 pack() {   # pack NAME FOLDER: OUTDIR/FOLDER's files into OUTDIR/NAME.tgz (added to any earlier), folder removed
     [ -d "$out/$2" ] || return 0
     local staging
@@ -151,12 +155,12 @@ for step in "${steps[@]}"; do
                      (status=0; run_step lmcache-ops lmcache_ops.txt $py scripts/build_lmcache_ops.py \
                           "$LMCACHE_SDIST" /tmp/lmcache-ops; exit $status) &
                      lmcache_pid=$! ;;
-        side-by-side) if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; lmcache_pid=; fi
+        side-by-side) wait_lmcache
                       run_step side-by-side side_by_side.txt $py -m kvlayout.bench.side_by_side \
                           --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
                           --tokens "${SIDE_TOKENS:-256,4096,32768}" --out "$out/side-by-side"
                       pack side-by-side side-by-side ;;
-        side-by-side-ncu) if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; lmcache_pid=; fi
+        side-by-side-ncu) wait_lmcache
                           run_step side-by-side-ncu side_by_side_ncu.txt $py -m kvlayout.bench.side_by_side --ncu \
                               --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
                               --tokens "${SIDE_NCU_TOKENS:-256}" --directions "${SIDE_NCU_DIRECTIONS:-to_host}" \
@@ -213,7 +217,7 @@ for step in "${steps[@]}"; do
     esac
 done
 # a build still running in the background finishes before the record ends
-if [ -n "${lmcache_pid:-}" ]; then wait "$lmcache_pid" || status=1; fi
+wait_lmcache
 if [ -n "${ab_old_pid:-}" ]; then
     wait "$ab_old_pid"
     echo "ab-old: exit $? (the older tree's build)" | tee -a "$out/steps.txt"
