@@ -60,6 +60,9 @@
 #                and 4096 without a budget under other grids, one row per CTA and the peers' staging; the host's
 #                cost of launching parameter blocks of 8-128 segments; WALK_PROBE picks the sections (device,
 #                budget, host, launch, comma-separated; default all)   -> walk_probe.txt
+#   graph-probe  scripts/graph_launch_probe.cu (nvcc, sm_90): the host's cost of one cudaGraphLaunch, with the
+#                device idle, of graphs shaped like the staged engine's (kernels and copies, one stream or
+#                pipelined over two, 4-64 chunks), by node kind and topology  -> graph_probe.txt
 #   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
 #                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
 #                rounds (default 2); STAGED_SETTINGS replaces the settings (';' between settings, e.g.
@@ -70,7 +73,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|boundary|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|lmcache-ops|side-by-side|side-by-side-ncu|ab-old|ab|probe|walk-probe|staged-settings ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|boundary|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|lmcache-ops|side-by-side|side-by-side-ncu|ab-old|ab|probe|walk-probe|graph-probe|staged-settings ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -194,6 +197,12 @@ for step in "${steps[@]}"; do
                         "$probe_dir/walk_grid_probe" "${WALK_PROBE:-all}" 30
                     }
                     run_step walk-probe walk_probe.txt walk_probe ;;
+        graph-probe) graph_dir=$(mktemp -d)
+                     graph_probe() {
+                         nvcc -O3 -std=c++17 -arch=sm_90 scripts/graph_launch_probe.cu -o "$graph_dir/graph_launch_probe" \
+                             && "$graph_dir/graph_launch_probe" 30
+                     }
+                     run_step graph-probe graph_probe.txt graph_probe ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"
             if [ -n "${ab_old_pid:-}" ]; then wait "$ab_old_pid"; ab_old_pid=; fi
             run_step ab ab.txt scripts/ab_record.sh "$AB_OLD" "$ab_dir" "${AB_ROUNDS:-3}" \
