@@ -21,7 +21,10 @@
 // 3. the staged store, 4. the store with its keep kernel, 5. the staged load,
 // 6. the store with the copy engine's copies replaced by kernels, 7. the
 // store's nodes on one stream, 8. the store with 2-D copies, 9. kernels on
-// one stream with programmatic (PDL) edges.
+// one stream with programmatic (PDL) edges, 10. the store of 16 chunks again
+// as the process holds more of what a serving process holds (pinned buffers
+// by the thousand and by the GiB, other instantiated graphs): whether a copy
+// node's launch cost grows with them.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -249,7 +252,8 @@ void print_row(const char* name, const char* chunks, const char* chunk_kib, size
 }
 
 // Captures, instantiates, uploads and times the graph of `k`; destroyed after.
-void run_case(const Probe& p, const Case& k, int warmup, int reps) {
+// `label` names the row (default: the topology).
+void run_case(const Probe& p, const Case& k, int warmup, int reps, const char* label = nullptr) {
   cudaGraph_t graph = capture(p, k);
   size_t nodes = 0;
   CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
@@ -260,7 +264,7 @@ void run_case(const Probe& p, const Case& k, int warmup, int reps) {
   char chunks[24], kib[24];
   std::snprintf(chunks, sizeof chunks, "%d", k.chunks);
   std::snprintf(kib, sizeof kib, "%zu", k.chunk_bytes / kKiB);
-  print_row(topo_name(k.topo), chunks, kib, nodes, t);
+  print_row(label != nullptr ? label : topo_name(k.topo), chunks, kib, nodes, t);
   CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaGraphDestroy(graph));
 }
@@ -362,6 +366,37 @@ int main(int argc, char** argv) {
     }
     run_case(p, cases[i], warmup, reps);
   }
+
+  // 10. What the process holds besides, added in turn (each row keeps the
+  // ones before): the same store graph, timed again.
+  std::printf("\n== 10. store, 16 chunks of 256 KiB, the process holding more\n");
+  print_header();
+  const Case store16{Topo::Store, 16, 256 * kKiB};
+  run_case(p, store16, warmup, reps, "store, as above");
+  std::vector<void*> pinned;
+  for (int i = 0; i < 1024; ++i) {
+    void* buf = nullptr;
+    CHECK(cudaHostAlloc(&buf, 1 * kMiB, cudaHostAllocDefault));
+    pinned.push_back(buf);
+  }
+  run_case(p, store16, warmup, reps, "+ 1,024 pinned buffers of 1 MiB");
+  for (int i = 0; i < 4; ++i) {
+    void* buf = nullptr;
+    CHECK(cudaHostAlloc(&buf, 4096 * kMiB, cudaHostAllocDefault));
+    pinned.push_back(buf);
+  }
+  run_case(p, store16, warmup, reps, "+ 4 pinned buffers of 4 GiB");
+  std::vector<cudaGraphExec_t> others;
+  for (int i = 0; i < 256; ++i) {
+    cudaGraph_t graph = capture(p, store16);
+    cudaGraphExec_t exec = nullptr;
+    CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
+    CHECK(cudaGraphDestroy(graph));
+    others.push_back(exec);
+  }
+  run_case(p, store16, warmup, reps, "+ 256 graphs instantiated");
+  for (cudaGraphExec_t exec : others) CHECK(cudaGraphExecDestroy(exec));
+  for (void* buf : pinned) CHECK(cudaFreeHost(buf));
 
   CHECK(cudaDeviceSynchronize());
   CHECK(cudaFreeHost(p.host));
