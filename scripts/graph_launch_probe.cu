@@ -24,7 +24,8 @@
 // one stream with programmatic (PDL) edges, 10. the store of 16 chunks again
 // as the process holds more of what a serving process holds (pinned buffers
 // by the thousand and by the GiB, other instantiated graphs): whether a copy
-// node's launch cost grows with them.
+// node's launch cost grows with them; beside, a replayed call's copy of its
+// slots into the graph's buffer, by cudaMemcpyAsync and by a kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -269,6 +270,26 @@ void run_case(const Probe& p, const Case& k, int warmup, int reps, const char* l
   CHECK(cudaGraphDestroy(graph));
 }
 
+// A call's slots (4,096 of 8 bytes) copied into a graph's own buffer on the
+// launch stream, the way a replayed call does it, by cudaMemcpyAsync and by a
+// copy kernel: the host's cost of each, the device idle before it.
+void run_slot_copies(const Probe& p, int warmup, int reps, const char* holding) {
+  const size_t bytes = 4096 * 8;
+  char* dst = p.ring[0];
+  const char* src = p.cache;
+  char name[64];
+  std::snprintf(name, sizeof name, "slots: cudaMemcpyAsync%s", holding);
+  print_row(name, "-", "32", 1, time_launch(p, warmup, reps, [&] {
+              return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, p.launch);
+            }));
+  std::snprintf(name, sizeof name, "slots: copy kernel%s", holding);
+  print_row(name, "-", "32", 1, time_launch(p, warmup, reps, [&] {
+              copy_words<<<8, kThreads, 0, p.launch>>>(reinterpret_cast<uint4*>(dst),
+                                                       reinterpret_cast<const uint4*>(src), bytes / 16);
+              return cudaGetLastError();
+            }));
+}
+
 int main(int argc, char** argv) {
   const int warmup = 3;
   const int reps = argc > 1 ? std::atoi(argv[1]) : 30;
@@ -373,6 +394,7 @@ int main(int argc, char** argv) {
   print_header();
   const Case store16{Topo::Store, 16, 256 * kKiB};
   run_case(p, store16, warmup, reps, "store, as above");
+  run_slot_copies(p, warmup, reps, "");
   std::vector<void*> pinned;
   for (int i = 0; i < 1024; ++i) {
     void* buf = nullptr;
@@ -380,6 +402,7 @@ int main(int argc, char** argv) {
     pinned.push_back(buf);
   }
   run_case(p, store16, warmup, reps, "+ 1,024 pinned buffers of 1 MiB");
+  run_slot_copies(p, warmup, reps, ", + 1,024");
   for (int i = 0; i < 4; ++i) {
     void* buf = nullptr;
     CHECK(cudaHostAlloc(&buf, 4096 * kMiB, cudaHostAllocDefault));
