@@ -21,7 +21,10 @@
 // 3. the staged store, 4. the store with its keep kernel, 5. the staged load,
 // 6. the store with the copy engine's copies replaced by kernels, 7. the
 // store's nodes on one stream, 8. the store with 2-D copies, 9. kernels on
-// one stream with programmatic (PDL) edges, 10. the store of 16 chunks again
+// one stream with programmatic (PDL) edges, 10. the store whose kernels take
+// a parameter block the size of the library's largest (2,336 bytes: 128
+// segment bases), 11. the store with 3-D copies (the engine folds runs of
+// blocks into them), 12. the store of 16 chunks again
 // as the process holds more of what a serving process holds (pinned buffers
 // by the thousand and by the GiB, other instantiated graphs): whether a copy
 // node's launch cost grows with them; beside, a replayed call's copy of its
@@ -51,6 +54,21 @@ constexpr int k2dRows = 64;              // rows of a 2-D copy; the host pitch i
 
 __global__ void empty_kernel() {}
 
+// The copy's arguments in a parameter block the size of the library's
+// 128-segment launch (copy_rows_kernel.h): whether a kernel node's launch
+// cost grows with its parameters.
+struct BigParams {
+  uint4* dst;
+  const uint4* src;
+  size_t n;
+  char table[2336 - 3 * sizeof(void*)];
+};
+
+__global__ void copy_words_big(const __grid_constant__ BigParams p) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n; i += size_t(gridDim.x) * blockDim.x)
+    p.dst[i] = p.src[i];
+}
+
 // Grid-stride copy of n 16-byte words.
 __global__ void copy_words(uint4* __restrict__ dst, const uint4* __restrict__ src, size_t n) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
@@ -65,7 +83,11 @@ __global__ void copy_words_dependent(uint4* __restrict__ dst, const uint4* __res
     dst[i] = src[i];
 }
 
-enum class Topo { Kernels, Copies, Store, StoreKeep, Load, StoreKernelCopies, StoreOneStream, Store2D, KernelsPdl };
+// (in section order: a topology's section is its value + 1)
+enum class Topo {
+  Kernels, Copies, Store, StoreKeep, Load, StoreKernelCopies, StoreOneStream, Store2D, KernelsPdl,
+  StoreBigParams, Store3D
+};
 
 const char* topo_name(Topo t) {
   switch (t) {
@@ -78,6 +100,8 @@ const char* topo_name(Topo t) {
     case Topo::StoreOneStream: return "store, one stream";
     case Topo::Store2D: return "store, 2-D copies";
     case Topo::KernelsPdl: return "kernels, programmatic";
+    case Topo::StoreBigParams: return "store, 2,336-byte parameters";
+    case Topo::Store3D: return "store, 3-D copies";
   }
   return "?";
 }
@@ -90,7 +114,9 @@ struct Case {
 
 // The pinned host bytes a case reads or writes (a 2-D copy's rows lie at
 // twice their width apart).
-size_t host_bytes(const Case& c) { return c.chunks * c.chunk_bytes * (c.topo == Topo::Store2D ? 2 : 1); }
+size_t host_bytes(const Case& c) {
+  return c.chunks * c.chunk_bytes * (c.topo == Topo::Store2D || c.topo == Topo::Store3D ? 2 : 1);
+}
 
 struct Probe {
   cudaStream_t main = nullptr, side = nullptr, launch = nullptr;
@@ -105,6 +131,14 @@ struct Probe {
 
   void copy(cudaStream_t s, void* dst, const void* src, size_t bytes) const {
     copy_words<<<grid, kThreads, 0, s>>>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16);
+    CHECK(cudaGetLastError());
+  }
+  void copy_big(cudaStream_t s, void* dst, const void* src, size_t bytes) const {
+    BigParams params{};
+    params.dst = static_cast<uint4*>(dst);
+    params.src = static_cast<const uint4*>(src);
+    params.n = bytes / 16;
+    copy_words_big<<<grid, kThreads, 0, s>>>(params);
     CHECK(cudaGetLastError());
   }
   void copy_dependent(cudaStream_t s, void* dst, const void* src, size_t bytes) const {
@@ -142,7 +176,10 @@ void issue_store(const Probe& p, const Case& k) {
     const int r = c % 2;
     if (!one_stream && c >= 2) CHECK(cudaStreamWaitEvent(p.main, p.drained[r], 0));
     if (k.topo == Topo::StoreKeep) p.copy(p.main, p.ring[r], p.cache + c * cb, kKeepBytes);
-    p.copy(p.main, p.ring[r], p.cache + c * cb, cb);
+    if (k.topo == Topo::StoreBigParams)
+      p.copy_big(p.main, p.ring[r], p.cache + c * cb, cb);
+    else
+      p.copy(p.main, p.ring[r], p.cache + c * cb, cb);
     if (!one_stream) join(p.filled[r], p.main, p.side);
     if (k.topo == Topo::StoreKernelCopies) {
       p.copy(out, p.sink + c * cb, p.ring[r], cb);
@@ -150,6 +187,15 @@ void issue_store(const Probe& p, const Case& k) {
       const size_t width = cb / k2dRows;  // the ring side contiguous, the host side at twice the width
       CHECK(cudaMemcpy2DAsync(p.host + c * 2 * cb, 2 * width, p.ring[r], width, width, k2dRows,
                               cudaMemcpyDeviceToHost, out));
+    } else if (k.topo == Topo::Store3D) {
+      // two blocks of k2dRows / 2 rows each, the host's rows at twice their width apart
+      const size_t width = cb / k2dRows;
+      cudaMemcpy3DParms params{};
+      params.srcPtr = make_cudaPitchedPtr(p.ring[r], width, width, k2dRows / 2);
+      params.dstPtr = make_cudaPitchedPtr(p.host + c * 2 * cb, 2 * width, width, k2dRows / 2);
+      params.extent = make_cudaExtent(width, k2dRows / 2, 2);
+      params.kind = cudaMemcpyDeviceToHost;
+      CHECK(cudaMemcpy3DAsync(&params, out));
     } else {
       CHECK(cudaMemcpyAsync(p.host + c * cb, p.ring[r], cb, cudaMemcpyDeviceToHost, out));
     }
@@ -300,7 +346,8 @@ int main(int argc, char** argv) {
 
   const Topo order[] = {Topo::Kernels,           Topo::Copies,         Topo::Store,
                         Topo::StoreKeep,         Topo::Load,           Topo::StoreKernelCopies,
-                        Topo::StoreOneStream,    Topo::Store2D,        Topo::KernelsPdl};
+                        Topo::StoreOneStream,    Topo::Store2D,        Topo::KernelsPdl,
+                        Topo::StoreBigParams,    Topo::Store3D};
   std::vector<Case> cases;
   for (Topo t : order) {
     for (int c : {4, 8, 16, 32, 64}) cases.push_back({t, c, 256 * kKiB});
@@ -388,9 +435,9 @@ int main(int argc, char** argv) {
     run_case(p, cases[i], warmup, reps);
   }
 
-  // 10. What the process holds besides, added in turn (each row keeps the
+  // 12. What the process holds besides, added in turn (each row keeps the
   // ones before): the same store graph, timed again.
-  std::printf("\n== 10. store, 16 chunks of 256 KiB, the process holding more\n");
+  std::printf("\n== 12. store, 16 chunks of 256 KiB, the process holding more\n");
   print_header();
   const Case store16{Topo::Store, 16, 256 * kKiB};
   run_case(p, store16, warmup, reps, "store, as above");

@@ -69,7 +69,7 @@ __global__ void staged_rows_kernel(const Slot* slots, int64_t num_tokens, int64_
 
 // A replayed call's slots into its graph's buffer: `words` 4-byte words. A
 // kernel, not cudaMemcpyAsync: its launch costs the host a little less
-// (scripts/graph_launch_probe.cu, section 10: 2.95-3.30 against 3.30-3.69 us,
+// (scripts/graph_launch_probe.cu, its "slots:" rows: 2.95-3.30 against 3.30-3.69 us,
 // median, on an H100).
 __global__ void copy_slot_words_kernel(const uint32_t* __restrict__ src, uint32_t* __restrict__ dst,
                                        int64_t words) {
