@@ -62,7 +62,8 @@
 #                budget, host, launch, comma-separated; default all)   -> walk_probe.txt
 #   graph-probe  scripts/graph_launch_probe.cu (nvcc, sm_90): the host's cost of one cudaGraphLaunch, with the
 #                device idle, of graphs shaped like the staged engine's (kernels and copies, one stream or
-#                pipelined over two, 4-64 chunks), by node kind and topology  -> graph_probe.txt
+#                pipelined over two, 4-64 chunks), by node kind and topology, and as the process holds more
+#                pinned buffers and graphs                          -> graph_probe.txt
 #   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
 #                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
 #                rounds (default 2); STAGED_SETTINGS replaces the settings (';' between settings, e.g.
