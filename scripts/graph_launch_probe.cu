@@ -27,8 +27,10 @@
 // blocks into them), 12. the store of 16 chunks again
 // as the process holds more of what a serving process holds (pinned buffers
 // by the thousand and by the GiB, other instantiated graphs): whether a copy
-// node's launch cost grows with them; beside, a replayed call's copy of its
-// slots into the graph's buffer, by cudaMemcpyAsync and by a kernel.
+// node's launch cost grows with them; and launched on the legacy default
+// stream (torch's current stream unless the caller set one); beside, a
+// replayed call's copy of its slots into the graph's buffer, by
+// cudaMemcpyAsync and by a kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -465,6 +467,13 @@ int main(int argc, char** argv) {
     others.push_back(exec);
   }
   run_case(p, store16, warmup, reps, "+ 256 graphs instantiated");
+  // torch's current stream is the legacy default stream unless the caller
+  // picked another: the same graph launched there (a launch into it is
+  // ordered after every blocking stream's work)
+  Probe legacy = p;
+  legacy.launch = cudaStreamLegacy;
+  run_case(legacy, store16, warmup, reps, "+ launched on the legacy stream");
+  run_slot_copies(legacy, warmup, reps, ", legacy stream");
   for (cudaGraphExec_t exec : others) CHECK(cudaGraphExecDestroy(exec));
   for (void* buf : pinned) CHECK(cudaFreeHost(buf));
 
