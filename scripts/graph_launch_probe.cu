@@ -40,14 +40,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+#include "probe_check.h"
 
 constexpr size_t kKiB = 1024, kMiB = 1024 * kKiB;
 constexpr int kThreads = 256;
@@ -300,22 +293,28 @@ void print_row(const char* name, const char* chunks, const char* chunk_kib, size
               t.host_min, t.host_med / double(nodes), t.device_med);
 }
 
-// Captures, instantiates, uploads and times the graph of `k`; destroyed after.
-// `label` names the row (default: the topology).
-void run_case(const Probe& p, const Case& k, int warmup, int reps, const char* label = nullptr) {
-  cudaGraph_t graph = capture(p, k);
-  size_t nodes = 0;
+// Instantiates `graph`, uploads it to the launch stream and times its
+// launches there; `nodes` gets its node count. Both are destroyed after.
+Timing time_graph(const Probe& p, cudaGraph_t graph, int warmup, int reps, size_t& nodes) {
   CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
   cudaGraphExec_t exec = nullptr;
   CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
   CHECK(cudaGraphUpload(exec, p.launch));
   const Timing t = time_launch(p, warmup, reps, [&] { return cudaGraphLaunch(exec, p.launch); });
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  return t;
+}
+
+// Captures and times the graph of `k`. `label` names the row (default: the
+// topology).
+void run_case(const Probe& p, const Case& k, int warmup, int reps, const char* label = nullptr) {
+  size_t nodes = 0;
+  const Timing t = time_graph(p, capture(p, k), warmup, reps, nodes);
   char chunks[24], kib[24];
   std::snprintf(chunks, sizeof chunks, "%d", k.chunks);
   std::snprintf(kib, sizeof kib, "%zu", k.chunk_bytes / kKiB);
   print_row(label != nullptr ? label : topo_name(k.topo), chunks, kib, nodes, t);
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
 }
 
 // A call's slots (4,096 of 8 bytes) copied into a graph's own buffer on the
@@ -419,14 +418,8 @@ int main(int argc, char** argv) {
     CHECK(cudaGetLastError());
     CHECK(cudaStreamEndCapture(p.main, &graph));
     size_t nodes = 0;
-    CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
-    cudaGraphExec_t exec = nullptr;
-    CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
-    CHECK(cudaGraphUpload(exec, p.launch));
-    const Timing g = time_launch(p, warmup, reps, [&] { return cudaGraphLaunch(exec, p.launch); });
+    const Timing g = time_graph(p, graph, warmup, reps, nodes);
     print_row("cudaGraphLaunch, one-node graph", "-", "-", nodes, g);
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
   }
 
   for (size_t i = 0; i < cases.size(); ++i) {
