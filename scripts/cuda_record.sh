@@ -62,8 +62,9 @@
 #                budget, host, launch, comma-separated; default all)   -> walk_probe.txt
 #   graph-probe  scripts/graph_launch_probe.cu (nvcc, sm_90): the host's cost of one cudaGraphLaunch, with the
 #                device idle, of graphs shaped like the staged engine's (kernels and copies, one stream or
-#                pipelined over two, 4-64 chunks), by node kind and topology, and as the process holds more
-#                pinned buffers and graphs                          -> graph_probe.txt
+#                pipelined over two, 4-64 chunks), by node kind and topology, as the process holds more
+#                pinned buffers and graphs, on the legacy default stream; GRAPH_PROBE picks the sections (their
+#                numbers, comma-separated; default all)              -> graph_probe.txt
 #   staged-settings  kvlayout bench --only STAGED_ONLY (default: the L32 H1 and MLA rows at T = 256) under each
 #                staged setting in turn (kept graphs or none, the default chunk count or one chunk), STAGED_ROUNDS
 #                rounds (default 2); STAGED_SETTINGS replaces the settings (';' between settings, e.g.
@@ -201,7 +202,7 @@ for step in "${steps[@]}"; do
         graph-probe) graph_dir=$(mktemp -d)
                      graph_probe() {
                          nvcc -O3 -std=c++17 -arch=sm_90 scripts/graph_launch_probe.cu -o "$graph_dir/graph_launch_probe" \
-                             && "$graph_dir/graph_launch_probe" 30
+                             && "$graph_dir/graph_launch_probe" 30 ${GRAPH_PROBE:-}
                      }
                      run_step graph-probe graph_probe.txt graph_probe ;;
         ab) : "${AB_OLD:?cuda_record.sh: ab needs AB_OLD (a git revision or a .tar.gz of a tree)}"

@@ -5,7 +5,9 @@
 // runtime and the C++ standard library; not part of the library.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 scripts/graph_launch_probe.cu -o graph_launch_probe
-//   ./graph_launch_probe [reps]        (default 30 reps, after 3 warmup launches)
+//   ./graph_launch_probe [reps] [sections]
+//       (default 30 reps, after 3 warmup launches; sections: their numbers
+//       joined by commas, e.g. 3,13; default all; the baseline always runs)
 //
 // Every graph is captured from streams (a non-blocking `main`, and a
 // non-blocking `side` forked and joined through events as staged.cu does),
@@ -27,10 +29,10 @@
 // blocks into them), 12. the store of 16 chunks again
 // as the process holds more of what a serving process holds (pinned buffers
 // by the thousand and by the GiB, other instantiated graphs): whether a copy
-// node's launch cost grows with them; and launched on the legacy default
-// stream (torch's current stream unless the caller set one); beside, a
-// replayed call's copy of its slots into the graph's buffer, by
-// cudaMemcpyAsync and by a kernel.
+// node's launch cost grows with them; beside, a replayed call's copy of its
+// slots into the graph's buffer, by cudaMemcpyAsync and by a kernel; 13. the
+// same store graph and slot copies launched on the legacy default stream
+// (torch's current stream unless the caller set one) instead.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -341,9 +343,22 @@ int main(int argc, char** argv) {
   const int warmup = 3;
   const int reps = argc > 1 ? std::atoi(argv[1]) : 30;
   if (reps <= 0) {
-    std::fprintf(stderr, "usage: graph_launch_probe [reps]\n");
+    std::fprintf(stderr, "usage: graph_launch_probe [reps] [sections, e.g. 3,13]\n");
     return 1;
   }
+  std::vector<int> sections;  // empty: all
+  for (const char* c = argc > 2 ? argv[2] : ""; *c != '\0';) {
+    char* end = nullptr;
+    sections.push_back(int(std::strtol(c, &end, 10)));
+    c = *end == ',' ? end + 1 : end;
+    if (end == c && *c != '\0') {
+      std::fprintf(stderr, "graph_launch_probe: sections are numbers joined by commas, got %s\n", argv[2]);
+      return 1;
+    }
+  }
+  const auto wants = [&](int section) {
+    return sections.empty() || std::find(sections.begin(), sections.end(), section) != sections.end();
+  };
 
   const Topo order[] = {Topo::Kernels,           Topo::Copies,         Topo::Store,
                         Topo::StoreKeep,         Topo::Load,           Topo::StoreKernelCopies,
@@ -351,13 +366,15 @@ int main(int argc, char** argv) {
                         Topo::StoreBigParams,    Topo::Store3D};
   std::vector<Case> cases;
   for (Topo t : order) {
+    if (!wants(int(t) + 1)) continue;
     for (int c : {4, 8, 16, 32, 64}) cases.push_back({t, c, 256 * kKiB});
     if (t == Topo::Store || t == Topo::Load) cases.push_back({t, 16, 32 * kMiB});  // the engine's chunk
   }
 
   // Every buffer sized from the largest case that uses it (512 MiB of cache
   // and of pinned host at 16 x 32 MiB).
-  size_t cache_bytes = 0, slot_bytes = 0, host_total = 0, sink_bytes = 0;
+  // (sections 12 and 13 run the store of 16 chunks of 256 KiB)
+  size_t cache_bytes = 16 * 256 * kKiB, slot_bytes = 256 * kKiB, host_total = 16 * 256 * kKiB, sink_bytes = 0;
   for (const Case& k : cases) {
     cache_bytes = std::max(cache_bytes, k.chunks * k.chunk_bytes);
     slot_bytes = std::max(slot_bytes, k.chunk_bytes);
@@ -430,45 +447,54 @@ int main(int argc, char** argv) {
     run_case(p, cases[i], warmup, reps);
   }
 
-  // 12. What the process holds besides, added in turn (each row keeps the
-  // ones before): the same store graph, timed again.
-  std::printf("\n== 12. store, 16 chunks of 256 KiB, the process holding more\n");
-  print_header();
   const Case store16{Topo::Store, 16, 256 * kKiB};
-  run_case(p, store16, warmup, reps, "store, as above");
-  run_slot_copies(p, warmup, reps, "");
-  std::vector<void*> pinned;
-  for (int i = 0; i < 1024; ++i) {
-    void* buf = nullptr;
-    CHECK(cudaHostAlloc(&buf, 1 * kMiB, cudaHostAllocDefault));
-    pinned.push_back(buf);
+  if (wants(12)) {
+    // What the process holds besides, added in turn (each row keeps the ones
+    // before): the same store graph, timed again.
+    std::printf("\n== 12. store, 16 chunks of 256 KiB, the process holding more\n");
+    print_header();
+    run_case(p, store16, warmup, reps, "store, as above");
+    run_slot_copies(p, warmup, reps, "");
+    std::vector<void*> pinned;
+    for (int i = 0; i < 1024; ++i) {
+      void* buf = nullptr;
+      CHECK(cudaHostAlloc(&buf, 1 * kMiB, cudaHostAllocDefault));
+      pinned.push_back(buf);
+    }
+    run_case(p, store16, warmup, reps, "+ 1,024 pinned buffers of 1 MiB");
+    run_slot_copies(p, warmup, reps, ", + 1,024");
+    for (int i = 0; i < 4; ++i) {
+      void* buf = nullptr;
+      CHECK(cudaHostAlloc(&buf, 4096 * kMiB, cudaHostAllocDefault));
+      pinned.push_back(buf);
+    }
+    run_case(p, store16, warmup, reps, "+ 4 pinned buffers of 4 GiB");
+    std::vector<cudaGraphExec_t> others;
+    for (int i = 0; i < 256; ++i) {
+      cudaGraph_t graph = capture(p, store16);
+      cudaGraphExec_t exec = nullptr;
+      CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
+      CHECK(cudaGraphDestroy(graph));
+      others.push_back(exec);
+    }
+    run_case(p, store16, warmup, reps, "+ 256 graphs instantiated");
+    for (cudaGraphExec_t exec : others) CHECK(cudaGraphExecDestroy(exec));
+    for (void* buf : pinned) CHECK(cudaFreeHost(buf));
   }
-  run_case(p, store16, warmup, reps, "+ 1,024 pinned buffers of 1 MiB");
-  run_slot_copies(p, warmup, reps, ", + 1,024");
-  for (int i = 0; i < 4; ++i) {
-    void* buf = nullptr;
-    CHECK(cudaHostAlloc(&buf, 4096 * kMiB, cudaHostAllocDefault));
-    pinned.push_back(buf);
+  if (wants(13)) {
+    // torch's current stream is the legacy default stream unless the caller
+    // picked another (a launch into it is ordered after the work of every
+    // blocking stream): the same graph and slot copies launched there, beside
+    // a non-blocking stream's
+    std::printf("\n== 13. store, 16 chunks of 256 KiB, launched on the legacy default stream\n");
+    print_header();
+    run_case(p, store16, warmup, reps, "store, non-blocking stream");
+    run_slot_copies(p, warmup, reps, "");
+    Probe legacy = p;
+    legacy.launch = cudaStreamLegacy;
+    run_case(legacy, store16, warmup, reps, "store, legacy stream");
+    run_slot_copies(legacy, warmup, reps, ", legacy");
   }
-  run_case(p, store16, warmup, reps, "+ 4 pinned buffers of 4 GiB");
-  std::vector<cudaGraphExec_t> others;
-  for (int i = 0; i < 256; ++i) {
-    cudaGraph_t graph = capture(p, store16);
-    cudaGraphExec_t exec = nullptr;
-    CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
-    CHECK(cudaGraphDestroy(graph));
-    others.push_back(exec);
-  }
-  run_case(p, store16, warmup, reps, "+ 256 graphs instantiated");
-  // torch's current stream is the legacy default stream unless the caller
-  // picked another: the same graph launched there (a launch into it is
-  // ordered after every blocking stream's work)
-  Probe legacy = p;
-  legacy.launch = cudaStreamLegacy;
-  run_case(legacy, store16, warmup, reps, "+ launched on the legacy stream");
-  run_slot_copies(legacy, warmup, reps, ", legacy stream");
-  for (cudaGraphExec_t exec : others) CHECK(cudaGraphExecDestroy(exec));
-  for (void* buf : pinned) CHECK(cudaFreeHost(buf));
 
   CHECK(cudaDeviceSynchronize());
   CHECK(cudaFreeHost(p.host));
