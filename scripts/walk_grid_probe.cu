@@ -46,10 +46,9 @@
 #include <vector>
 
 #include "kvlayout/copy_rows_kernel.h"
+#include "probe_check.h"
 
 using namespace kvlayout;
-
-#include "probe_check.h"
 
 constexpr int kSegs = 128;
 using Params = CopyRowsParams<kSegs>;
