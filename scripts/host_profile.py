@@ -1,7 +1,7 @@
 """Where a bench row's call spends its host time, by runtime call and operator (torch.profiler).
 
     python scripts/host_profile.py "L32_H8_D128 T=4096 ps=16 ... staged" [KEY ...] [--calls 50] [--device cuda]
-        [--timeline]
+        [--timeline] [--stream side]
     python scripts/host_profile.py --record bench/results/h200.jsonl [--over 50] [--group staged] [--rows 8]
         [--call transfer]
 
@@ -20,6 +20,14 @@ shape is captured on its second call and replayed after), then:
 call): each kernel and copy with its start, duration, stream, bytes and rate, then where the call's device time
 goes (before its first copy, the copies themselves, the gaps between them, after the last), beside one pinned
 copy of the same bytes in the same direction, timed alike: what a staged call loses against the pinned ceiling.
+
+``--stream side``: every call issued on a non-blocking stream of the script's own instead of the current stream
+(torch's legacy default stream unless a caller set another): whether the stream a call is issued on changes its
+host cost (a graph launched on the legacy default stream may cost the driver more than on a non-blocking one).
+
+For a staged call, the script also times a graph of nothing but the same count of pinned copies of the same
+bytes (a torch CUDA graph, captured in this process, replayed on the same stream, the device idle before each):
+what the graph launch costs in this process apart from the library.
 
 ``--record``: the rows of a bench record (of ``--group``, and of ``--call`` where given) whose host time per
 call was over ``--over`` µs, slowest first, at most ``--rows`` of them.
@@ -149,11 +157,42 @@ def print_timeline(fn, device: torch.device) -> None:
               f"{ref['span']:.1f} µs; the call's span is {s['span'] / max(ref['span'], 1e-9):.3f}x that")
 
 
-def profile_case(case, device: torch.device, calls: int, top: int, timeline: bool = False) -> None:
+def copy_graph_host_us(device: torch.device, nbytes: int, copies: int, to_host: bool, calls: int) -> float:
+    """Median host µs of one replay (the device idle before each, on the current stream) of a graph of
+    ``copies`` pinned copies, ``nbytes`` in all, in one direction: a staged call's copies with nothing else."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    step = nbytes // copies
+    pieces = [(host[i * step:(i + 1) * step], dev[i * step:(i + 1) * step]) for i in range(copies)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for h, d in pieces:
+            (h.copy_(d, non_blocking=True) if to_host else d.copy_(h, non_blocking=True))
+    times = []
+    for i in range(calls + 3):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    return statistics.median(times) * 1e6
+
+
+def profile_case(case, device: torch.device, calls: int, top: int, timeline: bool = False,
+                 side_stream: bool = False) -> None:
     from kvlayout.bench import cases as C
 
     data = C.build(case, C.Inputs(device))
     fn = C.kvlayout_fn(case, data)
+    if side_stream and device.type == "cuda":
+        stream = torch.cuda.Stream(device)       # non-blocking with respect to the legacy default stream
+        stream.wait_stream(torch.cuda.current_stream(device))   # the case's inputs are written
+
+        def on_stream(call=fn):
+            with torch.cuda.stream(stream):
+                call()
+        fn = on_stream
 
     def sync():
         if device.type == "cuda":
@@ -179,11 +218,26 @@ def profile_case(case, device: torch.device, calls: int, top: int, timeline: boo
     per_call = case.calls * calls
     events = host_events(prof.key_averages(), top)
     staged = f"; {counts['chunks']} chunks, graph of {counts['graph_nodes']} nodes" if counts else ""
+    where = ", on a non-blocking side stream" if side_stream and device.type == "cuda" else ""
     print(f"{case.key}: host {statistics.median(host) * 1e6 / case.calls:.1f} µs per call (median of "
-          f"{calls}, device idle before each){staged}")
+          f"{calls}, device idle before each{where}){staged}")
     print(f"{'event':48} {'per call':>9} {'host µs per call':>17}")
     for e in events:
         print(f"{e.key[:48]:48} {e.count / per_call:9.2f} {e.self_cpu_time_total / per_call:17.2f}")
+    if counts:
+        src, _, dst, _ = C.endpoints(case, data)
+        host_side = dst if src.is_cuda else src
+        copies = counts["chunks"]
+        try:
+            if side_stream:
+                with torch.cuda.stream(stream):
+                    alone = copy_graph_host_us(device, host_side.nbytes, copies, src.is_cuda, calls)
+            else:
+                alone = copy_graph_host_us(device, host_side.nbytes, copies, src.is_cuda, calls)
+            print(f"a graph of only {copies} pinned copies of the same {host_side.nbytes} bytes, on the same stream: "
+                  f"host {alone:.1f} µs per replay (median of {calls})")
+        except RuntimeError as failed:       # a diagnostic: say why it could not be timed and go on
+            print(f"a graph of only the copies could not be timed: {failed}")
     if timeline and device.type == "cuda":
         print("one call's device activities:")
         print_timeline(fn, device)
@@ -203,6 +257,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="events listed")
     parser.add_argument("--timeline", action="store_true",
                         help="also one call's device activities beside one pinned copy of the same bytes")
+    parser.add_argument("--stream", choices=("current", "side"), default="current",
+                        help="issue the calls on the current stream or on a non-blocking stream of the script's")
     args = parser.parse_args()
 
     from kvlayout.bench import cases as C
@@ -217,7 +273,7 @@ def main() -> None:
     except ValueError as unknown:
         raise SystemExit(str(unknown)) from None
     for case in chosen:
-        profile_case(case, device, args.calls, args.top, args.timeline)
+        profile_case(case, device, args.calls, args.top, args.timeline, args.stream == "side")
 
 
 if __name__ == "__main__":
