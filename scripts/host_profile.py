@@ -226,15 +226,16 @@ def profile_case(case, device: torch.device, calls: int, top: int, timeline: boo
         print(f"{e.key[:48]:48} {e.count / per_call:9.2f} {e.self_cpu_time_total / per_call:17.2f}")
     if counts:
         src, _, dst, _ = C.endpoints(case, data)
-        host_side = dst if src.is_cuda else src
+        to_host = src.device.type == "cuda"
+        nbytes = sum(t.nbytes for t in (dst if to_host else src).tensors)
         copies = counts["chunks"]
         try:
             if side_stream:
                 with torch.cuda.stream(stream):
-                    alone = copy_graph_host_us(device, host_side.nbytes, copies, src.is_cuda, calls)
+                    alone = copy_graph_host_us(device, nbytes, copies, to_host, calls)
             else:
-                alone = copy_graph_host_us(device, host_side.nbytes, copies, src.is_cuda, calls)
-            print(f"a graph of only {copies} pinned copies of the same {host_side.nbytes} bytes, on the same stream: "
+                alone = copy_graph_host_us(device, nbytes, copies, to_host, calls)
+            print(f"a graph of only {copies} pinned copies of the same {nbytes} bytes, on the same stream: "
                   f"host {alone:.1f} µs per replay (median of {calls})")
         except RuntimeError as failed:       # a diagnostic: say why it could not be timed and go on
             print(f"a graph of only the copies could not be timed: {failed}")
