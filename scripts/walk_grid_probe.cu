@@ -26,9 +26,10 @@
 //   buffer, then one pinned copy_; from the host the copy first); GB/s against
 //   the pinned copy_ of the same bytes timed alike.
 //
-// launch: the host's cost of launching parameter blocks of 8, 32, 64 and 128
-//   segments (the library's tables hold 8 or 128), an empty kernel, back to
-//   back and with the device idle before it.
+// launch: the cost of launching parameter blocks of 8, 32, 64 and 128
+//   segments (the library's tables hold 8 or 128) and a peer's 64 bytes, an
+//   empty kernel: the host's, back to back and with the device idle before
+//   it; the device's, the host's issue time hidden, of 1 CTA and of 8,192.
 //
 // Per case and variant: the median kernel time over `reps` launches (CUDA
 // events around one launch, L2 flushed by a read before each), the grid, and
@@ -643,62 +644,109 @@ void run_host(Probe& probe) {
   }
 }
 
-// A kernel that takes a launch's parameter block of N segments and does
-// nothing with it (but read one field, so that the block is passed).
-template <int N>
-__global__ void params_kernel(const __grid_constant__ CopyRowsParams<N> p, int* sink) {
-  if (p.a.tokens < 0) *sink = p.src_base[N - 1] != nullptr;
+// A kernel that takes a parameter block and does nothing with it (but read
+// its first word, so that the block is passed).
+template <typename Params>
+__global__ void params_kernel(const __grid_constant__ Params p, int* sink) {
+  if (*reinterpret_cast<const int*>(&p) < 0) *sink = 1;
 }
 
-// The host's cost of launching a parameter block of N segments (the
-// library's tables hold 8 or 128): per launch back to back (2,000 launches
-// after a synchronisation, the host's clock), and one launch with the
-// device idle before it (the host's clock around the launch call, and the
-// events' time from before the launch to the kernel's end: what an idle
-// call's end-to-end time pays for launching).
-template <int N>
-void launch_row(Probe& probe) {
-  CopyRowsParams<N> p{};
-  p.a.tokens = 1;
-  const auto launch = [&] { params_kernel<N><<<1, 32>>>(p, probe.sink); };
-  for (int i = 0; i < 100; ++i) launch();
+// Spins for `cycles` clock cycles: holds the device busy while the host
+// issues what is timed after it.
+__global__ void spin_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+// A peer's parameter block: a few pointers and sizes (64 bytes).
+struct SmallParams {
+  int tokens;
+  int pad;
+  const void* pointers[5];
+  long long sizes[2];
+};
+
+// The cost of launching a parameter block (the library's tables hold 8 or
+// 128 segments; a peer's kernel takes a few pointers): per launch back to
+// back (2,000 launches after a synchronisation, the host's clock); one
+// launch with the device idle before it (the host's clock around the launch
+// call, and the events' time from before the launch to the kernel's end:
+// what an idle call's end-to-end time pays for launching); and, with the
+// device held busy while the host issues (a spinning kernel first), the
+// events' time around one launch of 1 CTA and of `wide_ctas` CTAs of 128
+// threads (the device's own cost of starting the kernel and its CTAs with
+// that block, the host's issue time hidden: what the bench's kernel-only
+// timing of a small row pays).
+template <typename Params>
+void launch_row(Probe& probe, const char* name, const Params& p, int wide_ctas) {
+  const auto launch = [&](int ctas, int threads) { params_kernel<Params><<<ctas, threads>>>(p, probe.sink); };
+  for (int i = 0; i < 100; ++i) launch(1, 32);
   CHECK(cudaDeviceSynchronize());
   constexpr int kBackToBack = 2000;
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < kBackToBack; ++i) launch();
+  for (int i = 0; i < kBackToBack; ++i) launch(1, 32);
   const auto t1 = std::chrono::steady_clock::now();
   CHECK(cudaDeviceSynchronize());
   const double back_to_back = std::chrono::duration<double, std::micro>(t1 - t0).count() / kBackToBack;
-  std::vector<double> host_us, device_us;
-  for (int r = 0; r < probe.reps + 3; ++r) {
-    CHECK(cudaDeviceSynchronize());
-    CHECK(cudaEventRecord(probe.e0));
-    const auto a = std::chrono::steady_clock::now();
-    launch();
-    const auto b = std::chrono::steady_clock::now();
-    CHECK(cudaEventRecord(probe.e1));
-    CHECK(cudaEventSynchronize(probe.e1));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, probe.e0, probe.e1));
-    if (r < 3) continue;
-    host_us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
-    device_us.push_back(ms * 1e3);
-  }
-  CHECK(cudaGetLastError());
-  std::sort(host_us.begin(), host_us.end());
-  std::sort(device_us.begin(), device_us.end());
-  std::printf("%4d segments %6zu B   %8.2f   %8.2f   %8.2f\n", N, sizeof(p), back_to_back,
-              host_us[host_us.size() / 2], device_us[device_us.size() / 2]);
+  const auto median = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  int clock_khz = 0;
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  // events around one launch; busy: after a 50 us spin, so that the host's issue time is hidden
+  const auto timed = [&](bool busy, int ctas, int threads, std::vector<double>* host_us) {
+    std::vector<double> device_us;
+    for (int r = 0; r < probe.reps + 3; ++r) {
+      CHECK(cudaDeviceSynchronize());
+      if (busy) spin_kernel<<<1, 1>>>(static_cast<long long>(clock_khz) * 50 / 1000);
+      CHECK(cudaEventRecord(probe.e0));
+      const auto a = std::chrono::steady_clock::now();
+      launch(ctas, threads);
+      const auto b = std::chrono::steady_clock::now();
+      CHECK(cudaEventRecord(probe.e1));
+      CHECK(cudaEventSynchronize(probe.e1));
+      float ms;
+      CHECK(cudaEventElapsedTime(&ms, probe.e0, probe.e1));
+      if (r < 3) continue;
+      if (host_us != nullptr) host_us->push_back(std::chrono::duration<double, std::micro>(b - a).count());
+      device_us.push_back(ms * 1e3);
+    }
+    CHECK(cudaGetLastError());
+    return median(device_us);
+  };
+  std::vector<double> host_us;
+  const double idle = timed(false, 1, 32, &host_us);
+  const double busy_one = timed(true, 1, 32, nullptr);
+  const double busy_wide = timed(true, wide_ctas, 128, nullptr);
+  std::printf("%-14s %6zu B   %8.2f   %8.2f   %8.2f   %8.2f   %8.2f\n", name, sizeof(p), back_to_back,
+              median(host_us), idle, busy_one, busy_wide);
+}
+
+template <int N>
+void launch_table_row(Probe& probe, int wide_ctas) {
+  CopyRowsParams<N> p{};
+  p.a.tokens = 1;
+  const std::string name = std::to_string(N) + " segments";
+  launch_row(probe, name.c_str(), p, wide_ctas);
 }
 
 void run_launch(Probe& probe) {
-  std::printf("\n== launch: parameter blocks of N segments, an empty kernel, medians\n");
-  std::printf("table         block     host us/launch   host us idle   idle launch to end us\n");
-  launch_row<8>(probe);
-  launch_row<32>(probe);
-  launch_row<64>(probe);
-  launch_row<128>(probe);
-  launch_row<8>(probe);  // (again: the first row also warmed the process up)
+  constexpr int kWideCtas = 8192;  // the MLA row at T = 256 (32 layers x 256 tokens, one row per CTA)
+  std::printf("\n== launch: parameter blocks, an empty kernel, medians (busy: events around one launch after a "
+              "50 us spin; wide: %d CTAs of 128 threads)\n", kWideCtas);
+  std::printf("block          bytes    host us/launch   host us idle   idle launch to end us   busy 1 CTA us"
+              "   busy wide us\n");
+  SmallParams small{};
+  small.tokens = 1;
+  launch_row(probe, "a peer's", small, kWideCtas);
+  launch_table_row<8>(probe, kWideCtas);
+  launch_table_row<32>(probe, kWideCtas);
+  launch_table_row<64>(probe, kWideCtas);
+  launch_table_row<128>(probe, kWideCtas);
+  launch_row(probe, "a peer's", small, kWideCtas);  // (again: the first row also warmed the process up)
+  launch_table_row<8>(probe, kWideCtas);
 }
 
 int main(int argc, char** argv) {
