@@ -89,6 +89,9 @@ class Case:
     #                         ops.set_staged_chunks(1): chunks of a ring slot's capacity, the fewest nodes)
     #                         or "device-launch" (replayed, with ops.set_staged_graph_launch("device"): the
     #                         kept graph the body of a conditional node, one node for the host's launch);
+    #                         or "new-length" (each call a length the engine has not run, T - 1 ... T -
+    #                         NEW_LENGTHS tokens in turn, under ops.set_staged_graph_reuse("prefix"): the
+    #                         graphs of their whole-chunk prefixes replayed, the rest issued directly);
     #                         or "bind-per-call" (both caches bound anew at each call, as an adapter that
     #                         binds a fresh host chunk per call does: the staged engine plans every call;
     #                         with engine "kernel" too, its twin); host_hints: "default-hints"
@@ -114,8 +117,10 @@ class Case:
         return SHAPES[self.shape].L if self.layerwise or self.group == "host_cost" else 1
 
     def payload_bytes(self, itemsize: int = 2) -> int:
+        """Bytes one call moves (a "new-length" row's: its calls' mean, T - (NEW_LENGTHS + 1) / 2 tokens)."""
         s = SHAPES[self.shape]
-        return s.planes * s.L * self.T * s.row_bytes(itemsize)
+        tokens = self.T - (NEW_LENGTHS + 1) / 2 if self.call == "new-length" else self.T
+        return round(s.planes * s.L * tokens * s.row_bytes(itemsize))
 
 
 def _default_layouts(shape: Shape) -> tuple[str, str]:
@@ -204,8 +209,9 @@ def plan_cases(quick: bool) -> list[Case]:
         dev, buf = _default_layouts(SHAPES[name])
         cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged"))
         if T >= 4096 and name in shapes[:3]:
-            # a new shape's call (issued directly), and a repeated one whose graph the device launches
-            for call in ("direct", "device-launch"):
+            # a new shape's call (issued directly), calls of new lengths (their prefixes' graphs replayed), and
+            # a repeated one whose graph the device launches
+            for call in ("direct", "new-length", "device-launch"):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call=call))
         if T == 4096 and name in shapes[:3]:
             for ctas in ((4,) if quick else (1, 2, 4, 8)):
@@ -468,6 +474,22 @@ def _bound_anew(src: KVCache, dst: KVCache) -> tuple[KVCache, KVCache]:
     return ops.bind(src.layout, src.value), ops.bind(dst.layout, dst.value)
 
 
+def _new_length_slots(ss, ds, tokens: int):
+    """The slot arguments of a call of the first ``tokens`` tokens (views of the case's slots)."""
+    return (None if ss is None else ss[:tokens]), (None if ds is None else ds[:tokens])
+
+
+def _new_lengths_fn(case: Case, src, ss, dst, ds):
+    """A "new-length" row's call: the first T - i tokens, i = 1 ... NEW_LENGTHS in turn (views of the slots
+    made once: what is timed is the engine's call)."""
+    lengths = itertools.cycle([_new_length_slots(ss, ds, case.T - i) for i in range(1, NEW_LENGTHS + 1)])
+
+    def new_length():
+        s, d = next(lengths)
+        ops.transfer(src, dst, s, d, max_ctas=case.max_ctas, engine=case.engine)
+    return new_length
+
+
 def kvlayout_fn(case: Case, data: dict):
     """The measured kvlayout call(s)."""
     src, ss, dst, ds = endpoints(case, data)
@@ -476,6 +498,8 @@ def kvlayout_fn(case: Case, data: dict):
             if case.call == "bind-per-call":
                 return lambda: ops.transfer(*_bound_anew(src, dst), ss, ds, max_ctas=case.max_ctas,
                                             engine=case.engine)
+            if case.call == "new-length":
+                return _with_setting(case, _new_lengths_fn(case, src, ss, dst, ds))
             if case.call in SETTING_CALLS:
                 return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
                                                                 engine=case.engine))
@@ -535,29 +559,36 @@ def kvlayout_fn(case: Case, data: dict):
 
 def staged_counts(case: Case, data: dict) -> dict:
     """For an all-layer host transfer that its engine stages: the call's ``chunks``, the ``graph_nodes`` of
-    the graph it replays (0: issued directly) and whether that graph runs as a conditional node's body
-    (``graph_on_device``), as ``ops.explain`` gives them after the timed calls; {}
-    where the call is not staged. What a staged call's host time grows with."""
+    the graph it replays (0: issued directly), whether that graph runs as a conditional node's body
+    (``graph_on_device``) and the tokens of the call it was captured from (``graph_tokens``: a "new-length"
+    row's, of a length it never ran, is its whole-chunk prefix's), as ``ops.explain`` gives them after the
+    timed calls; {} where the call is not staged. What a staged call's host time grows with."""
     if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
         return {}
     src, ss, dst, ds = endpoints(case, data)
+    if case.call == "new-length":   # a length the row never ran (nor the engine: not seen, not kept)
+        ss, ds = _new_length_slots(ss, ds, case.T - NEW_LENGTHS - 1)
     with _setting(case):
         explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
     if explained["engine"] != "staged":
         return {}
     return {"chunks": explained["chunks"], "graph_nodes": explained["graph_nodes"],
-            "graph_on_device": explained["graph_on_device"]}
+            "graph_on_device": explained["graph_on_device"], "graph_tokens": explained["graph_tokens"]}
 
 
 # the calls that run under a setting of their own (_setting)
-SETTING_CALLS = ("direct", "slot-chunks", "device-launch", "default-hints")
+SETTING_CALLS = ("direct", "new-length", "slot-chunks", "device-launch", "default-hints")
+# a "new-length" row's calls cycle through this many lengths below its T: more than a staged engine remembers
+# (16 shapes seen once), so that every call's length is new to it
+NEW_LENGTHS = 64
 
 
 @contextlib.contextmanager
 def _setting(case: Case):
     """The setting ``case`` runs under while the block runs (restored after, also when the call raises): no
     staged graph kept for a "direct" row (``ops.set_cache_capacity(staged_graphs=0)``: every call issued
-    directly, as a new shape's is), ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
+    directly, as a new shape's is), ``ops.set_staged_graph_reuse("prefix")`` for a "new-length" row,
+    ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
     slot's capacity; a call shape is captured and replayed under it as under the default),
     ``ops.set_staged_graph_launch("device")`` for a "device-launch" row (the kept graph the body of a
     conditional node), ``ops.set_host_cache_hints("default")`` for a "default-hints" row,
@@ -566,6 +597,9 @@ def _setting(case: Case):
     if case.call == "direct":
         restore = functools.partial(ops.set_cache_capacity, staged_graphs=_C.staged_graph_capacity())
         ops.set_cache_capacity(staged_graphs=0)
+    elif case.call == "new-length":
+        restore = functools.partial(ops.set_staged_graph_reuse, ops.staged.staged_graph_reuse())
+        ops.set_staged_graph_reuse("prefix")
     elif case.call == "slot-chunks":
         restore = functools.partial(ops.set_staged_chunks, _C.staged_chunks())
         ops.set_staged_chunks(1)

@@ -16,8 +16,10 @@ kernel row), since that is what a caller gets by default:
   256 MiB copy or more, end to end;
 * ``staged host work``: at most 50 µs of host time per staged call (a repeated call shape, replayed from its
   graph); ``staged host work, new shape``: the same bound for the bench's staged rows issued directly (the
-  ``direct`` call: no graph kept, as for a shape not seen before); ``staged host work, graph launched on the
-  device``: the same bound for the ``device-launch`` rows (``ops.set_staged_graph_launch("device")``);
+  ``direct`` call: no graph kept, as for a shape not seen before); ``staged host work, new length``: the
+  same bound for the ``new-length`` rows (each call a token count the engine has not run, its whole-chunk
+  prefix's graph replayed: ``ops.set_staged_graph_reuse("prefix")``); ``staged host work, graph launched on
+  the device``: the same bound for the ``device-launch`` rows (``ops.set_staged_graph_launch("device")``);
 * ``copy engine run list``: the copy engine's run list built in C++ in at most 100 µs of host time per
   8,192 copies (the bench's ``run_list_us``: the list built as the call builds it, not issued; the rest of
   the call is the driver's batched copy call; a record without it is judged by the whole call's host time).
@@ -89,7 +91,7 @@ def auto_rows(rows: list[dict], calibration: dict | None = None) -> list[dict]:
 
 
 # how the staged rows that are not an engine's repeated call are named
-CALL_NAMES = {"direct": "issued directly", "slot-chunks": "in slot-sized chunks",
+CALL_NAMES = {"direct": "issued directly", "new-length": "new lengths", "slot-chunks": "in slot-sized chunks",
               "device-launch": "graph launched on the device", "bind-per-call": "caches bound anew per call"}
 
 
@@ -141,10 +143,12 @@ def checks(doc: dict) -> list[Check]:
     for r in rows:
         if (r["group"] == "staged" and r["engine"] == "staged" and "gbps" in r
                 and r.get("call") not in ("slot-chunks", "bind-per-call")):   # (not a default call)
-            target = {"direct": "staged host work, new shape",
+            target = {"direct": "staged host work, new shape", "new-length": "staged host work, new length",
                       "device-launch": "staged host work, graph launched on the device"}.get(r.get("call"),
                                                                                           "staged host work")
             where = ", the body of a conditional node" if r.get("graph_on_device") else ""
+            if r.get("graph_tokens") and r["graph_tokens"] < r["T"]:
+                where += f", of its first {r['graph_tokens']} tokens"
             counts = f" ({r['chunks']} chunks, graph of {r['graph_nodes']} nodes{where})" if r.get("graph_nodes") else (
                 f" ({r['chunks']} chunks, issued directly)" if "chunks" in r else "")
             out.append(Check(target, _name(r), f"{r['host_us_per_call']:.1f} µs{counts}",

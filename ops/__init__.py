@@ -30,12 +30,12 @@ from .pages import dummy_flat_page, get_page, page_buffer_meta, page_spans, set_
 from .prepared import PreparedTransfer, prepare
 from .programs import plan
 from .rope import rope_reposition
-from .staged import release_staging, set_staged_chunks, set_staged_graph_launch
+from .staged import release_staging, set_staged_chunks, set_staged_graph_launch, set_staged_graph_reuse
 from .transfer import check_errors, explain, gather, move, scatter, skip_prefix, transfer
 from .views import KVCache, bind
 
 __all__ = ["KVCache", "bind", "transfer", "explain", "prepare", "PreparedTransfer", "gather", "scatter", "move",
            "skip_prefix", "check_errors", "plan", "get_page", "set_page", "zero_page", "page_spans",
            "page_buffer_meta", "dummy_flat_page", "rope_reposition", "release_staging", "set_staged_chunks",
-           "set_staged_graph_launch",
+           "set_staged_graph_launch", "set_staged_graph_reuse",
            "set_host_cache_hints", "set_host_launch_shape", "cache_info", "set_cache_capacity", "calibrate"]

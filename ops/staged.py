@@ -154,6 +154,30 @@ def staged_graph_launch() -> str:
 
 set_staged_graph_launch(environment_choice("KVLAYOUT_STAGED_GRAPH_LAUNCH", GRAPH_LAUNCHES))
 
+GRAPH_REUSES = ("exact", "prefix")   # set_staged_graph_reuse's choices, the default first
+
+
+def set_staged_graph_reuse(reuse: str) -> None:
+    """Which kept graph a staged call of a token count not run before replays: ``"exact"`` (the default,
+    ``KVLAYOUT_STAGED_GRAPH_REUSE``): only its own, so a new length is issued directly, chunk by chunk (its
+    second call is captured); ``"prefix"``: also the graph of its whole-chunk prefix (the call of ``P`` tokens,
+    ``P`` the largest ``skip_prefix + k * chunk_tokens`` below ``T``, captured the second time any call's
+    prefix is ``P``), then only tokens ``P..T-1`` issued directly, so that an engine whose calls vary in
+    length shares a few graphs. A length run before still gets its own graph. ``ops.explain``'s
+    ``graph_tokens`` says which graph a call replays. Process-wide; a call reads it once. Results are the same
+    bytes either way."""
+    if reuse not in GRAPH_REUSES:
+        raise ValueError(f"a staged graph's reuse must be one of {GRAPH_REUSES}, got {reuse!r}")
+    _C.set_staged_graph_prefixes(reuse == "prefix")
+
+
+def staged_graph_reuse() -> str:
+    """The setting of :func:`set_staged_graph_reuse`."""
+    return GRAPH_REUSES[int(_C.staged_graph_prefixes())]
+
+
+set_staged_graph_reuse(environment_choice("KVLAYOUT_STAGED_GRAPH_REUSE", GRAPH_REUSES))
+
 
 @dataclasses.dataclass
 class StagedPlan:
@@ -692,19 +716,21 @@ class _Transfer:
 
 
 def kept_graph(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int,
-               skip_prefix: int) -> tuple[int, bool]:
-    """``(nodes, on_device)`` of the graph that the current stream's ring keeps for this call's shape, which the
-    call replays unless it validates: its captured nodes (a launch that issues them from the host takes time
-    that grows with them) and whether it runs as a conditional node's body (:func:`set_staged_graph_launch`);
-    ``(0, False)`` where none is kept: the call is issued directly (a shape's first two calls are, and every
+               skip_prefix: int) -> tuple[int, bool, int]:
+    """``(nodes, on_device, tokens)`` of the graph that the current stream's ring keeps for this call's shape,
+    which the call replays unless it validates: its captured nodes (a launch that issues them from the host
+    takes time that grows with them), whether it runs as a conditional node's body
+    (:func:`set_staged_graph_launch`) and the token count of the call it was captured from (fewer than
+    ``num_tokens``: the call's whole-chunk prefix, :func:`set_staged_graph_reuse`, the rest issued directly);
+    ``(0, False, 0)`` where none is kept: the call is issued directly (a shape's first two calls are, and every
     call under graph capture)."""
     if torch.cuda.is_current_stream_capturing():
-        return 0, False
+        return 0, False, 0
     device = choice.device
     ring = _RINGS.get(_ring_key(device, torch.cuda.current_stream(device)))
     transfer = ring.transfers.find(choice, use=False) if ring is not None else None
     if transfer is None:
-        return 0, False
+        return 0, False, 0
     device_slots = src_slots if staged.host_is_dst else dst_slots
     slot_bytes = 0 if device_slots is None else device_slots.element_size()
     return transfer.native.kept_graph(num_tokens, skip_prefix, choice.max_ctas, slot_bytes)

@@ -188,8 +188,10 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     answer also gives the call's layer ``groups``, ``chunks``, ``chunk_tokens`` and ``short_chunk_tokens``
     (its one short chunk's, first to the host and last from it; 0: none), ``graph_nodes``: the
     nodes of the graph kept for this call shape on the current stream, which the call replays (unless it
-    validates), or 0 where none is kept and the call is issued directly, and ``graph_on_device``: whether that
-    graph runs as a conditional node's body (:func:`~kvlayout.ops.set_staged_graph_launch`).
+    validates), or 0 where none is kept and the call is issued directly, ``graph_on_device``: whether that
+    graph runs as a conditional node's body (:func:`~kvlayout.ops.set_staged_graph_launch`), and
+    ``graph_tokens``: the token count of the call it was captured from (0: none; below the call's token count:
+    its whole-chunk prefix's graph, the rest issued directly, :func:`~kvlayout.ops.set_staged_graph_reuse`).
     """
     c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,
@@ -201,12 +203,12 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
         return {"engine": engine, "reason": "asked for"}
     staged = _staging_choice(src, dst, c, s_slots, d_slots, T, skip_prefix, engine, allocate=False)
     if staged.stageable:
-        nodes, on_device = _staged.kept_graph(c, staged, s_slots, d_slots, T, skip_prefix)
+        nodes, on_device, graph_tokens = _staged.kept_graph(c, staged, s_slots, d_slots, T, skip_prefix)
         return {"engine": "staged", "reason": staged.reason, "groups": staged.layer_groups,
                 "chunks": staged.chunks(T, skip_prefix, c.max_ctas),
                 "chunk_tokens": staged.call_chunk_tokens(T, skip_prefix, c.max_ctas),
                 "short_chunk_tokens": staged.short_chunk_tokens(T, skip_prefix, c.max_ctas),
-                "graph_nodes": nodes, "graph_on_device": on_device,
+                "graph_nodes": nodes, "graph_on_device": on_device, "graph_tokens": graph_tokens,
                 "payload_bytes": staged.payload_bytes, "staging_bytes": _staged.STAGING_BYTES}
     return {"engine": "kernel", "reason": staged.reason}
 

@@ -851,6 +851,57 @@ def test_device_launch_rows_replay_a_graph_launched_on_the_device():
     assert all("to_host, graph launched on the device" in line for line in table[2:])
 
 
+def test_new_length_rows_call_lengths_the_engine_has_not_run_under_prefix_reuse(monkeypatch):
+    """The staged new-length rows (the three L32 shapes, both host directions, T >= 4096 without a budget): each
+    call moves the first T - i tokens, i = 1 ... NEW_LENGTHS in turn, more lengths than the engine remembers, under
+    ops.set_staged_graph_reuse("prefix") (restored after, also when the call raises); the row's bytes are its
+    calls' mean; no peer is matched to them; the staged table says the graph is a prefix's."""
+    from kvlayout import _C
+    from kvlayout.bench import peers as P
+    from kvlayout.bench import summary
+
+    planned = [c for c in C.plan_cases(quick=False) if c.call == "new-length"]
+    assert {(c.shape, c.T, c.direction, c.max_ctas) for c in planned} == {
+        (shape, T, direction, 0) for shape in ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
+        for direction in ("to_host", "from_host") for T in (4096, 32768)}
+    assert all(c.engine == "staged" and c.key.endswith(" staged new-length") for c in planned)
+    assert C.NEW_LENGTHS > 16                     # (a staged engine remembers 16 shapes run once)
+    case = planned[0]
+    whole = dataclasses.replace(case, call="transfer")
+    assert case.payload_bytes() * case.T == pytest.approx(whole.payload_bytes() * (case.T - (C.NEW_LENGTHS + 1) / 2))
+    moved = []
+
+    def transfer(src, dst, src_slots, dst_slots, **options):
+        moved.append(((src_slots if src_slots is not None else dst_slots).shape[0], _C.staged_graph_prefixes(),
+                      options))
+    monkeypatch.setattr(C.ops, "transfer", transfer)
+    slots = torch.arange(case.T)
+    for to_host in (True, False):
+        moved.clear()
+        ss, ds = (slots, None) if to_host else (None, slots)
+        call = C._with_setting(case, C._new_lengths_fn(case, "src", ss, "dst", ds))
+        for _ in range(C.NEW_LENGTHS + 2):
+            call()
+        lengths = [n for n, _, _ in moved]
+        assert lengths == [case.T - i for i in range(1, C.NEW_LENGTHS + 1)] + [case.T - 1, case.T - 2]
+        assert all(prefixes and options == {"max_ctas": 0, "engine": "staged"} for _, prefixes, options in moved)
+        assert not _C.staged_graph_prefixes()
+
+    def fails():
+        raise RuntimeError("a failed call")
+    with pytest.raises(RuntimeError, match="a failed call"):
+        C._with_setting(case, fails)()
+    assert not _C.staged_graph_prefixes()
+    assert P.load_peers().matching(case) == []
+    base = {"group": "staged", "shape": "L32_H8_D128", "T": 4096, "direction": "to_host", "max_ctas": 0,
+            "gbps": 50.0, "limit_gbps": 55.0, "kernel_gbps": 51.0, "host_us": 20.0, "call": "new-length"}
+    rows = [dict(base, chunks=16, graph_nodes=46, graph_tokens=3840),
+            dict(base, chunks=16, graph_nodes=0, graph_tokens=0)]    # (no prefix kept: issued directly)
+    table = summary.staged(rows).splitlines()
+    assert [line.split(" | ")[8] for line in table[2:]] == ["16 / 46 of 3840 tokens", "16 / direct"]
+    assert all("to_host, new lengths" in line for line in table[2:])
+
+
 def test_host_hint_rows_run_the_kernel_with_the_default_cache_operators():
     """The host_hints rows (L32 shapes, both host directions, T = 256 and 4096, without a budget and under 1 and
     4 SMs) run their call under ops.set_host_cache_hints("default") and restore the setting; no peer is

@@ -68,6 +68,8 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(group="staged", engine="staged", T=32768, host_us_per_call=50.1, chunks=128, graph_nodes=385),
         _row(group="staged", engine="staged", T=32768, host_us_per_call=400.0, call="direct", chunks=128,
              graph_nodes=0),
+        _row(group="staged", engine="staged", T=32768, host_us_per_call=45.0, call="new-length", chunks=127,
+             graph_nodes=382, graph_tokens=32512),
         _row(group="staged", engine="staged", T=32768, host_us_per_call=900.0, call="slot-chunks"),  # not judged
         _row(group="staged", engine="staged", T=32768, host_us_per_call=60.0, call="device-launch", chunks=128,
              graph_nodes=513, graph_on_device=True),
@@ -88,6 +90,7 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["peers, end to end"]] == [False]
     assert [c.met for c in found["staged host work"]] == [True, False]
     assert [c.met for c in found["staged host work, new shape"]] == [False]
+    assert [c.met for c in found["staged host work, new length"]] == [True]
     assert [c.met for c in found["staged host work, graph launched on the device"]] == [False]
     assert [c.met for c in found["copy engine run list"]] == [True, False, True, False, True]
     assert [c.met for c in found["SM budget"]] == [True, False]
@@ -98,6 +101,11 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
             "nodes) | ≤ 50 µs |") in text
     assert ("| staged host work, new shape | L32_H8_D128 T=32768 to_host (staged, issued directly) | 400.0 µs "
             "(128 chunks, issued directly) | ≤ 50 µs |") in text
+    # a new-length row names the prefix whose graph its calls replay
+    new_length = [c for c in targets.checks({"results": rows}) if c.target == "staged host work, new length"]
+    assert [(c.row, c.measured) for c in new_length] == [
+        ("L32_H8_D128 T=32768 to_host (staged, new lengths)",
+         "45.0 µs (127 chunks, graph of 382 nodes, of its first 32512 tokens)")]
     assert ("| staged host work, graph launched on the device | L32_H8_D128 T=32768 to_host (staged, graph "
             "launched on the device) | 60.0 µs (128 chunks, graph of 513 nodes, the body of a conditional node) "
             "| ≤ 50 µs |") in text

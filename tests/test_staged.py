@@ -306,25 +306,56 @@ def test_threads_taking_rings_at_once_keep_at_most_the_bound(monkeypatch):
     assert ops.cache_info()["staging"] == len(staged_mod._RINGS) <= staged_mod.KEPT_RINGS
 
 
-def test_how_a_kept_graph_is_launched_is_a_setting_and_a_variable():
-    """ops.set_staged_graph_launch: "host" (the default) or "device" (staged_graph_launch() reads it, and the
-    native flag the engine reads at each call follows it); anything else refused; KVLAYOUT_STAGED_GRAPH_LAUNCH
-    sets it at import."""
-    assert staged_mod.staged_graph_launch() == "host" and not _C.staged_graph_on_device()
+# the settings of kept graphs: (setter, reader, the native flag the engine reads, default, the other choice,
+# variable, refusal)
+GRAPH_SETTINGS = {
+    "launch": (ops.set_staged_graph_launch, staged_mod.staged_graph_launch, _C.staged_graph_on_device, "host",
+               "device", "KVLAYOUT_STAGED_GRAPH_LAUNCH",
+               r"a staged graph's launch must be one of \('host', 'device'\)"),
+    "reuse": (ops.set_staged_graph_reuse, staged_mod.staged_graph_reuse, _C.staged_graph_prefixes, "exact",
+              "prefix", "KVLAYOUT_STAGED_GRAPH_REUSE", r"a staged graph's reuse must be one of \('exact', 'prefix'\)"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(GRAPH_SETTINGS))
+def test_how_kept_graphs_are_launched_and_reused_are_settings_and_variables(setting):
+    """ops.set_staged_graph_launch ("host", the default, or "device") and ops.set_staged_graph_reuse ("exact",
+    the default, or "prefix"): the reader gives the setting and the native flag the engine reads at each call
+    follows it; anything else refused (a refused value changes nothing); each one's variable sets it at
+    import."""
+    set_to, read, native, default, other, variable, refusal = GRAPH_SETTINGS[setting]
+    assert read() == default and not native()
     try:
-        ops.set_staged_graph_launch("device")
-        assert staged_mod.staged_graph_launch() == "device" and _C.staged_graph_on_device()
+        set_to(other)
+        assert read() == other and native()
         for bad in ("gpu", None, True):
-            with pytest.raises(ValueError, match=r"a staged graph's launch must be one of \('host', 'device'\)"):
-                ops.set_staged_graph_launch(bad)
-        assert _C.staged_graph_on_device()           # (a refused value changes nothing)
+            with pytest.raises(ValueError, match=refusal):
+                set_to(bad)
+        assert native()                              # (a refused value changes nothing)
     finally:
-        ops.set_staged_graph_launch("host")
-    assert not _C.staged_graph_on_device()
-    read = "ops.staged.staged_graph_launch()"
-    assert TC.read_at_import("KVLAYOUT_STAGED_GRAPH_LAUNCH", "device", read).stdout.strip() == "device"
-    bad = TC.read_at_import("KVLAYOUT_STAGED_GRAPH_LAUNCH", "gpu", read)
-    assert bad.returncode != 0 and "KVLAYOUT_STAGED_GRAPH_LAUNCH = 'gpu'" in bad.stderr
+        set_to(default)
+    assert not native()
+    reader = f"ops.staged.{read.__name__}()"
+    assert TC.read_at_import(variable, other, reader).stdout.strip() == other
+    bad = TC.read_at_import(variable, "gpu", reader)
+    assert bad.returncode != 0 and f"{variable} = 'gpu'" in bad.stderr
+
+
+@pytest.mark.parametrize("num_tokens, skip_prefix, per_chunk, prefix", [
+    (45, 0, 16, 32),      # two whole chunks, then 13 tokens
+    (45, 5, 16, 37),      # from skip_prefix on
+    (22, 5, 16, 21),      # one whole chunk, then 1 token
+    (21, 5, 16, 0),       # whole chunks only: the call is its own prefix
+    (20, 5, 16, 0),       # no whole chunk
+    (5, 5, 16, 0),        # nothing to move
+    (3, 5, 16, 0),
+    (45, 0, 1, 0),        # chunks of one token are all whole
+    (45, 0, 0, 0),        # (no chunk)
+])
+def test_a_calls_whole_chunk_prefix(num_tokens, skip_prefix, per_chunk, prefix):
+    """The prefix whose graph a call of a new length may replay (ops.set_staged_graph_reuse("prefix")):
+    skip_prefix plus the call's whole chunks, only where that leaves a partial chunk to issue directly."""
+    assert _C.staged_whole_chunk_prefix(num_tokens, skip_prefix, per_chunk) == prefix
 
 
 def _pool(mla=False, fill=0x5A5A):
@@ -1445,6 +1476,78 @@ def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
     _twice_each(cache, chunk, range(20, 40))
     kept = _kept_transfer(cache, chunk)
     assert kept.native.kept_graphs == 8 and kept.native.replayed_calls == 20
+
+
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+@pytest.mark.parametrize("max_ctas", [0, 2])
+def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_device, direction, max_ctas,
+                                                                        ring_bytes):
+    """ops.set_staged_graph_reuse("prefix"), calls of lengths not run before that share one whole-chunk prefix P:
+    the first is issued directly, the second captures the graph of the call of P tokens and replays it, the rest
+    issued directly, and a third replays it at its first call (ops.explain: graph_tokens P); a length run
+    before gets its own graph; under "exact" a new length replays nothing. Every call moves exactly what the CPU
+    kernel moves (fresh int32 and int64 slots, a token without a device row, skip_prefix, an SM budget)."""
+    ring_bytes(64 << 10)                          # chunks of at most a slot: several per call
+    to_host = direction == "to_host"
+    skip, g = 3, torch.Generator().manual_seed(17)
+    cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
+    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
+    src, dst, cpu_src, cpu_dst = (cache, chunk, cpu_cache, cpu_chunk) if to_host else \
+        (chunk, cache, cpu_chunk, cpu_cache)
+
+    def slot_args(slots):
+        return (slots,) if to_host else (None, slots)
+
+    def explained(T):
+        slots = torch.arange(T, device=cuda_device)
+        return ops.explain(src, dst, *slot_args(slots), skip_prefix=skip, max_ctas=max_ctas, engine="staged")
+
+    def prefix_of(T):
+        return _C.staged_whole_chunk_prefix(T, skip, explained(T)["chunk_tokens"])
+
+    by_prefix = {}
+    for T in range(skip + 1, 49):
+        if prefix_of(T):
+            by_prefix.setdefault(prefix_of(T), []).append(T)
+    P, lengths = max(by_prefix.items(), key=lambda item: len(item[1]))
+    assert len(lengths) >= 4, by_prefix           # (the ring's slots hold chunks of several tokens)
+    first, second, third, unseen = lengths[:4]
+
+    def call(T, i):
+        slots = torch.randperm(NB * BS, generator=g)[:T].to((torch.int32, torch.int64)[i % 2])
+        slots[T - 1 - i % 3] = -1                  # a token without a device row
+        fresh = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
+        for c in (chunk, cpu_chunk):               # new bytes in the chunk: loaded, or left where not stored
+            c.tensors[0].view(torch.int16).copy_(fresh)
+        ops.transfer(src, dst, *slot_args(slots.to(cuda_device)), skip_prefix=skip, max_ctas=max_ctas,
+                     engine="staged")
+        ops.transfer(cpu_src, cpu_dst, *slot_args(slots), skip_prefix=skip)
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(chunk), _bytes(cpu_chunk)) and torch.equal(_bytes(cache), _bytes(cpu_cache)), T
+
+    def counts():
+        kept = checked_choice(src, dst, None, None, None, None, max_ctas, "staged").staged_kept()
+        return kept.native.kept_graphs, kept.native.replayed_calls
+
+    try:
+        ops.set_staged_graph_reuse("prefix")
+        call(first, 0)                             # issued directly (its prefix seen once)
+        assert explained(second)["graph_tokens"] == 0
+        call(second, 1)                            # the prefix's second sighting: captured, replayed
+        assert counts() == (1, 1)
+        new = explained(third)
+        assert new["graph_tokens"] == P and new["graph_nodes"] > 0, new
+        call(third, 2)                             # a new length, its prefix kept: replayed at once
+        assert counts() == (1, 2)
+        call(third, 3)                             # run before: its own graph, captured now
+        assert counts() == (2, 3)
+        assert explained(third)["graph_tokens"] == third
+        ops.set_staged_graph_reuse("exact")
+        assert explained(unseen)["graph_tokens"] == 0
+        call(unseen, 4)                            # a new length replays nothing
+        assert counts() == (2, 3)
+    finally:
+        ops.set_staged_graph_reuse("exact")
 
 
 def test_staged_graph_capacity_bounds_the_graphs_and_zero_issues_every_call_directly(cuda_device, ring_bytes,

@@ -583,11 +583,11 @@ class StagedTransfer {
 
   int64_t replayed_calls() const { return engine_->replayed_calls(); }
   int64_t kept_graphs() const { return engine_->kept_graphs(); }
-  std::tuple<int64_t, bool> kept_graph(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas,
-                                       int64_t slot_bytes) const {
+  std::tuple<int64_t, bool, int64_t> kept_graph(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas,
+                                                int64_t slot_bytes) const {
     const KeptGraph kept = engine_->kept_graph(
         StagedArgs{std::nullopt, num_tokens, skip_prefix, max_ctas, false}, slot_bytes);
-    return {kept.nodes, kept.on_device};
+    return {kept.nodes, kept.on_device, kept.tokens};
   }
 
  private:
@@ -742,9 +742,11 @@ PYBIND11_MODULE(_C, m) {
                              "Captured call shapes kept now (at most the staged graph capacity).")
       .def("kept_graph", &StagedTransfer::kept_graph, py::arg("num_tokens"), py::arg("skip_prefix"),
            py::arg("max_ctas"), py::arg("slot_bytes"),
-           "(nodes, on_device) of the graph kept for this call shape (slot_bytes: the device slots' "
-           "element size, 0 for none), which a call of it that does not validate replays: its "
-           "captured nodes (0: none kept) and whether it runs as a conditional node's body.");
+           "(nodes, on_device, tokens) of the graph kept for this call shape (slot_bytes: the device "
+           "slots' element size, 0 for none), which a call of it that does not validate replays: its "
+           "captured nodes (0: none kept), whether it runs as a conditional node's body, and the token "
+           "count of the call it was captured from (fewer than num_tokens: the call's whole-chunk "
+           "prefix, the rest issued directly).");
   m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
         "Captured call shapes each staged transfer keeps (0: every call issued directly).");
   m.def("staged_graph_capacity", &staged_graph_capacity);
@@ -752,6 +754,14 @@ PYBIND11_MODULE(_C, m) {
         "Whether a kept staged graph runs as the body of an always-true conditional node (the host's "
         "launch carries one node) instead of as it is.");
   m.def("staged_graph_on_device", &staged_graph_on_device);
+  m.def("set_staged_graph_prefixes", &set_staged_graph_prefixes, py::arg("on"),
+        "Whether a staged call of a token count with no graph of its own may replay the graph kept for "
+        "its whole-chunk prefix and issue only the rest directly.");
+  m.def("staged_graph_prefixes", &staged_graph_prefixes);
+  m.def("staged_whole_chunk_prefix", &staged_whole_chunk_prefix, py::arg("num_tokens"), py::arg("skip_prefix"),
+        py::arg("per_chunk"),
+        "skip_prefix plus the tokens of the call's whole chunks of per_chunk, or 0 where that is no "
+        "proper prefix of the call.");
   m.def("set_host_cache_hints", &set_host_cache_hints, py::arg("hints"),
         "The CacheHints of launches that touch pinned host memory (0: streaming, 1: default).");
   m.def("host_cache_hints", &host_cache_hints);

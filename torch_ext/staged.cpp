@@ -17,6 +17,7 @@ constexpr int64_t kMaxPitch = (int64_t(1) << 31) - 1;
 std::atomic<int64_t> graph_capacity{8};
 std::atomic<int64_t> target_chunks{kStagedChunks};
 std::atomic<bool> graph_on_device{false};
+std::atomic<bool> graph_prefixes{false};
 
 // Whether `next` is the next run of the 2-D copy `c` (one host tensor, one
 // length, the steps `c` already has, or the first step when it has none).
@@ -78,6 +79,16 @@ int64_t staged_graph_capacity() { return graph_capacity.load(std::memory_order_r
 void set_staged_graph_on_device(bool on) { graph_on_device.store(on, std::memory_order_relaxed); }
 
 bool staged_graph_on_device() { return graph_on_device.load(std::memory_order_relaxed); }
+
+void set_staged_graph_prefixes(bool on) { graph_prefixes.store(on, std::memory_order_relaxed); }
+
+bool staged_graph_prefixes() { return graph_prefixes.load(std::memory_order_relaxed); }
+
+int64_t staged_whole_chunk_prefix(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk) {
+  if (per_chunk < 1 || num_tokens <= skip_prefix) return 0;
+  const int64_t prefix = skip_prefix + (num_tokens - skip_prefix) / per_chunk * per_chunk;
+  return prefix > skip_prefix && prefix < num_tokens ? prefix : 0;
+}
 
 void set_staged_chunks(int64_t chunks) {
   TORCH_CHECK_VALUE(chunks >= 1 && chunks <= 1024,

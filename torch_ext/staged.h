@@ -203,12 +203,35 @@ int64_t staged_graph_capacity();
 void set_staged_graph_on_device(bool on);
 bool staged_graph_on_device();
 
+// Whether a call whose token count has no graph of its own yet may replay
+// the graph kept for its whole-chunk prefix (process-wide, off unless set; a
+// call reads it once). On, a call of T tokens from skip_prefix s, in chunks
+// of c tokens, that is not a repeat of a kept shape replays the graph of the
+// call of P = staged_whole_chunk_prefix(T, s, c) tokens where one is kept
+// (captured on the prefix's second sighting, whichever token counts brought
+// it), then issues tokens [P, T) directly, as a call from skip_prefix P: its
+// last partial chunk. A call of P tokens moves exactly the first P tokens'
+// rows and one from skip_prefix P the rest, so the pair moves what the call
+// of T would; an engine whose calls vary in length shares a few graphs
+// instead of issuing every new length's chunks one by one (about 12-28 us of
+// driver calls a chunk). A shape run before still gets its own graph.
+void set_staged_graph_prefixes(bool on);
+bool staged_graph_prefixes();
+
+// The whole-chunk prefix of a call of `num_tokens` tokens from skip_prefix in
+// chunks of `per_chunk`: skip_prefix plus the tokens of its whole chunks, or
+// 0 where that is no proper prefix (no whole chunk, or no partial one).
+int64_t staged_whole_chunk_prefix(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk);
+
 // The graph kept for a call shape: `nodes` of captured work (0: none kept, a
 // call of that shape is issued directly), launched as the body of a
-// conditional node (`on_device`) or as it is.
+// conditional node (`on_device`) or as it is; `tokens`: the token count of
+// the call it was captured from (the call's own, or its whole-chunk prefix's
+// under staged_graph_prefixes(), the rest then issued directly).
 struct KeptGraph {
   int64_t nodes = 0;
   bool on_device = false;
+  int64_t tokens = 0;
 };
 
 struct StagedSetup {

@@ -15,7 +15,10 @@
 // engine's own streams, reading the slots from a buffer of the graph) and
 // replayed: per call one kernel copying the slots into that buffer and one graph
 // launch, whatever the chunk count. Shapes are captured on their second call
-// (a one-off shape costs no capture); at most staged_graph_capacity() graphs
+// (a one-off shape costs no capture); under staged_graph_prefixes() a new
+// shape replays the graph of its whole-chunk prefix where one is kept (a
+// prefix too is captured when it comes the second time) and issues only the
+// rest directly. At most staged_graph_capacity() graphs
 // are kept per engine, least recently used evicted. Under
 // staged_graph_on_device() the kept graph is the captured one as the body of
 // an always-true conditional node (instantiate_as_conditional_body), so that
@@ -30,6 +33,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "../staged.h"
@@ -227,11 +231,16 @@ class CudaStaged final : public StagedEngine {
     return static_cast<int64_t>(replays_.size());
   }
   KeptGraph kept_graph(const StagedArgs& a, int64_t slot_bytes) const override {
-    const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes,
-                        chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas), staged_graph_on_device()};
+    const int64_t per_chunk = chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas);
+    const ReplayKey key = replay_key(a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes, per_chunk);
+    const std::optional<ReplayKey> prefix = prefix_key(key);
     const std::lock_guard<std::mutex> lock(mu_);
     for (const auto& replay : replays_)
       if (replay->key == key) return replay->shape;
+    // (a shape run before is captured at this call, not replayed from its prefix: see run)
+    if (prefix.has_value() && std::find(seen_.begin(), seen_.end(), key) == seen_.end())
+      for (const auto& replay : replays_)
+        if (replay->key == *prefix) return replay->shape;
     return {};
   }
 
@@ -251,16 +260,30 @@ class CudaStaged final : public StagedEngine {
     // the call's chunk, once (the chunk setting may change meanwhile on another thread)
     const int64_t per_chunk = chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas);
     if (graphs > 0 && !a.validate && replays_ok_ && capture == cudaStreamCaptureStatusNone) {
-      const ReplayKey key{a.num_tokens, a.skip_prefix, a.max_ctas,
-                          device_slots.defined() ? int64_t(device_slots.element_size()) : 0, per_chunk,
-                          staged_graph_on_device()};
+      const ReplayKey key = replay_key(a.num_tokens, a.skip_prefix, a.max_ctas,
+                                       device_slots.defined() ? int64_t(device_slots.element_size()) : 0,
+                                       per_chunk);
       Replay* replay = find_replay(key);
-      if (replay == nullptr && seen_before(key)) replay = capture_replay(key, graphs);
+      if (replay == nullptr) {
+        // a shape run before gets its own graph; a new one replays its whole-chunk prefix's where that
+        // is kept (or seen before: captured now), the rest issued directly below
+        const std::optional<ReplayKey> prefix = prefix_key(key);
+        if (seen_before(key)) {
+          replay = capture_replay(key, graphs);
+        } else if (prefix.has_value()) {
+          replay = find_replay(*prefix);
+          if (replay == nullptr && seen_before(*prefix)) replay = capture_replay(*prefix, graphs);
+        }
+      }
       if (replay != nullptr) {
-        if (device_slots.defined()) copy_slots(device_slots, replay->slots, a.num_tokens, main);
+        const int64_t replayed_tokens = replay->key.num_tokens;  // (a prefix's: fewer than the call's)
+        if (device_slots.defined()) copy_slots(device_slots, replay->slots, replayed_tokens, main);
         const cudaError_t launched = cudaGraphLaunch(replay->exec, main);
         if (launched == cudaSuccess) {
           ++replayed_;
+          if (replayed_tokens < a.num_tokens)  // the tokens past the prefix, after the graph on `main`
+            issue_directly(device_slots, a, replayed_tokens,
+                           chunk_tokens(a.num_tokens, replayed_tokens, a.max_ctas), main);
           return;
         }
         if (!replay->shape.on_device) C10_CUDA_CHECK(launched);
@@ -274,17 +297,41 @@ class CudaStaged final : public StagedEngine {
         replays_.pop_front();  // (find_replay and capture_replay leave the replay they return first)
       }
     }
-    const cudaStream_t side = reinterpret_cast<cudaStream_t>(s_.side_stream);
-    fork_side(main, side);
-    const at::Tensor rows = new_token_rows(a.num_tokens);
-    const StagedCut cut = this->cut(a.num_tokens, a.skip_prefix, a.max_ctas, per_chunk);
-    fill_token_rows(device_slots, a.num_tokens, a.skip_prefix, cut, rows, main);
-    issue(device_slots, a.num_tokens, a.skip_prefix, a.max_ctas, cut, a.validate, rows, main,
-          side, /*fold_blocks=*/true);
+    issue_directly(device_slots, a, a.skip_prefix, per_chunk, main);
   }
 
  private:
   bool keeps() const { return s_.host_is_dst && !s_.keeps.empty(); }
+
+  // The key of a call's shape, by the graph settings of now.
+  static ReplayKey replay_key(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, int64_t slot_bytes,
+                              int64_t per_chunk) {
+    return ReplayKey{num_tokens, skip_prefix, max_ctas, slot_bytes, per_chunk, staged_graph_on_device()};
+  }
+
+  // Under staged_graph_prefixes(): the key of the call of `key`'s whole-chunk prefix (its own chunk
+  // for its token count), whose graph a call of `key` may replay; none where there is no such prefix.
+  std::optional<ReplayKey> prefix_key(const ReplayKey& key) const {
+    if (!staged_graph_prefixes()) return std::nullopt;
+    const int64_t prefix = staged_whole_chunk_prefix(key.num_tokens, key.skip_prefix, key.per_chunk);
+    if (prefix == 0) return std::nullopt;
+    ReplayKey k = key;
+    k.num_tokens = prefix;
+    k.per_chunk = chunk_tokens(prefix, key.skip_prefix, key.max_ctas);
+    return k;
+  }
+
+  // Tokens [from, a.num_tokens) of the call `a` (from: its skip_prefix, or the end of the prefix a
+  // graph moved) issued directly on `main` and the side stream, in chunks of per_chunk.
+  void issue_directly(const at::Tensor& device_slots, const StagedArgs& a, int64_t from, int64_t per_chunk,
+                      cudaStream_t main) {
+    const cudaStream_t side = reinterpret_cast<cudaStream_t>(s_.side_stream);
+    fork_side(main, side);
+    const at::Tensor rows = new_token_rows(a.num_tokens);
+    const StagedCut cut = this->cut(a.num_tokens, from, a.max_ctas, per_chunk);
+    fill_token_rows(device_slots, a.num_tokens, from, cut, rows, main);
+    issue(device_slots, a.num_tokens, from, a.max_ctas, cut, a.validate, rows, main, side, /*fold_blocks=*/true);
+  }
 
   // Tokens per chunk of a call of num_tokens tokens from skip_prefix on under
   // a budget of max_ctas, by the chunk setting of now (a call computes it
@@ -363,6 +410,7 @@ class CudaStaged final : public StagedEngine {
     if (err == cudaSuccess && replay->exec == nullptr)
       err = cudaGraphInstantiateWithFlags(&replay->exec, graph, 0);
     replay->shape.nodes = static_cast<int64_t>(nodes);
+    replay->shape.tokens = key.num_tokens;
     if (graph != nullptr) (void)cudaGraphDestroy(graph);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
