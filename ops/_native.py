@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "kernels are built when torch has CUDA and nvcc is found)."
     ) from exc
 
-from .settings import environment_choice  # noqa: E402  (after the extension's clear import error)
+from .settings import NativeChoice  # noqa: E402  (after the extension's clear import error)
 
 __all__ = [
     "copy_rows",
@@ -127,17 +127,16 @@ def set_host_cache_hints(hints: str) -> None:
     loads and stores: the default, ``KVLAYOUT_HOST_CACHE_HINTS``) or ``"default"`` (the hardware's default
     operators). Process-wide (:func:`host_cache_hints` reads it), read by every run of a launch; a launch
     captured in a CUDA graph keeps the hints it was captured with. Results are the same bytes either way."""
-    if hints not in HOST_CACHE_HINTS:
-        raise ValueError(f"host cache hints must be one of {HOST_CACHE_HINTS}, got {hints!r}")
-    _C.set_host_cache_hints(HOST_CACHE_HINTS.index(hints))
+    _HOST_CACHE_HINTS.set(hints)
 
 
 def host_cache_hints() -> str:
     """The setting of :func:`set_host_cache_hints`."""
-    return HOST_CACHE_HINTS[_C.host_cache_hints()]
+    return _HOST_CACHE_HINTS.get()
 
 
-set_host_cache_hints(environment_choice("KVLAYOUT_HOST_CACHE_HINTS", HOST_CACHE_HINTS))
+_HOST_CACHE_HINTS = NativeChoice("host cache hints", HOST_CACHE_HINTS, _C.set_host_cache_hints, _C.host_cache_hints,
+                                 "KVLAYOUT_HOST_CACHE_HINTS")
 
 # How the CUDA kernel moves a transfer that reads or writes pinned host memory without an SM budget:
 # "row_per_cta" (the default: one CTA per row of a token and segment, in 8-byte words, for launches of up to 64 MiB
@@ -152,17 +151,16 @@ def set_host_launch_shape(shape: str) -> None:
     ``"row_per_cta"`` (the default, ``KVLAYOUT_HOST_LAUNCH_SHAPE``) or ``"walk"``. Process-wide
     (:func:`host_launch_shape` reads it), read by every run of a launch; a launch captured in a CUDA graph keeps
     the shape it was captured with. Results are the same bytes either way."""
-    if shape not in HOST_LAUNCH_SHAPES:
-        raise ValueError(f"a host launch shape must be one of {HOST_LAUNCH_SHAPES}, got {shape!r}")
-    _C.set_host_launch_shape(HOST_LAUNCH_SHAPES.index(shape))
+    _HOST_LAUNCH_SHAPE.set(shape)
 
 
 def host_launch_shape() -> str:
     """The setting of :func:`set_host_launch_shape`."""
-    return HOST_LAUNCH_SHAPES[_C.host_launch_shape()]
+    return _HOST_LAUNCH_SHAPE.get()
 
 
-set_host_launch_shape(environment_choice("KVLAYOUT_HOST_LAUNCH_SHAPE", HOST_LAUNCH_SHAPES))
+_HOST_LAUNCH_SHAPE = NativeChoice("a host launch shape", HOST_LAUNCH_SHAPES, _C.set_host_launch_shape,
+                                  _C.host_launch_shape, "KVLAYOUT_HOST_LAUNCH_SHAPE")
 
 _status: dict[torch.device, torch.Tensor] = {}
 

@@ -68,7 +68,7 @@ from kvlayout.reference.layouts import make_geometry
 from . import _native, calibration
 from .locks import fork_safe
 from .programs import plan, program_handle, program_key, unpin
-from .settings import environment_capacity, environment_choice
+from .settings import NativeChoice, environment_capacity
 from .views import KVCache
 
 STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
@@ -142,17 +142,17 @@ def set_staged_graph_launch(where: str) -> None:
     count. Where the runtime refuses such a graph the captured one is kept (``ops.explain``'s
     ``graph_on_device`` says which a call replays). Process-wide; a call reads it once, and a call shape kept
     under the other setting is captured again. Results are the same bytes either way."""
-    if where not in GRAPH_LAUNCHES:
-        raise ValueError(f"a staged graph's launch must be one of {GRAPH_LAUNCHES}, got {where!r}")
-    _C.set_staged_graph_on_device(where == "device")
+    _GRAPH_LAUNCH.set(where)
 
 
 def staged_graph_launch() -> str:
     """The setting of :func:`set_staged_graph_launch`."""
-    return GRAPH_LAUNCHES[int(_C.staged_graph_on_device())]
+    return _GRAPH_LAUNCH.get()
 
 
-set_staged_graph_launch(environment_choice("KVLAYOUT_STAGED_GRAPH_LAUNCH", GRAPH_LAUNCHES))
+_GRAPH_LAUNCH = NativeChoice("a staged graph's launch", GRAPH_LAUNCHES,
+                             lambda index: _C.set_staged_graph_on_device(bool(index)), _C.staged_graph_on_device,
+                             "KVLAYOUT_STAGED_GRAPH_LAUNCH")
 
 GRAPH_REUSES = ("exact", "prefix")   # set_staged_graph_reuse's choices, the default first
 
@@ -166,17 +166,17 @@ def set_staged_graph_reuse(reuse: str) -> None:
     length shares a few graphs. A length run before still gets its own graph. ``ops.explain``'s
     ``graph_tokens`` says which graph a call replays. Process-wide; a call reads it once. Results are the same
     bytes either way."""
-    if reuse not in GRAPH_REUSES:
-        raise ValueError(f"a staged graph's reuse must be one of {GRAPH_REUSES}, got {reuse!r}")
-    _C.set_staged_graph_prefixes(reuse == "prefix")
+    _GRAPH_REUSE.set(reuse)
 
 
 def staged_graph_reuse() -> str:
     """The setting of :func:`set_staged_graph_reuse`."""
-    return GRAPH_REUSES[int(_C.staged_graph_prefixes())]
+    return _GRAPH_REUSE.get()
 
 
-set_staged_graph_reuse(environment_choice("KVLAYOUT_STAGED_GRAPH_REUSE", GRAPH_REUSES))
+_GRAPH_REUSE = NativeChoice("a staged graph's reuse", GRAPH_REUSES,
+                            lambda index: _C.set_staged_graph_prefixes(bool(index)), _C.staged_graph_prefixes,
+                            "KVLAYOUT_STAGED_GRAPH_REUSE")
 
 
 @dataclasses.dataclass

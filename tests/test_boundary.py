@@ -422,32 +422,49 @@ def test_staged_graph_capacity_is_a_setting_and_a_variable(monkeypatch):
         environment_capacity("KVLAYOUT_STAGED_GRAPHS", 8, minimum=0)
 
 
-@pytest.mark.parametrize("name, choices, native_error", [
-    ("host_cache_hints", ("streaming", "default"), "host cache hints must be 0 .streaming. or 1 .default., got 2"),
-    ("host_launch_shape", ("row_per_cta", "walk"),
-     "a host launch shape must be 0 .row per CTA. or 1 .walk., got 2"),
-])
-def test_host_launch_settings_are_settings_and_variables(name, choices, native_error):
-    """ops.set_host_cache_hints and ops.set_host_launch_shape: the first of their choices by default, the other
-    when set; anything else refused, by the Python setter and by the native one; KVLAYOUT_<NAME> sets it at
-    import."""
+# the process-wide settings that are one of a few choices (ops.settings.NativeChoice): the module that reads
+# them, their name there (set_<name> in ops, <name>() the reader), the choices (the default first), what a refusal
+# calls them, and the native setter's own refusal of an index past its choices (None: a flag, which has none)
+CHOICE_SETTINGS = {
+    "host_cache_hints": ("_native", ("streaming", "default"), "host cache hints",
+                         "host cache hints must be 0 .streaming. or 1 .default., got 2"),
+    "host_launch_shape": ("_native", ("row_per_cta", "walk"), "a host launch shape",
+                          "a host launch shape must be 0 .row per CTA. or 1 .walk., got 2"),
+    "staged_graph_launch": ("staged", ("host", "device"), "a staged graph's launch", None),
+    "staged_graph_reuse": ("staged", ("exact", "prefix"), "a staged graph's reuse", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHOICE_SETTINGS))
+def test_choice_settings_are_settings_and_variables(name):
+    """ops.set_host_cache_hints, ops.set_host_launch_shape, ops.set_staged_graph_launch and
+    ops.set_staged_graph_reuse: the first of their choices by default, the other when set (the extension's copy,
+    which the code that reads it sees, follows); anything else refused, by the Python setter and by the native
+    one, and a refused value changes nothing; KVLAYOUT_<NAME> sets it at import, and refuses anything else."""
+    import re
+
     from kvlayout import _C
-    from kvlayout.ops import _native
+    module, choices, what, native_error = CHOICE_SETTINGS[name]
+    read = getattr(getattr(ops, module), name)
     default, other = choices
-    setter, read_native = getattr(ops, f"set_{name}"), getattr(_C, name)
-    assert getattr(_native, name)() == default
+    setter = getattr(ops, f"set_{name}")
+    native = {"staged_graph_launch": _C.staged_graph_on_device, "staged_graph_reuse": _C.staged_graph_prefixes}.get(
+        name, getattr(_C, name, None))
+    assert read() == default and int(native()) == 0
     try:
         setter(other)
-        assert getattr(_native, name)() == other and read_native() == 1
-        for bad in ("cached", None, 1):
-            with pytest.raises(ValueError, match=f"{name.replace('_', ' ')} must be one of"):
+        assert read() == other and int(native()) == 1
+        for bad in ("cached", None, 1, True):
+            with pytest.raises(ValueError, match=re.escape(f"{what} must be one of {choices}")):
                 setter(bad)
-        with pytest.raises(ValueError, match=native_error):
-            getattr(_C, f"set_{name}")(2)
-        assert getattr(_native, name)() == other
+        if native_error is not None:
+            with pytest.raises(ValueError, match=native_error):
+                getattr(_C, f"set_{name}")(2)
+        assert read() == other and int(native()) == 1
     finally:
         setter(default)
-    variable, read = f"KVLAYOUT_{name.upper()}", f"_native.{name}()"
-    assert TC.read_at_import(variable, other, read).stdout.strip() == other
-    bad = TC.read_at_import(variable, "fast", read)
+    assert int(native()) == 0
+    variable, reader = f"KVLAYOUT_{name.upper()}", f"ops.{module}.{name}()"
+    assert TC.read_at_import(variable, other, reader).stdout.strip() == other
+    bad = TC.read_at_import(variable, "fast", reader)
     assert bad.returncode != 0 and f"{variable} = 'fast'" in bad.stderr

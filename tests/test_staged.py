@@ -306,41 +306,6 @@ def test_threads_taking_rings_at_once_keep_at_most_the_bound(monkeypatch):
     assert ops.cache_info()["staging"] == len(staged_mod._RINGS) <= staged_mod.KEPT_RINGS
 
 
-# the settings of kept graphs: (setter, reader, the native flag the engine reads, default, the other choice,
-# variable, refusal)
-GRAPH_SETTINGS = {
-    "launch": (ops.set_staged_graph_launch, staged_mod.staged_graph_launch, _C.staged_graph_on_device, "host",
-               "device", "KVLAYOUT_STAGED_GRAPH_LAUNCH",
-               r"a staged graph's launch must be one of \('host', 'device'\)"),
-    "reuse": (ops.set_staged_graph_reuse, staged_mod.staged_graph_reuse, _C.staged_graph_prefixes, "exact",
-              "prefix", "KVLAYOUT_STAGED_GRAPH_REUSE", r"a staged graph's reuse must be one of \('exact', 'prefix'\)"),
-}
-
-
-@pytest.mark.parametrize("setting", sorted(GRAPH_SETTINGS))
-def test_how_kept_graphs_are_launched_and_reused_are_settings_and_variables(setting):
-    """ops.set_staged_graph_launch ("host", the default, or "device") and ops.set_staged_graph_reuse ("exact",
-    the default, or "prefix"): the reader gives the setting and the native flag the engine reads at each call
-    follows it; anything else refused (a refused value changes nothing); each one's variable sets it at
-    import."""
-    set_to, read, native, default, other, variable, refusal = GRAPH_SETTINGS[setting]
-    assert read() == default and not native()
-    try:
-        set_to(other)
-        assert read() == other and native()
-        for bad in ("gpu", None, True):
-            with pytest.raises(ValueError, match=refusal):
-                set_to(bad)
-        assert native()                              # (a refused value changes nothing)
-    finally:
-        set_to(default)
-    assert not native()
-    reader = f"ops.staged.{read.__name__}()"
-    assert TC.read_at_import(variable, other, reader).stdout.strip() == other
-    bad = TC.read_at_import(variable, "gpu", reader)
-    assert bad.returncode != 0 and f"{variable} = 'gpu'" in bad.stderr
-
-
 @pytest.mark.parametrize("num_tokens, skip_prefix, per_chunk, prefix", [
     (45, 0, 16, 32),      # two whole chunks, then 13 tokens
     (45, 5, 16, 37),      # from skip_prefix on
