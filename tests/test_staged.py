@@ -1445,13 +1445,15 @@ def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
 
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("max_ctas", [0, 2])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_device, direction, max_ctas,
-                                                                        ring_bytes):
+                                                                        slot_dtype, ring_bytes):
     """ops.set_staged_graph_reuse("prefix"), calls of lengths not run before that share one whole-chunk prefix P:
     the first is issued directly, the second captures the graph of the call of P tokens and replays it, the rest
     issued directly, and a third replays it at its first call (ops.explain: graph_tokens P); a length run
     before gets its own graph; under "exact" a new length replays nothing. Every call moves exactly what the CPU
-    kernel moves (fresh int32 and int64 slots, a token without a device row, skip_prefix, an SM budget)."""
+    kernel moves (fresh slots of either dtype, which is part of a graph's shape, a token without a device row,
+    skip_prefix, an SM budget)."""
     ring_bytes(64 << 10)                          # chunks of at most a slot: several per call
     to_host = direction == "to_host"
     skip, g = 3, torch.Generator().manual_seed(17)
@@ -1464,7 +1466,7 @@ def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_de
         return (slots,) if to_host else (None, slots)
 
     def explained(T):
-        slots = torch.arange(T, device=cuda_device)
+        slots = torch.arange(T, device=cuda_device, dtype=slot_dtype)
         return ops.explain(src, dst, *slot_args(slots), skip_prefix=skip, max_ctas=max_ctas, engine="staged")
 
     def prefix_of(T):
@@ -1479,7 +1481,7 @@ def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_de
     first, second, third, unseen = lengths[:4]
 
     def call(T, i):
-        slots = torch.randperm(NB * BS, generator=g)[:T].to((torch.int32, torch.int64)[i % 2])
+        slots = torch.randperm(NB * BS, generator=g)[:T].to(slot_dtype)
         slots[T - 1 - i % 3] = -1                  # a token without a device row
         fresh = torch.randint(-2**15, 2**15, chunk.tensors[0].shape, generator=g, dtype=torch.int16)
         for c in (chunk, cpu_chunk):               # new bytes in the chunk: loaded, or left where not stored
