@@ -9,7 +9,7 @@
 //
 // device: gathers on the device at small T (paged cache -> chunk) under other
 //   grids, CTA sizes and loads in flight, beside a one-row-per-CTA kernel of
-//   the kind the peers use.
+//   the kind the peers use and kernels of 2, 4 and 8 rows per CTA.
 // budget: transfers between the device cache and a pinned host chunk under an
 //   SM budget of N = 1, 2, 4 CTAs of 1024 threads (what max_ctas = N
 //   launches): the library's budget variant with either cache hint (one walk
@@ -116,6 +116,18 @@ template <int VEC>
 __global__ void __launch_bounds__(128) row_per_cta_kernel(const __grid_constant__ Params p) {
   copy_one_row<VEC, StreamingHints<VEC>>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], blockIdx.x,
                                          blockIdx.y, threadIdx.x, blockDim.x, NoRecord{});
+}
+
+// R (token, segment) rows per CTA of R x min(words per row, 128) threads,
+// row by row as row_per_cta_kernel: the same rows in R times fewer CTAs (at
+// T = 256 the device rows are about as long as starting their CTAs takes:
+// the launch section's empty 8,192 CTAs).
+template <int VEC, int R>
+__global__ void __launch_bounds__(128 * R) rows_per_cta_kernel(const __grid_constant__ Params p) {
+  const int64_t t = int64_t(blockIdx.x) * R + threadIdx.y;
+  if (t >= p.a.tokens) return;
+  copy_one_row<VEC, StreamingHints<VEC>>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], t, blockIdx.y,
+                                         threadIdx.x, blockDim.x, NoRecord{});
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* global) {
@@ -414,22 +426,29 @@ void run_device(Probe& probe) {
       first = false;
       print_row(c.shape.name, c.T, v.name, med, p10, p90, attr.numRegs, grid, "", ok);
     }
-    const auto row_per_cta = [&](auto vec_tag, const char* name) {
-      constexpr int kVec = decltype(vec_tag)::value;
+    // R rows per CTA (R = 1: row_per_cta_kernel, the library's and the peers' shape)
+    const auto rows_per_cta = [&](auto vec_tag, auto rows_tag, const char* name) {
+      constexpr int kVec = decltype(vec_tag)::value, kRows = decltype(rows_tag)::value;
       const Params pv = x.params(probe, c.shape, c.T, true, kVec);
       const int threads = int(std::min<int64_t>(pv.a.vecs_per_row, 128));
-      const dim3 grid(c.T, x.segs);
+      const dim3 grid(unsigned((c.T + kRows - 1) / kRows), unsigned(x.segs));
+      const auto kernel = kRows == 1 ? row_per_cta_kernel<kVec> : rows_per_cta_kernel<kVec, kRows>;
       CHECK(cudaMemset(x.chunk, 0, bytes));
       double med, p10, p90;
-      probe.time([&] { row_per_cta_kernel<kVec><<<grid, threads>>>(pv); }, med, p10, p90);
+      probe.time([&] { kernel<<<grid, dim3(threads, kRows)>>>(pv); }, med, p10, p90);
       CHECK(cudaDeviceSynchronize());
       cudaFuncAttributes attr{};
-      CHECK(cudaFuncGetAttributes(&attr, row_per_cta_kernel<kVec>));
+      CHECK(cudaFuncGetAttributes(&attr, kernel));
       print_row(c.shape.name, c.T, name, med, p10, p90, attr.numRegs, (long long)(grid.x) * grid.y, "",
                 probe.differing(ref, x.chunk, bytes) == 0);
     };
-    row_per_cta(std::integral_constant<int, 16>{}, "row per CTA, 16 B, <=128 threads");
-    row_per_cta(std::integral_constant<int, 8>{}, "row per CTA, 8 B, <=128 threads");
+    using Vec16 = std::integral_constant<int, 16>;
+    using Vec8 = std::integral_constant<int, 8>;
+    rows_per_cta(Vec16{}, std::integral_constant<int, 1>{}, "row per CTA, 16 B, <=128 threads");
+    rows_per_cta(Vec8{}, std::integral_constant<int, 1>{}, "row per CTA, 8 B, <=128 threads");
+    rows_per_cta(Vec16{}, std::integral_constant<int, 2>{}, "2 rows per CTA, 16 B");
+    rows_per_cta(Vec16{}, std::integral_constant<int, 4>{}, "4 rows per CTA, 16 B");
+    rows_per_cta(Vec16{}, std::integral_constant<int, 8>{}, "8 rows per CTA, 16 B");
     CHECK(cudaFree(ref));
   }
 }
