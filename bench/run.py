@@ -67,6 +67,28 @@ def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
     return ok
 
 
+def check_new_lengths(case: C.Case, data: dict, timer: Timer) -> bool:
+    """A "new-length" row's bytes: its call of each of :func:`kvlayout.bench.cases.new_length_checks`' lengths
+    (issued directly, then its whole-chunk prefix's graph captured and replayed, the rest issued directly)
+    against the kernel engine's call of the same tokens from the same start (the kernel engine's rows are
+    checked against the torch baseline)."""
+    src, ss, dst, ds = C.endpoints(case, data)
+    start = _device_copies(dst.tensors, timer.device)
+    ok = True
+    for tokens in C.new_length_checks(case):
+        s, d = C.new_length_slots(ss, ds, tokens)
+        results = []
+        for engine in (case.engine, "kernel"):
+            _restore(dst.tensors, start)
+            C._with_setting(case, lambda: ops.transfer(src, dst, s, d, max_ctas=case.max_ctas, engine=engine))()
+            timer.sync()
+            results.append(_device_copies(dst.tensors, timer.device))
+        ok = ok and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*results))
+    _restore(dst.tensors, start)
+    timer.sync()
+    return ok
+
+
 def check_untouched(case: C.Case, data: dict, timer: Timer) -> bool:
     """A case with every slot -1 moves nothing: the destination keeps every byte."""
     _, _, dst, _ = C.endpoints(case, data)
@@ -121,7 +143,9 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
            "buffer_layout": case.buffer_layout, "T": case.T, "page_size": case.page_size,
            "direction": case.direction, "layerwise": case.layerwise, "max_ctas": case.max_ctas,
            "engine": case.engine, "call": case.call, "payload_bytes": case.payload_bytes(), "key": case.key}
-    row["bit_exact"] = check_untouched(case, data, timer) if case.empty else check_bit_exact(case, data, timer)
+    check = (check_untouched if case.empty else check_new_lengths if case.call == "new-length"
+             else check_bit_exact)
+    row["bit_exact"] = check(case, data, timer)
     if not row["bit_exact"]:
         return row
     nbytes = case.payload_bytes()

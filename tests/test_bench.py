@@ -219,6 +219,30 @@ def test_bit_exact_check_covers_each_torch_form(monkeypatch):
     assert not check_bit_exact(case, data, timer)
 
 
+def test_new_length_rows_are_checked_call_by_call_against_the_kernel_engine(monkeypatch):
+    """A new-length row's bytes: each of its check lengths (none of the lengths it times) moved by the row's call
+    and by the kernel engine from the same start must match; a call that leaves its last token out fails."""
+    from kvlayout.bench import run as bench_run
+
+    T = C.NEW_LENGTHS + 24
+    case = C.Case("staged", "L32_H1_D128", "vllm_flash_attn_nhd", "lmcache_kv_2ltd", T, 16, "to_host",
+                  engine="kernel", call="new-length")      # (the CPU has no staged engine: the kernel stands in)
+    assert set(C.new_length_checks(case)).isdisjoint(range(T - C.NEW_LENGTHS, T))
+    data = C.build(case, C.Inputs(torch.device("cpu"), seed=6), min_cache_slots=256)
+    timer = Timer(torch.device("cpu"), warmup=0, reps=1)
+    assert bench_run.check_new_lengths(case, data, timer)
+    real, seen = ops.transfer, []
+
+    def short_of_one(src, dst, src_slots, dst_slots, **options):   # the row's call (each first of a pair) errs
+        seen.append(src_slots.shape[0])
+        if len(seen) % 2:
+            src_slots = src_slots[:-1]
+        real(src, dst, src_slots, dst_slots, **options)
+    monkeypatch.setattr(ops, "transfer", short_of_one)
+    assert not bench_run.check_new_lengths(case, data, timer)
+    assert seen == [n for n in C.new_length_checks(case) for _ in range(2)]
+
+
 def test_merged_torch_baseline_on_cuda_is_bit_exact(cuda_device):
     """On the device, with pinned host chunks: the merged form's permuted and cross-device copies move the same
     bytes as kvlayout, in every direction."""
