@@ -142,7 +142,7 @@ struct Replay {
   ReplayKey key{};
   at::Tensor slots, rows;
   cudaGraphExec_t exec = nullptr;
-  KeptGraph shape;  // the captured graph's nodes; whether exec runs it as a conditional node's body
+  KeptGraph shape;  // the captured graph's nodes, whether exec runs it as a conditional node's body, its tokens
   Replay() = default;
   Replay(const Replay&) = delete;
   Replay& operator=(const Replay&) = delete;
