@@ -47,6 +47,11 @@ def _restore(tensors, saved) -> None:
         t.copy_(s)
 
 
+def _same_bytes(tensors, others, device) -> bool:
+    """Whether each of ``tensors`` (on ``device``) holds the same bytes as its twin in ``others``."""
+    return all(torch.equal(a.view(torch.uint8), b.to(device).view(torch.uint8)) for a, b in zip(tensors, others))
+
+
 def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
     """Run kvlayout and each form of the baseline from the same start; compare every destination byte (on the
     device) of each baseline form with kvlayout's."""
@@ -60,8 +65,7 @@ def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
         _restore(dst.tensors, start)
         baseline()
         timer.sync()
-        ok = ok and all(torch.equal(a.view(torch.uint8), b.to(timer.device).view(torch.uint8))
-                        for a, b in zip(ours, dst.tensors))
+        ok = ok and _same_bytes(ours, dst.tensors, timer.device)
     _restore(dst.tensors, start)
     timer.sync()
     return ok
@@ -83,7 +87,7 @@ def check_new_lengths(case: C.Case, data: dict, timer: Timer) -> bool:
             C._with_setting(case, lambda: ops.transfer(src, dst, s, d, max_ctas=case.max_ctas, engine=engine))()
             timer.sync()
             results.append(_device_copies(dst.tensors, timer.device))
-        ok = ok and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*results))
+        ok = ok and _same_bytes(*results, timer.device)
     _restore(dst.tensors, start)
     timer.sync()
     return ok
@@ -95,8 +99,7 @@ def check_untouched(case: C.Case, data: dict, timer: Timer) -> bool:
     start = _device_copies(dst.tensors, timer.device)
     C.kvlayout_fn(case, data)()
     timer.sync()
-    return all(torch.equal(a.view(torch.uint8), b.to(timer.device).view(torch.uint8))
-               for a, b in zip(start, dst.tensors))
+    return _same_bytes(start, dst.tensors, timer.device)
 
 
 GROUPS = ("headline", "layouts", "layerwise", "ctas", "host_hints", "copy_engine", "staged", "host_cost")

@@ -38,6 +38,7 @@ A diagnostic, not a measurement of record: the profiler adds its own cost to eve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -230,10 +231,7 @@ def profile_case(case, device: torch.device, calls: int, top: int, timeline: boo
         nbytes = sum(t.nbytes for t in (dst if to_host else src).tensors)
         copies = counts["chunks"]
         try:
-            if side_stream:
-                with torch.cuda.stream(stream):
-                    alone = copy_graph_host_us(device, nbytes, copies, to_host, calls)
-            else:
+            with torch.cuda.stream(stream) if side_stream else contextlib.nullcontext():
                 alone = copy_graph_host_us(device, nbytes, copies, to_host, calls)
             print(f"a graph of only {copies} pinned copies of the same {nbytes} bytes, on the same stream: "
                   f"host {alone:.1f} µs per replay (median of {calls})")

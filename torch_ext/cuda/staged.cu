@@ -235,12 +235,10 @@ class CudaStaged final : public StagedEngine {
     const ReplayKey key = replay_key(a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes, per_chunk);
     const std::optional<ReplayKey> prefix = prefix_key(key);
     const std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& replay : replays_)
-      if (replay->key == key) return replay->shape;
+    if (const Replay* own = kept(key)) return own->shape;
     // (a shape run before is captured at this call, not replayed from its prefix: see run)
     if (prefix.has_value() && std::find(seen_.begin(), seen_.end(), key) == seen_.end())
-      for (const auto& replay : replays_)
-        if (replay->key == *prefix) return replay->shape;
+      if (const Replay* shared = kept(*prefix)) return shared->shape;
     return {};
   }
 
@@ -345,6 +343,13 @@ class CudaStaged final : public StagedEngine {
   // call of num_tokens tokens from skip_prefix on in chunks of per_chunk.
   StagedCut cut(int64_t num_tokens, int64_t skip_prefix, int64_t max_ctas, int64_t per_chunk) const {
     return staged_cut(num_tokens - skip_prefix, per_chunk, s_.host_is_dst, max_ctas);
+  }
+
+  // The replay kept for `key` (nullptr: none), left where it is in the order of use.
+  const Replay* kept(const ReplayKey& key) const {
+    for (const auto& replay : replays_)
+      if (replay->key == key) return replay.get();
+    return nullptr;
   }
 
   Replay* find_replay(const ReplayKey& key) {
