@@ -250,6 +250,8 @@ VECTOR_CASES = [
     ("uint8", 16, 1, 1, 1, 1),
     ("float32", 6, 2, 0, 0, 4),
     ("float32", 656, 1, 0, 0, 16),
+    ("float16", 576, 1, 0, 0, 16),  # MLA's 1,152-byte rows: two to a CTA on the device (odd token count)
+    ("float32", 256, 1, 0, 0, 16),  # 1,024-byte rows, the shortest moved by row
 ]
 
 

@@ -1454,7 +1454,7 @@ def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_de
     before gets its own graph; under "exact" a new length replays nothing. Every call moves exactly what the CPU
     kernel moves (fresh slots of either dtype, which is part of a graph's shape, a token without a device row,
     skip_prefix, an SM budget)."""
-    ring_bytes(64 << 10)                          # chunks of at most a slot: several per call
+    ring_bytes(16 << 10)                          # one layer, 16 tokens a chunk: several chunks per call
     to_host = direction == "to_host"
     skip, g = 3, torch.Generator().manual_seed(17)
     cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)

@@ -181,7 +181,8 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
 
 // Rows moved one per CTA (copy_one_row): blockIdx.x the token, blockIdx.y
 // the segment, the row's words strided over at most kRowPerCtaThreads
-// threads.
+// threads (the device variant's shorter rows two to a CTA, threadIdx.y the
+// row: kDeviceRowsPerSmallCta).
 // * The device variant's rows of kRowPerCtaMinBytes and more, in its vectors.
 //   On an H100 (scripts/walk_grid_probe.cu, the gathers of the bench's
 //   shapes) this shape took 0.86-0.96x the walk's time on rows of 1,152 and
@@ -209,14 +210,24 @@ constexpr int64_t kHostRowPerCtaMinBytes = 256;
 // (kHostRowPerCtaMaxBytes: program.h)
 constexpr int kHostRowWordBytes = 8;
 constexpr int kRowPerCtaThreads = 128;
+// The device variant's rows of fewer than kRowPerCtaThreads threads (rows of
+// 1,024-1,536 bytes: MLA's 1,152) move this many to a CTA: on an H100
+// (walk_grid_probe.cu device, rows_per_cta_kernel, bench/results/
+// h100_2f690c0/walk_probe.txt) two MLA rows a CTA took 0.96-0.97x one row's
+// time at T = 256 and 1,024 (L32 and L61), four and eight no less than two;
+// rows of 2,048 bytes (128 threads) were fastest one to a CTA.
+constexpr int kDeviceRowsPerSmallCta = 2;
 
-template <int VEC, int WORD, class P, int HINTS>
-__global__ void __launch_bounds__(kRowPerCtaThreads) copy_row_per_cta_kernel(
+// ROWS rows per CTA: threadIdx.y picks the CTA's row, blockIdx.x * ROWS + threadIdx.y the token.
+template <int VEC, int WORD, class P, int HINTS, int ROWS>
+__global__ void __launch_bounds__(kRowPerCtaThreads * ROWS) copy_row_per_cta_kernel(
     const __grid_constant__ P p) {
   using Mem = std::conditional_t<HINTS == kDefaultHints, DefaultMem<WORD>, StreamingMem<WORD>>;
   wait_for_previous_kernel();  // before touching memory
   if (p.a.next_start != kNextAfterEnd) let_next_kernel_start();
-  copy_one_row<VEC, Mem>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], blockIdx.x,
+  const int64_t t = int64_t(blockIdx.x) * ROWS + threadIdx.y;
+  if (ROWS > 1 && t >= p.a.tokens) return;
+  copy_one_row<VEC, Mem>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], t,
                          blockIdx.y, threadIdx.x, blockDim.x, cuda::StatusRecorder{p.a.status});
 }
 
@@ -282,21 +293,22 @@ int64_t resident_ctas_per_sm() {
 // rows moves_row_per_cta says (device memory: rows of kRowPerCtaMinBytes
 // and more; host memory: of kHostRowPerCtaMinBytes and more, up to
 // kHostRowPerCtaMaxBytes a launch, no early loads; either in 8- or 16-byte
-// words) runs one CTA per row instead (copy_row_per_cta_kernel).
+// words) runs one CTA per row instead (copy_row_per_cta_kernel; device rows
+// of fewer than kRowPerCtaThreads threads two to a CTA).
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
   constexpr bool kHost = kIsHostVariant<UNROLL>;
-  // launches `kernel` on grid x threads, as a dependent launch where asked
-  const auto issue = [&](auto* kernel, dim3 grid, int threads) {
+  // launches `kernel` on grid x block, as a dependent launch where asked
+  const auto issue = [&](auto* kernel, dim3 grid, dim3 block) {
     if (!dependent) {
-      kernel<<<grid, threads, 0, stream>>>(p);
+      kernel<<<grid, block, 0, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
     cudaLaunchConfig_t config{};
     config.gridDim = grid;
-    config.blockDim = dim3(threads);
+    config.blockDim = block;
     config.dynamicSmemBytes = 0;
     config.stream = stream;
     cudaLaunchAttribute attr[1];
@@ -313,14 +325,21 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
       const int64_t words = p.a.vecs_per_row * (VEC / kWord);
       const int64_t warps = (words + kWalkLanes - 1) / kWalkLanes;
       const int threads = static_cast<int>(std::min<int64_t>(warps * kWalkLanes, kRowPerCtaThreads));
-      // (a device-memory launch always streams; a host one takes its hints)
-      auto* kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints>;
-      if constexpr (kHost) {
+      const auto grid = [&](int64_t rows) {
+        return dim3(static_cast<unsigned>((p.a.tokens + rows - 1) / rows),
+                    static_cast<unsigned>(p.a.num_segments));
+      };
+      if constexpr (kHost) {  // (a host launch takes its hints)
+        auto* kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, 1>;
         if (p.a.cache_hints == kDefaultHints)
-          kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kDefaultHints>;
+          kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kDefaultHints, 1>;
+        issue(kernel, grid(1), threads);
+      } else if (threads < kRowPerCtaThreads) {  // (a device-memory launch always streams)
+        issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, kDeviceRowsPerSmallCta>,
+              grid(kDeviceRowsPerSmallCta), dim3(threads, kDeviceRowsPerSmallCta));
+      } else {
+        issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, 1>, grid(1), threads);
       }
-      issue(kernel, dim3(static_cast<unsigned>(p.a.tokens), static_cast<unsigned>(p.a.num_segments)),
-            threads);
       return;
     }
   }
