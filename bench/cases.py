@@ -91,7 +91,7 @@ class Case:
     #                         kept graph the body of a conditional node, one node for the host's launch);
     #                         or "new-length" (each call a length the engine has not run, T - 1 ... T -
     #                         NEW_LENGTHS tokens in turn, under ops.set_staged_graph_reuse("prefix"): the
-    #                         graphs of their whole-chunk prefixes replayed, the rest issued directly);
+    #                         graph of their reuse prefix replayed, the rest moved by the direct kernel);
     #                         or "bind-per-call" (both caches bound anew at each call, as an adapter that
     #                         binds a fresh host chunk per call does: the staged engine plans every call;
     #                         with engine "kernel" too, its twin); host_hints: "default-hints"
@@ -482,7 +482,7 @@ def new_length_slots(ss, ds, tokens: int):
 def new_length_checks(case: Case) -> list[int]:
     """The lengths a "new-length" row's bytes are checked with before it is timed (kvlayout.bench.run): three
     below the lengths it times, so that none of those is one the engine has run: the first issued directly, the
-    second and third replaying their whole-chunk prefix's graph."""
+    second and third replaying their reuse prefix's graph."""
     return [case.T - NEW_LENGTHS - i for i in (1, 2, 3)]
 
 
@@ -568,7 +568,7 @@ def staged_counts(case: Case, data: dict) -> dict:
     """For an all-layer host transfer that its engine stages: the call's ``chunks``, the ``graph_nodes`` of
     the graph it replays (0: issued directly), whether that graph runs as a conditional node's body
     (``graph_on_device``) and the tokens of the call it was captured from (``graph_tokens``: a "new-length"
-    row's, of a length it never ran, is its whole-chunk prefix's), as ``ops.explain`` gives them after the
+    row's, of a length it never ran, is its reuse prefix's), as ``ops.explain`` gives them after the
     timed calls; {} where the call is not staged. What a staged call's host time grows with."""
     if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
         return {}

@@ -73,7 +73,7 @@ def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
 
 def check_new_lengths(case: C.Case, data: dict, timer: Timer) -> bool:
     """A "new-length" row's bytes: its call of each of :func:`kvlayout.bench.cases.new_length_checks`' lengths
-    (issued directly, then its whole-chunk prefix's graph captured and replayed, the rest issued directly)
+    (issued directly, then its reuse prefix's graph captured and replayed, the rest moved by the direct kernel)
     against the kernel engine's call of the same tokens from the same start (the kernel engine's rows are
     checked against the torch baseline)."""
     src, ss, dst, ds = C.endpoints(case, data)

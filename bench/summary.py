@@ -125,7 +125,7 @@ def staged(rows: list[dict]) -> str:
 def _counts(r: dict) -> str:
     """A staged row's chunks and the nodes of the graph its calls replay ("direct": none, issued directly; "in
     a conditional": the body of a conditional node, launched on the device; "of P tokens": the graph of the
-    calls' whole-chunk prefix, the rest issued directly); "–" in records made before the bench counted them."""
+    calls' reuse prefix, the rest moved by the direct kernel); "–" in records made before the bench counted them."""
     if "chunks" not in r:
         return "–"
     where = " in a conditional" if r.get("graph_on_device") else ""

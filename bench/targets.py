@@ -17,9 +17,10 @@ kernel row), since that is what a caller gets by default:
 * ``staged host work``: at most 50 µs of host time per staged call (a repeated call shape, replayed from its
   graph); ``staged host work, new shape``: the same bound for the bench's staged rows issued directly (the
   ``direct`` call: no graph kept, as for a shape not seen before); ``staged host work, new length``: the
-  same bound for the ``new-length`` rows (each call a token count the engine has not run, its whole-chunk
-  prefix's graph replayed: ``ops.set_staged_graph_reuse("prefix")``); ``staged host work, graph launched on
-  the device``: the same bound for the ``device-launch`` rows (``ops.set_staged_graph_launch("device")``);
+  same bound for the ``new-length`` rows (each call a token count the engine has not run, its reuse
+  prefix's graph replayed and the rest moved by the direct kernel: ``ops.set_staged_graph_reuse("prefix")``);
+  ``staged host work, graph launched on the device``: the same bound for the ``device-launch`` rows
+  (``ops.set_staged_graph_launch("device")``);
 * ``copy engine run list``: the copy engine's run list built in C++ in at most 100 µs of host time per
   8,192 copies (the bench's ``run_list_us``: the list built as the call builds it, not issued; the rest of
   the call is the driver's batched copy call; a record without it is judged by the whole call's host time).

@@ -160,10 +160,12 @@ GRAPH_REUSES = ("exact", "prefix")   # set_staged_graph_reuse's choices, the def
 def set_staged_graph_reuse(reuse: str) -> None:
     """Which kept graph a staged call of a token count not run before replays: ``"exact"`` (the default,
     ``KVLAYOUT_STAGED_GRAPH_REUSE``): only its own, so a new length is issued directly, chunk by chunk (its
-    second call is captured); ``"prefix"``: also the graph of its whole-chunk prefix (the call of ``P`` tokens,
-    ``P`` the largest ``skip_prefix + k * chunk_tokens`` below ``T``, captured the second time any call's
-    prefix is ``P``), then only tokens ``P..T-1`` issued directly, so that an engine whose calls vary in
-    length shares a few graphs. A length run before still gets its own graph. ``ops.explain``'s
+    second call is captured); ``"prefix"``: also the graph of a shorter call, its reuse prefix (the call of
+    ``P`` tokens: ``skip_prefix`` plus its ``n = T - skip_prefix`` tokens rounded down to a multiple of the
+    largest power of two ``<= n / 8``, ``_C.staged_reuse_prefix``; captured the second time any call's prefix
+    is ``P``), then tokens ``P..T-1`` (at most an eighth of them) moved by one launch of the direct kernel, so
+    that an engine whose calls vary in length shares a few graphs (at most 8 for the lengths between two powers
+    of two). A length run before still gets its own graph. ``ops.explain``'s
     ``graph_tokens`` says which graph a call replays. Process-wide; a call reads it once. Results are the same
     bytes either way."""
     _GRAPH_REUSE.set(reuse)
@@ -611,7 +613,8 @@ class _RingShapes:
     """What a ring's staged transfers between caches of two shapes (one choice of layers and planes) share, made
     once: the mini caches carved in the ring's slots, each layer group's host byte spans (relative to the host
     tensors, so those of any host cache of the shape) and the handles of the copy programs between the device
-    cache and each ring slot and (to the host) from the host cache into it, registered and pinned while it lives.
+    cache and each ring slot, (to the host) from the host cache into it and between the caches themselves (the
+    direct kernel, which moves the tokens past a replayed prefix), registered and pinned while it lives.
     It holds no cache's tensors: a transfer binds the programs to its caches' tensors, and binding the same
     tensors again (an engine's device cache, bound anew at each call beside a fresh host chunk) is a lookup in
     the native binding cache. So a transfer between caches bound anew plans only its bindings.
@@ -631,6 +634,13 @@ class _RingShapes:
             return handle
 
         try:
+            # the kernel engine's program between the caches themselves: the tokens past a replayed prefix
+            if sides.host_is_dst:
+                self.direct = program(sides.device, sides.host, sides.device_layers, sides.host_layers,
+                                      sides.device_planes, sides.host_planes)
+            else:
+                self.direct = program(sides.host, sides.device, sides.host_layers, sides.device_layers,
+                                      sides.host_planes, sides.device_planes)
             for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
                 host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
                 device_layers = sides.device_layers[g0:g0 + staged.chunk_layers]
@@ -653,8 +663,9 @@ class _RingShapes:
             raise
         weakref.finalize(self, lambda hs=tuple(handles): [unpin(h) for h in hs])
 
-    def bind(self, sides: _Sides, status: torch.Tensor) -> tuple[list, list]:
-        """The programs bound to ``sides``' caches and the ring slots: (kernels, keeps), per (group, ring slot)."""
+    def bind(self, sides: _Sides, status: torch.Tensor) -> tuple[list, list, object]:
+        """The programs bound to ``sides``' caches and the ring slots: (kernels, keeps), per (group, ring slot),
+        and the direct program bound to the caches themselves."""
         def bound(handle, a: KVCache, b: KVCache):
             program = _C.bind_program(handle, list(a.tensors), list(b.tensors), status)
             if program is None:
@@ -665,8 +676,10 @@ class _RingShapes:
         minis = [self.minis[i % slots] for i in range(len(self.kernels))]
         if self.host_is_dst:
             return ([bound(h, sides.device, m) for h, m in zip(self.kernels, minis)],
-                    [bound(h, sides.host, m) for h, m in zip(self.keeps, minis)])
-        return [bound(h, m, sides.device) for h, m in zip(self.kernels, minis)], []
+                    [bound(h, sides.host, m) for h, m in zip(self.keeps, minis)],
+                    bound(self.direct, sides.device, sides.host))
+        return ([bound(h, m, sides.device) for h, m in zip(self.kernels, minis)], [],
+                bound(self.direct, sides.host, sides.device))
 
     @classmethod
     def of(cls, sides: _Sides, staged: StagedPlan, ring: _Ring, choice) -> "_RingShapes":
@@ -697,12 +710,12 @@ class _Transfer:
         status = _native.status_tensor(choice.device)
         # the plan of these shapes through the ring (mini caches, host spans, program handles): shared
         self.ring_shapes = _RingShapes.of(sides, staged, ring, choice)
-        kernels, keeps = self.ring_shapes.bind(sides, status)
+        kernels, keeps, direct = self.ring_shapes.bind(sides, status)
         written = list(sides.host.tensors if sides.host_is_dst else sides.device.tensors)
         self.native = _C.StagedTransfer(sides.host_is_dst, kernels, keeps, list(ring.slots), list(sides.host.tensors),
                                         self.ring_shapes.groups, staged.chunk_tokens, sides.device.geometry.N,
                                         sides.host.geometry.N, _side_stream(choice.device).cuda_stream,
-                                        -1 if ring.capturing else ring.stream, written)
+                                        -1 if ring.capturing else ring.stream, written, direct)
 
     def run_kept(self, src_slots, dst_slots, skip_prefix: int, max_ctas: int, validate: bool) -> bool:
         """The call again, from :func:`kvlayout.ops.transfer`'s repeated-call path: False (nothing done) where
@@ -721,7 +734,7 @@ def kept_graph(choice, staged: StagedPlan, src_slots, dst_slots, num_tokens: int
     which the call replays unless it validates: its captured nodes (a launch that issues them from the host
     takes time that grows with them), whether it runs as a conditional node's body
     (:func:`set_staged_graph_launch`) and the token count of the call it was captured from (fewer than
-    ``num_tokens``: the call's whole-chunk prefix, :func:`set_staged_graph_reuse`, the rest issued directly);
+    ``num_tokens``: the call's reuse prefix, :func:`set_staged_graph_reuse`, the rest moved by the direct kernel);
     ``(0, False, 0)`` where none is kept: the call is issued directly (a shape's first two calls are, and every
     call under graph capture)."""
     if torch.cuda.is_current_stream_capturing():

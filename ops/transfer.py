@@ -191,7 +191,7 @@ def explain(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_l
     validates), or 0 where none is kept and the call is issued directly, ``graph_on_device``: whether that
     graph runs as a conditional node's body (:func:`~kvlayout.ops.set_staged_graph_launch`), and
     ``graph_tokens``: the token count of the call it was captured from (0: none; below the call's token count:
-    its whole-chunk prefix's graph, the rest issued directly, :func:`~kvlayout.ops.set_staged_graph_reuse`).
+    its reuse prefix's graph, the rest moved by the direct kernel, :func:`~kvlayout.ops.set_staged_graph_reuse`).
     """
     c = checked_choice(src, dst, src_layers, dst_layers, src_planes, dst_planes, max_ctas, engine)
     s_slots, d_slots, T, skip_prefix = check_slots(src, dst, c.device, engine, src_slots, dst_slots, skip_prefix,

@@ -306,21 +306,28 @@ def test_threads_taking_rings_at_once_keep_at_most_the_bound(monkeypatch):
     assert ops.cache_info()["staging"] == len(staged_mod._RINGS) <= staged_mod.KEPT_RINGS
 
 
-@pytest.mark.parametrize("num_tokens, skip_prefix, per_chunk, prefix", [
-    (45, 0, 16, 32),      # two whole chunks, then 13 tokens
-    (45, 5, 16, 37),      # from skip_prefix on
-    (22, 5, 16, 21),      # one whole chunk, then 1 token
-    (21, 5, 16, 0),       # whole chunks only: the call is its own prefix
-    (20, 5, 16, 0),       # no whole chunk
-    (5, 5, 16, 0),        # nothing to move
-    (3, 5, 16, 0),
-    (45, 0, 1, 0),        # chunks of one token are all whole
-    (45, 0, 0, 0),        # (no chunk)
+@pytest.mark.parametrize("num_tokens, skip_prefix, prefix", [
+    (4095, 0, 3840),      # a multiple of 256, the largest power of two <= 4095 / 8
+    (4032, 0, 3840),      # every length from 3841 to 4095 shares it
+    (3841, 0, 3840),
+    (3840, 0, 0),         # a multiple: the call is its own prefix
+    (4096, 0, 0),
+    (4097, 0, 4096),      # the next octave: multiples of 512
+    (4607, 0, 4096),
+    (4608, 0, 0),
+    (46, 5, 45),          # from skip_prefix on: 41 tokens, in multiples of 4
+    (45, 0, 44),
+    (17, 0, 16),          # the fewest tokens with a prefix: 16, in multiples of 2
+    (16, 0, 0),
+    (15, 0, 0),           # fewer than 16
+    (5, 5, 0),            # nothing to move
+    (3, 5, 0),
 ])
-def test_a_calls_whole_chunk_prefix(num_tokens, skip_prefix, per_chunk, prefix):
-    """The prefix whose graph a call of a new length may replay (ops.set_staged_graph_reuse("prefix")):
-    skip_prefix plus the call's whole chunks, only where that leaves a partial chunk to issue directly."""
-    assert _C.staged_whole_chunk_prefix(num_tokens, skip_prefix, per_chunk) == prefix
+def test_a_calls_reuse_prefix(num_tokens, skip_prefix, prefix):
+    """The call whose graph a call of a length not run before replays under set_staged_graph_reuse("prefix")."""
+    assert _C.staged_reuse_prefix(num_tokens, skip_prefix) == prefix
+    if prefix:
+        assert num_tokens - prefix <= (num_tokens - skip_prefix) // 8
 
 
 def _pool(mla=False, fill=0x5A5A):
@@ -1446,19 +1453,21 @@ def test_captured_graphs_stay_bounded(cuda_device, ring_bytes, monkeypatch):
 @pytest.mark.parametrize("direction", ["to_host", "from_host"])
 @pytest.mark.parametrize("max_ctas", [0, 2])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_device, direction, max_ctas,
-                                                                        slot_dtype, ring_bytes):
-    """ops.set_staged_graph_reuse("prefix"), calls of lengths not run before that share one whole-chunk prefix P:
-    the first is issued directly, the second captures the graph of the call of P tokens and replays it, the rest
-    issued directly, and a third replays it at its first call (ops.explain: graph_tokens P); a length run
+def test_a_new_length_replays_its_reuse_prefix_and_moves_the_rest_directly(cuda_device, direction, max_ctas,
+                                                                           slot_dtype, ring_bytes):
+    """ops.set_staged_graph_reuse("prefix"), calls of lengths not run before that share one reuse prefix P: the
+    first is issued directly, the second captures the graph of the call of P tokens (several chunks) and replays
+    it, the rest moved by the direct kernel, and a third replays it at its first call (ops.explain: graph_tokens
+    P); a length run
     before gets its own graph; under "exact" a new length replays nothing. Every call moves exactly what the CPU
     kernel moves (fresh slots of either dtype, which is part of a graph's shape, a token without a device row,
     skip_prefix, an SM budget)."""
     ring_bytes(16 << 10)                          # one layer, 16 tokens a chunk: several chunks per call
     to_host = direction == "to_host"
     skip, g = 3, torch.Generator().manual_seed(17)
-    cache, chunk = _device_cache(cuda_device), _chunk(48, pin=True)
-    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(48)
+    host_tokens = 80                              # (68 ... 74 share the prefix 67: 3 + 64)
+    cache, chunk = _device_cache(cuda_device), _chunk(host_tokens, pin=True)
+    cpu_cache, cpu_chunk = _device_cache("cpu"), _chunk(host_tokens)
     src, dst, cpu_src, cpu_dst = (cache, chunk, cpu_cache, cpu_chunk) if to_host else \
         (chunk, cache, cpu_chunk, cpu_cache)
 
@@ -1469,15 +1478,12 @@ def test_a_new_length_replays_its_whole_chunk_prefix_and_issues_the_rest(cuda_de
         slots = torch.arange(T, device=cuda_device, dtype=slot_dtype)
         return ops.explain(src, dst, *slot_args(slots), skip_prefix=skip, max_ctas=max_ctas, engine="staged")
 
-    def prefix_of(T):
-        return _C.staged_whole_chunk_prefix(T, skip, explained(T)["chunk_tokens"])
-
     by_prefix = {}
-    for T in range(skip + 1, 49):
-        if prefix_of(T):
-            by_prefix.setdefault(prefix_of(T), []).append(T)
+    for T in range(skip + 1, host_tokens + 1):
+        if _C.staged_reuse_prefix(T, skip):
+            by_prefix.setdefault(_C.staged_reuse_prefix(T, skip), []).append(T)
     P, lengths = max(by_prefix.items(), key=lambda item: len(item[1]))
-    assert len(lengths) >= 4, by_prefix           # (the ring's slots hold chunks of several tokens)
+    assert len(lengths) >= 4 and explained(P)["chunks"] > 1, by_prefix
     first, second, third, unseen = lengths[:4]
 
     def call(T, i):

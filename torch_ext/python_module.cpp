@@ -475,7 +475,8 @@ class StagedTransfer {
                  std::vector<at::Tensor> host_tensors,
                  const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>& groups,
                  int64_t tokens_per_chunk, int64_t device_num_slots, int64_t host_num_slots,
-                 int64_t side_stream, int64_t ring_stream, std::vector<at::Tensor> written)
+                 int64_t side_stream, int64_t ring_stream, std::vector<at::Tensor> written,
+                 const PreparedCopy* direct = nullptr)
       : host_num_slots_(host_num_slots), device_(ring_slots.empty() ? c10::Device(c10::kCPU)
                                                                     : ring_slots.front().device()) {
     TORCH_CHECK_VALUE(!ring_slots.empty() && !kernels.empty() && tokens_per_chunk > 0 &&
@@ -528,6 +529,12 @@ class StagedTransfer {
                       " in this build");
     for (const auto* list : {&kernels, &keeps})
       for (const PreparedCopy* p : *list) bindings_.push_back(Binding{p->bound(), p->src(), p->dst()});
+    if (direct != nullptr) {
+      TORCH_CHECK_VALUE(direct->bound()->device() == setup.device && direct->num_steps() >= 1,
+                        "kvlayout: a staged transfer's direct copy must run on its ring's device");
+      setup.direct = direct->bound();
+      bindings_.push_back(Binding{direct->bound(), direct->src(), direct->dst()});
+    }
     written_ = std::move(written);
     engine_ = factory(std::move(setup));
   }
@@ -719,14 +726,16 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<bool, const std::vector<PreparedCopy*>&, const std::vector<PreparedCopy*>&,
                     std::vector<at::Tensor>, std::vector<at::Tensor>,
                     const std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>>&,
-                    int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<at::Tensor>>(),
+                    int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<at::Tensor>,
+                    const PreparedCopy*>(),
            py::arg("host_is_dst"), py::arg("kernels"), py::arg("keeps"), py::arg("ring_slots"),
            py::arg("host_tensors"), py::arg("groups"), py::arg("tokens_per_chunk"),
            py::arg("device_num_slots"), py::arg("host_num_slots"), py::arg("side_stream"),
-           py::arg("ring_stream"), py::arg("written"),
+           py::arg("ring_stream"), py::arg("written"), py::arg("direct") = nullptr,
            "kernels/keeps: PreparedCopy per (group, ring slot); groups: "
            "per layer group, (host tensor, host byte offset, ring byte offset, row bytes) per "
-           "segment.")
+           "segment; direct: the PreparedCopy between the caches themselves, which moves the tokens "
+           "past a replayed prefix (None: they are issued staged).")
       .def("run", &StagedTransfer::run, py::arg("device_slots"), py::arg("num_tokens"),
            py::arg("skip_prefix"), py::arg("max_ctas"), py::arg("validate"),
            "Issues the transfer on the current stream; False (nothing done) when a bound tensor "
@@ -745,8 +754,8 @@ PYBIND11_MODULE(_C, m) {
            "(nodes, on_device, tokens) of the graph kept for this call shape (slot_bytes: the device "
            "slots' element size, 0 for none), which a call of it that does not validate replays: its "
            "captured nodes (0: none kept), whether it runs as a conditional node's body, and the token "
-           "count of the call it was captured from (fewer than num_tokens: the call's whole-chunk "
-           "prefix, the rest issued directly).");
+           "count of the call it was captured from (fewer than num_tokens: the call's reuse prefix, "
+           "the rest moved by the direct kernel).");
   m.def("set_staged_graph_capacity", &set_staged_graph_capacity, py::arg("graphs"),
         "Captured call shapes each staged transfer keeps (0: every call issued directly).");
   m.def("staged_graph_capacity", &staged_graph_capacity);
@@ -756,12 +765,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("staged_graph_on_device", &staged_graph_on_device);
   m.def("set_staged_graph_prefixes", &set_staged_graph_prefixes, py::arg("on"),
         "Whether a staged call of a token count with no graph of its own may replay the graph kept for "
-        "its whole-chunk prefix and issue only the rest directly.");
+        "its reuse prefix (staged_reuse_prefix) and move only the rest with the direct kernel.");
   m.def("staged_graph_prefixes", &staged_graph_prefixes);
-  m.def("staged_whole_chunk_prefix", &staged_whole_chunk_prefix, py::arg("num_tokens"), py::arg("skip_prefix"),
-        py::arg("per_chunk"),
-        "skip_prefix plus the tokens of the call's whole chunks of per_chunk, or 0 where that is no "
-        "proper prefix of the call.");
+  m.def("staged_reuse_prefix", &staged_reuse_prefix, py::arg("num_tokens"), py::arg("skip_prefix"),
+        "skip_prefix plus the call's n tokens rounded down to a multiple of the largest power of two "
+        "<= n / 8, or 0 where that is no proper prefix of the call (n < 16, or a multiple).");
   m.def("set_host_cache_hints", &set_host_cache_hints, py::arg("hints"),
         "The CacheHints of launches that touch pinned host memory (0: streaming, 1: default).");
   m.def("host_cache_hints", &host_cache_hints);

@@ -84,10 +84,13 @@ void set_staged_graph_prefixes(bool on) { graph_prefixes.store(on, std::memory_o
 
 bool staged_graph_prefixes() { return graph_prefixes.load(std::memory_order_relaxed); }
 
-int64_t staged_whole_chunk_prefix(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk) {
-  if (per_chunk < 1 || num_tokens <= skip_prefix) return 0;
-  const int64_t prefix = skip_prefix + (num_tokens - skip_prefix) / per_chunk * per_chunk;
-  return prefix > skip_prefix && prefix < num_tokens ? prefix : 0;
+int64_t staged_reuse_prefix(int64_t num_tokens, int64_t skip_prefix) {
+  const int64_t n = num_tokens - skip_prefix;
+  if (skip_prefix < 0 || n < kStagedReuseMinTokens) return 0;
+  int64_t granule = 1;
+  while (granule * 16 <= n) granule *= 2;  // the largest power of two <= n / 8
+  const int64_t whole = n / granule * granule;
+  return whole < n ? skip_prefix + whole : 0;
 }
 
 void set_staged_chunks(int64_t chunks) {

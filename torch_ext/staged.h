@@ -204,30 +204,36 @@ void set_staged_graph_on_device(bool on);
 bool staged_graph_on_device();
 
 // Whether a call whose token count has no graph of its own yet may replay
-// the graph kept for its whole-chunk prefix (process-wide, off unless set; a
-// call reads it once). On, a call of T tokens from skip_prefix s, in chunks
-// of c tokens, that is not a repeat of a kept shape replays the graph of the
-// call of P = staged_whole_chunk_prefix(T, s, c) tokens where one is kept
-// (captured on the prefix's second sighting, whichever token counts brought
-// it), then issues tokens [P, T) directly, as a call from skip_prefix P: its
-// last partial chunk. A call of P tokens moves exactly the first P tokens'
-// rows and one from skip_prefix P the rest, so the pair moves what the call
-// of T would; an engine whose calls vary in length shares a few graphs
-// instead of issuing every new length's chunks one by one (about 12-28 us of
-// driver calls a chunk). A shape run before still gets its own graph.
+// the graph kept for a shorter call (process-wide, off unless set; a call
+// reads it once). On, a call of T tokens from skip_prefix s that is not a
+// repeat of a kept shape replays the graph of the call of
+// P = staged_reuse_prefix(T, s) tokens where one is kept (captured on that
+// call shape's second sighting, whichever token counts brought it), then
+// moves tokens [P, T) with the direct kernel between the caches themselves
+// (StagedSetup::direct), as a call from skip_prefix P: one launch, where
+// issuing them staged would take one chunk per layer group at least. A call
+// of P tokens moves exactly the first P tokens' rows and one from skip_prefix
+// P the rest, so the pair moves what the call of T would; an engine whose
+// calls vary in length shares a few graphs instead of issuing every new
+// length's chunks one by one (about 12-28 us of driver calls a chunk). A
+// shape run before still gets its own graph.
 void set_staged_graph_prefixes(bool on);
 bool staged_graph_prefixes();
 
-// The whole-chunk prefix of a call of `num_tokens` tokens from skip_prefix in
-// chunks of `per_chunk`: skip_prefix plus the tokens of its whole chunks, or
-// 0 where that is no proper prefix (no whole chunk, or no partial one).
-int64_t staged_whole_chunk_prefix(int64_t num_tokens, int64_t skip_prefix, int64_t per_chunk);
+// The prefix a call of `num_tokens` tokens from skip_prefix may replay under
+// staged_graph_prefixes(): skip_prefix plus its n = num_tokens - skip_prefix
+// tokens rounded down to a multiple of the largest power of two g <= n / 8
+// (so at most 8 prefixes for all the lengths of n's octave, and at most an
+// eighth of the tokens left to the direct kernel); 0 where that is no proper
+// prefix (n < kStagedReuseMinTokens, or n a multiple of g).
+constexpr int64_t kStagedReuseMinTokens = 16;
+int64_t staged_reuse_prefix(int64_t num_tokens, int64_t skip_prefix);
 
 // The graph kept for a call shape: `nodes` of captured work (0: none kept, a
 // call of that shape is issued directly), launched as the body of a
 // conditional node (`on_device`) or as it is; `tokens`: the token count of
-// the call it was captured from (the call's own, or its whole-chunk prefix's
-// under staged_graph_prefixes(), the rest then issued directly).
+// the call it was captured from (the call's own, or its staged_reuse_prefix's
+// under staged_graph_prefixes(), the rest then moved by the direct kernel).
 struct KeptGraph {
   int64_t nodes = 0;
   bool on_device = false;
@@ -248,6 +254,10 @@ struct StagedSetup {
   c10::Device device{c10::kCPU};
   int64_t side_stream = 0;       // the backend's stream handle for the copy engine's work
   int64_t ring_stream = -1;      // the stream the ring belongs to (-1: none, a ring of one capture)
+  // The kernel engine's program between the caches themselves (step 0), which
+  // moves the tokens past a replayed prefix (staged_graph_prefixes); null:
+  // they are issued staged.
+  std::shared_ptr<const BoundProgram> direct;
 };
 
 struct StagedArgs {

@@ -16,9 +16,9 @@
 // replayed: per call one kernel copying the slots into that buffer and one graph
 // launch, whatever the chunk count. Shapes are captured on their second call
 // (a one-off shape costs no capture); under staged_graph_prefixes() a new
-// shape replays the graph of its whole-chunk prefix where one is kept (a
-// prefix too is captured when it comes the second time) and issues only the
-// rest directly. At most staged_graph_capacity() graphs
+// shape replays the graph of its staged_reuse_prefix where one is kept (a
+// prefix too is captured when it comes the second time) and moves the rest
+// with the direct kernel (move_rest). At most staged_graph_capacity() graphs
 // are kept per engine, least recently used evicted. Under
 // staged_graph_on_device() the kept graph is the captured one as the body of
 // an always-true conditional node (instantiate_as_conditional_body), so that
@@ -263,8 +263,8 @@ class CudaStaged final : public StagedEngine {
                                        per_chunk);
       Replay* replay = find_replay(key);
       if (replay == nullptr) {
-        // a shape run before gets its own graph; a new one replays its whole-chunk prefix's where that
-        // is kept (or seen before: captured now), the rest issued directly below
+        // a shape run before gets its own graph; a new one replays its reuse prefix's where that
+        // is kept (or seen before: captured now), the rest moved by move_rest
         const std::optional<ReplayKey> prefix = prefix_key(key);
         if (seen_before(key)) {
           replay = capture_replay(key, graphs);
@@ -280,8 +280,7 @@ class CudaStaged final : public StagedEngine {
         if (launched == cudaSuccess) {
           ++replayed_;
           if (replayed_tokens < a.num_tokens)  // the tokens past the prefix, after the graph on `main`
-            issue_directly(device_slots, a, replayed_tokens,
-                           chunk_tokens(a.num_tokens, replayed_tokens, a.max_ctas), main);
+            move_rest(device_slots, a, replayed_tokens, main);
           return;
         }
         if (!replay->shape.on_device) C10_CUDA_CHECK(launched);
@@ -307,16 +306,32 @@ class CudaStaged final : public StagedEngine {
     return ReplayKey{num_tokens, skip_prefix, max_ctas, slot_bytes, per_chunk, staged_graph_on_device()};
   }
 
-  // Under staged_graph_prefixes(): the key of the call of `key`'s whole-chunk prefix (its own chunk
+  // Under staged_graph_prefixes(): the key of the call of `key`'s staged_reuse_prefix (its own chunk
   // for its token count), whose graph a call of `key` may replay; none where there is no such prefix.
   std::optional<ReplayKey> prefix_key(const ReplayKey& key) const {
     if (!staged_graph_prefixes()) return std::nullopt;
-    const int64_t prefix = staged_whole_chunk_prefix(key.num_tokens, key.skip_prefix, key.per_chunk);
+    const int64_t prefix = staged_reuse_prefix(key.num_tokens, key.skip_prefix);
     if (prefix == 0) return std::nullopt;
     ReplayKey k = key;
     k.num_tokens = prefix;
     k.per_chunk = chunk_tokens(prefix, key.skip_prefix, key.max_ctas);
     return k;
+  }
+
+  // Tokens [from, a.num_tokens) of the call `a`, past the prefix a graph moved, on `main`: by the
+  // direct kernel between the caches (one launch, or one per its launch's segments), else staged.
+  void move_rest(const at::Tensor& device_slots, const StagedArgs& a, int64_t from, cudaStream_t main) {
+    if (s_.direct == nullptr) {
+      issue_directly(device_slots, a, from, chunk_tokens(a.num_tokens, from, a.max_ctas), main);
+      return;
+    }
+    RunArgs rest;
+    (s_.host_is_dst ? rest.src_slots : rest.dst_slots) =
+        device_slots.defined() ? std::optional<at::Tensor>(device_slots) : std::nullopt;
+    rest.num_tokens = a.num_tokens;
+    rest.skip_prefix = from;
+    rest.max_ctas = a.max_ctas;
+    s_.direct->run(0, rest);  // (on the current stream: `main`)
   }
 
   // Tokens [from, a.num_tokens) of the call `a` (from: its skip_prefix, or the end of the prefix a
