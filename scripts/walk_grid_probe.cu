@@ -7,9 +7,10 @@
 //        scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
 //   /tmp/walk_grid_probe [device|budget|host|launch|all[,...]] [reps]
 //
-// device: gathers on the device at small T (paged cache -> chunk) under other
-//   grids, CTA sizes and loads in flight, beside a one-row-per-CTA kernel of
-//   the kind the peers use and kernels of 2, 4 and 8 rows per CTA.
+// device: gathers on the device at small T (paged cache -> chunk; L32 H1 up
+//   to T = 32768) under other grids, CTA sizes and loads in flight, beside a
+//   one-row-per-CTA kernel of the kind the peers use and kernels of 2, 4 and
+//   8 rows per CTA.
 // budget: transfers between the device cache and a pinned host chunk under an
 //   SM budget of N = 1, 2, 4 CTAs of 1024 threads (what max_ctas = N
 //   launches): the library's budget variant with either cache hint (one walk
@@ -381,7 +382,8 @@ void run_device(Probe& probe) {
     Shape shape;
     int T;
   };
-  const Case cases[] = {{kH1, 256}, {kH8, 256}, {kMLA, 256}, {kL61MLA, 256}, {kH1, 1024}, {kMLA, 1024}, {kH8, 4096}};
+  const Case cases[] = {{kH1, 256},  {kH8, 256},  {kMLA, 256},  {kL61MLA, 256},
+                        {kH1, 1024}, {kMLA, 1024}, {kH8, 4096}, {kH1, 4096}, {kH1, 32768}};
   const std::vector<DeviceVariant> variants = {
       device_variant<4, 256, 3>("u4 t256 min3 1 wave (library)", 1),
       device_variant<4, 256, 3>("u4 t256 min3 2 waves", 2),
