@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import random
 
 import torch
 
@@ -92,6 +93,9 @@ class Case:
     #                         or "new-length" (each call a length the engine has not run, T - 1 ... T -
     #                         NEW_LENGTHS tokens in turn, under ops.set_staged_graph_reuse("prefix"): the
     #                         graph of their reuse prefix replayed, the rest moved by the direct kernel);
+    #                         or "spread-length" (the same setting, NEW_LENGTHS lengths from T / 8 up,
+    #                         spread over three octaves in a fixed shuffled order: more reuse prefixes than
+    #                         a transfer keeps graphs, so captures may evict each other);
     #                         or "bind-per-call" (both caches bound anew at each call, as an adapter that
     #                         binds a fresh host chunk per call does: the staged engine plans every call;
     #                         with engine "kernel" too, its twin); host_hints: "default-hints"
@@ -117,9 +121,10 @@ class Case:
         return SHAPES[self.shape].L if self.layerwise or self.group == "host_cost" else 1
 
     def payload_bytes(self, itemsize: int = 2) -> int:
-        """Bytes one call moves (a "new-length" row's: its calls' mean, T - (NEW_LENGTHS + 1) / 2 tokens)."""
+        """Bytes one call moves (a "new-length" or "spread-length" row's: its calls' mean)."""
         s = SHAPES[self.shape]
-        tokens = self.T - (NEW_LENGTHS + 1) / 2 if self.call == "new-length" else self.T
+        lengths = call_lengths(self)
+        tokens = sum(lengths) / len(lengths) if lengths else self.T
         return round(s.planes * s.L * tokens * s.row_bytes(itemsize))
 
 
@@ -213,6 +218,9 @@ def plan_cases(quick: bool) -> list[Case]:
             # a repeated one whose graph the device launches
             for call in ("direct", "new-length", "device-launch"):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call=call))
+            if T == 4096:   # lengths over three octaves: does the prefix graphs' churn cost more than it saves?
+                cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged",
+                                  call="spread-length"))
         if T == 4096 and name in shapes[:3]:
             for ctas in ((4,) if quick else (1, 2, 4, 8)):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged"))
@@ -480,16 +488,30 @@ def new_length_slots(ss, ds, tokens: int):
 
 
 def new_length_checks(case: Case) -> list[int]:
-    """The lengths a "new-length" row's bytes are checked with before it is timed (kvlayout.bench.run): three
-    below the lengths it times, so that none of those is one the engine has run: the first issued directly, the
-    second and third replaying their reuse prefix's graph."""
+    """The lengths a "new-length" or "spread-length" row's bytes are checked with before it is timed
+    (kvlayout.bench.run): three that it does not time, so that none of those is one the engine has run: the
+    first issued directly, the second and third replaying their reuse prefix's graph."""
     return [case.T - NEW_LENGTHS - i for i in (1, 2, 3)]
 
 
+def call_lengths(case: Case) -> list[int] | None:
+    """The token counts a "new-length" row's calls move in turn (T - 1 ... T - NEW_LENGTHS), or a
+    "spread-length" row's (NEW_LENGTHS lengths from T / 8 to below T - NEW_LENGTHS - 4, evenly apart on a log
+    scale, in a fixed shuffled order); None for any other row, whose calls move T."""
+    if case.call == "new-length":
+        return [case.T - i for i in range(1, NEW_LENGTHS + 1)]
+    if case.call == "spread-length":
+        low, high = case.T / 8, case.T - NEW_LENGTHS - 4
+        lengths = [round(low * (high / low) ** (i / NEW_LENGTHS)) for i in range(NEW_LENGTHS)]
+        random.Random(0).shuffle(lengths)
+        return lengths
+    return None
+
+
 def _new_lengths_fn(case: Case, src, ss, dst, ds):
-    """A "new-length" row's call: the first T - i tokens, i = 1 ... NEW_LENGTHS in turn (views of the slots
-    made once: what is timed is the engine's call)."""
-    lengths = itertools.cycle([new_length_slots(ss, ds, case.T - i) for i in range(1, NEW_LENGTHS + 1)])
+    """A "new-length" or "spread-length" row's call: the first n tokens, n each of :func:`call_lengths` in turn
+    (views of the slots made once: what is timed is the engine's call)."""
+    lengths = itertools.cycle([new_length_slots(ss, ds, n) for n in call_lengths(case)])
 
     def new_length():
         s, d = next(lengths)
@@ -505,7 +527,7 @@ def kvlayout_fn(case: Case, data: dict):
             if case.call == "bind-per-call":
                 return lambda: ops.transfer(*_bound_anew(src, dst), ss, ds, max_ctas=case.max_ctas,
                                             engine=case.engine)
-            if case.call == "new-length":
+            if case.call in ("new-length", "spread-length"):
                 return _with_setting(case, _new_lengths_fn(case, src, ss, dst, ds))
             if case.call in SETTING_CALLS:
                 return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
@@ -573,7 +595,7 @@ def staged_counts(case: Case, data: dict) -> dict:
     if case.layerwise or case.direction not in ("to_host", "from_host") or case.engine not in ("auto", "staged"):
         return {}
     src, ss, dst, ds = endpoints(case, data)
-    if case.call == "new-length":   # a length neither timed nor checked (not seen by the engine, not kept)
+    if call_lengths(case):          # a length neither timed nor checked (not seen by the engine, not kept)
         ss, ds = new_length_slots(ss, ds, min(new_length_checks(case)) - 1)
     with _setting(case):
         explained = ops.explain(src, dst, ss, ds, max_ctas=case.max_ctas, engine=case.engine)
@@ -584,7 +606,7 @@ def staged_counts(case: Case, data: dict) -> dict:
 
 
 # the calls that run under a setting of their own (_setting)
-SETTING_CALLS = ("direct", "new-length", "slot-chunks", "device-launch", "default-hints")
+SETTING_CALLS = ("direct", "new-length", "spread-length", "slot-chunks", "device-launch", "default-hints")
 # a "new-length" row's calls cycle through this many lengths below its T: more than a staged engine remembers
 # (16 shapes seen once), so that every call's length is new to it
 NEW_LENGTHS = 64
@@ -594,7 +616,8 @@ NEW_LENGTHS = 64
 def _setting(case: Case):
     """The setting ``case`` runs under while the block runs (restored after, also when the call raises): no
     staged graph kept for a "direct" row (``ops.set_cache_capacity(staged_graphs=0)``: every call issued
-    directly, as a new shape's is), ``ops.set_staged_graph_reuse("prefix")`` for a "new-length" row,
+    directly, as a new shape's is), ``ops.set_staged_graph_reuse("prefix")`` for a "new-length" or
+    "spread-length" row,
     ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
     slot's capacity; a call shape is captured and replayed under it as under the default),
     ``ops.set_staged_graph_launch("device")`` for a "device-launch" row (the kept graph the body of a
@@ -604,7 +627,7 @@ def _setting(case: Case):
     if case.call == "direct":
         restore = functools.partial(ops.set_cache_capacity, staged_graphs=_C.staged_graph_capacity())
         ops.set_cache_capacity(staged_graphs=0)
-    elif case.call == "new-length":
+    elif case.call in ("new-length", "spread-length"):
         restore = functools.partial(ops.set_staged_graph_reuse, ops.staged.staged_graph_reuse())
         ops.set_staged_graph_reuse("prefix")
     elif case.call == "slot-chunks":

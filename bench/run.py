@@ -72,8 +72,9 @@ def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
 
 
 def check_new_lengths(case: C.Case, data: dict, timer: Timer) -> bool:
-    """A "new-length" row's bytes: its call of each of :func:`kvlayout.bench.cases.new_length_checks`' lengths
-    (issued directly, then its reuse prefix's graph captured and replayed, the rest moved by the direct kernel)
+    """A "new-length" or "spread-length" row's bytes: its call of each of
+    :func:`kvlayout.bench.cases.new_length_checks`' lengths (issued directly, then its reuse prefix's graph
+    captured and replayed, the rest moved by the direct kernel)
     against the kernel engine's call of the same tokens from the same start (the kernel engine's rows are
     checked against the torch baseline)."""
     src, ss, dst, ds = C.endpoints(case, data)
@@ -146,7 +147,7 @@ def measure_case(case: C.Case, data: dict, timer: Timer, baseline_timer: Timer, 
            "buffer_layout": case.buffer_layout, "T": case.T, "page_size": case.page_size,
            "direction": case.direction, "layerwise": case.layerwise, "max_ctas": case.max_ctas,
            "engine": case.engine, "call": case.call, "payload_bytes": case.payload_bytes(), "key": case.key}
-    check = (check_untouched if case.empty else check_new_lengths if case.call == "new-length"
+    check = (check_untouched if case.empty else check_new_lengths if C.call_lengths(case)
              else check_bit_exact)
     row["bit_exact"] = check(case, data, timer)
     if not row["bit_exact"]:

@@ -17,8 +17,9 @@ kernel row), since that is what a caller gets by default:
 * ``staged host work``: at most 50 µs of host time per staged call (a repeated call shape, replayed from its
   graph); ``staged host work, new shape``: the same bound for the bench's staged rows issued directly (the
   ``direct`` call: no graph kept, as for a shape not seen before); ``staged host work, new length``: the
-  same bound for the ``new-length`` rows (each call a token count the engine has not run, its reuse
-  prefix's graph replayed and the rest moved by the direct kernel: ``ops.set_staged_graph_reuse("prefix")``);
+  same bound for the ``new-length`` and ``spread-length`` rows (each call a token count the engine has not
+  run, its reuse prefix's graph replayed and the rest moved by the direct kernel:
+  ``ops.set_staged_graph_reuse("prefix")``);
   ``staged host work, graph launched on the device``: the same bound for the ``device-launch`` rows
   (``ops.set_staged_graph_launch("device")``);
 * ``copy engine run list``: the copy engine's run list built in C++ in at most 100 µs of host time per
@@ -92,7 +93,8 @@ def auto_rows(rows: list[dict], calibration: dict | None = None) -> list[dict]:
 
 
 # how the staged rows that are not an engine's repeated call are named
-CALL_NAMES = {"direct": "issued directly", "new-length": "new lengths", "slot-chunks": "in slot-sized chunks",
+CALL_NAMES = {"direct": "issued directly", "new-length": "new lengths",
+              "spread-length": "new lengths over three octaves", "slot-chunks": "in slot-sized chunks",
               "device-launch": "graph launched on the device", "bind-per-call": "caches bound anew per call"}
 
 
@@ -145,6 +147,7 @@ def checks(doc: dict) -> list[Check]:
         if (r["group"] == "staged" and r["engine"] == "staged" and "gbps" in r
                 and r.get("call") not in ("slot-chunks", "bind-per-call")):   # (not a default call)
             target = {"direct": "staged host work, new shape", "new-length": "staged host work, new length",
+                      "spread-length": "staged host work, new length",
                       "device-launch": "staged host work, graph launched on the device"}.get(r.get("call"),
                                                                                           "staged host work")
             where = ", the body of a conditional node" if r.get("graph_on_device") else ""
