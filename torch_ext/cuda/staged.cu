@@ -237,7 +237,7 @@ class CudaStaged final : public StagedEngine {
     const std::lock_guard<std::mutex> lock(mu_);
     if (const Replay* own = kept(key)) return own->shape;
     // (a shape run before is captured at this call, not replayed from its prefix: see run)
-    if (prefix.has_value() && std::find(seen_.begin(), seen_.end(), key) == seen_.end())
+    if (prefix.has_value() && !seen(key))
       if (const Replay* shared = kept(*prefix)) return shared->shape;
     return {};
   }
@@ -377,10 +377,12 @@ class CudaStaged final : public StagedEngine {
     return nullptr;
   }
 
+  // Whether `key` is among the shapes run once.
+  bool seen(const ReplayKey& key) const { return std::find(seen_.begin(), seen_.end(), key) != seen_.end(); }
+
   // Whether `key` was run before (remembering it now if not).
   bool seen_before(const ReplayKey& key) {
-    for (const ReplayKey& k : seen_)
-      if (k == key) return true;
+    if (seen(key)) return true;
     seen_.push_front(key);
     if (seen_.size() > kSeenShapes) seen_.pop_back();
     return false;
