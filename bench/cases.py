@@ -95,7 +95,10 @@ class Case:
     #                         graph of their reuse prefix replayed, the rest moved by the direct kernel);
     #                         or "spread-length" (the same setting, NEW_LENGTHS lengths from T / 8 up,
     #                         spread over three octaves in a fixed shuffled order: more reuse prefixes than
-    #                         a transfer keeps graphs, so captures may evict each other);
+    #                         a transfer keeps graphs, so captures may evict each other; one timed
+    #                         repetition is a pass over every length, its bytes theirs) or "spread-exact"
+    #                         (the same passes under set_staged_graph_reuse("exact"): every call issued
+    #                         directly, since no length comes back while the engine remembers it);
     #                         or "bind-per-call" (both caches bound anew at each call, as an adapter that
     #                         binds a fresh host chunk per call does: the staged engine plans every call;
     #                         with engine "kernel" too, its twin); host_hints: "default-hints"
@@ -117,14 +120,18 @@ class Case:
     @property
     def calls(self) -> int:
         """Host calls per measured repetition: one per layer when layer-wise, and as many for an all-layer
-        host_cost row (one call of a few microseconds is too short to time alone on a CPU)."""
+        host_cost row (one call of a few microseconds is too short to time alone on a CPU), and NEW_LENGTHS for a
+        spread row (a pass over its lengths: a median over calls of different lengths would not be a rate)."""
+        if self.call in SPREAD_CALLS:
+            return NEW_LENGTHS
         return SHAPES[self.shape].L if self.layerwise or self.group == "host_cost" else 1
 
     def payload_bytes(self, itemsize: int = 2) -> int:
-        """Bytes one call moves (a "new-length" or "spread-length" row's: its calls' mean)."""
+        """Bytes one timed repetition moves: a call's; a "new-length" row's calls' mean; a spread row's pass
+        over all its lengths (:attr:`calls` of them)."""
         s = SHAPES[self.shape]
         lengths = call_lengths(self)
-        tokens = sum(lengths) / len(lengths) if lengths else self.T
+        tokens = self.T if not lengths else sum(lengths) if self.call in SPREAD_CALLS else sum(lengths) / len(lengths)
         return round(s.planes * s.L * tokens * s.row_bytes(itemsize))
 
 
@@ -219,8 +226,8 @@ def plan_cases(quick: bool) -> list[Case]:
             for call in ("direct", "new-length", "device-launch"):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call=call))
             if T == 4096:   # lengths over three octaves: does the prefix graphs' churn cost more than it saves?
-                cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged",
-                                  call="spread-length"))
+                for call in SPREAD_CALLS:
+                    cases.append(Case("staged", name, dev, buf, T, 16, direction, engine="staged", call=call))
         if T == 4096 and name in shapes[:3]:
             for ctas in ((4,) if quick else (1, 2, 4, 8)):
                 cases.append(Case("staged", name, dev, buf, T, 16, direction, max_ctas=ctas, engine="staged"))
@@ -488,7 +495,7 @@ def new_length_slots(ss, ds, tokens: int):
 
 
 def new_length_checks(case: Case) -> list[int]:
-    """The lengths a "new-length" or "spread-length" row's bytes are checked with before it is timed
+    """The lengths a "new-length" or spread row's bytes are checked with before it is timed
     (kvlayout.bench.run): three that it does not time, so that none of those is one the engine has run: the
     first issued directly, the second and third replaying their reuse prefix's graph."""
     return [case.T - NEW_LENGTHS - i for i in (1, 2, 3)]
@@ -496,11 +503,11 @@ def new_length_checks(case: Case) -> list[int]:
 
 def call_lengths(case: Case) -> list[int] | None:
     """The token counts a "new-length" row's calls move in turn (T - 1 ... T - NEW_LENGTHS), or a
-    "spread-length" row's (NEW_LENGTHS lengths from T / 8 to below T - NEW_LENGTHS - 4, evenly apart on a log
+    spread row's (NEW_LENGTHS lengths from T / 8 to below T - NEW_LENGTHS - 4, evenly apart on a log
     scale, in a fixed shuffled order); None for any other row, whose calls move T."""
     if case.call == "new-length":
         return [case.T - i for i in range(1, NEW_LENGTHS + 1)]
-    if case.call == "spread-length":
+    if case.call in SPREAD_CALLS:
         low, high = case.T / 8, case.T - NEW_LENGTHS - 4
         lengths = [round(low * (high / low) ** (i / NEW_LENGTHS)) for i in range(NEW_LENGTHS)]
         random.Random(0).shuffle(lengths)
@@ -509,14 +516,16 @@ def call_lengths(case: Case) -> list[int] | None:
 
 
 def _new_lengths_fn(case: Case, src, ss, dst, ds):
-    """A "new-length" or "spread-length" row's call: the first n tokens, n each of :func:`call_lengths` in turn
-    (views of the slots made once: what is timed is the engine's call)."""
+    """A "new-length" or spread row's repetition: :attr:`Case.calls` calls (one; a spread row's whole pass), each
+    of the first n tokens, n each of :func:`call_lengths` in turn (views of the slots made once: what is timed
+    is the engine's calls)."""
     lengths = itertools.cycle([new_length_slots(ss, ds, n) for n in call_lengths(case)])
 
-    def new_length():
-        s, d = next(lengths)
-        ops.transfer(src, dst, s, d, max_ctas=case.max_ctas, engine=case.engine)
-    return new_length
+    def new_lengths():
+        for _ in range(case.calls):
+            s, d = next(lengths)
+            ops.transfer(src, dst, s, d, max_ctas=case.max_ctas, engine=case.engine)
+    return new_lengths
 
 
 def kvlayout_fn(case: Case, data: dict):
@@ -527,7 +536,7 @@ def kvlayout_fn(case: Case, data: dict):
             if case.call == "bind-per-call":
                 return lambda: ops.transfer(*_bound_anew(src, dst), ss, ds, max_ctas=case.max_ctas,
                                             engine=case.engine)
-            if case.call in ("new-length", "spread-length"):
+            if case.call in VARIED_LENGTH_CALLS:
                 return _with_setting(case, _new_lengths_fn(case, src, ss, dst, ds))
             if case.call in SETTING_CALLS:
                 return _with_setting(case, lambda: ops.transfer(src, dst, ss, ds, max_ctas=case.max_ctas,
@@ -606,7 +615,10 @@ def staged_counts(case: Case, data: dict) -> dict:
 
 
 # the calls that run under a setting of their own (_setting)
-SETTING_CALLS = ("direct", "new-length", "spread-length", "slot-chunks", "device-launch", "default-hints")
+# a spread row's calls: lengths over three octaves under prefix reuse, and the same under the default (own graphs)
+SPREAD_CALLS = ("spread-length", "spread-exact")
+VARIED_LENGTH_CALLS = ("new-length",) + SPREAD_CALLS
+SETTING_CALLS = ("direct",) + VARIED_LENGTH_CALLS + ("slot-chunks", "device-launch", "default-hints")
 # a "new-length" row's calls cycle through this many lengths below its T: more than a staged engine remembers
 # (16 shapes seen once), so that every call's length is new to it
 NEW_LENGTHS = 64
@@ -617,7 +629,7 @@ def _setting(case: Case):
     """The setting ``case`` runs under while the block runs (restored after, also when the call raises): no
     staged graph kept for a "direct" row (``ops.set_cache_capacity(staged_graphs=0)``: every call issued
     directly, as a new shape's is), ``ops.set_staged_graph_reuse("prefix")`` for a "new-length" or
-    "spread-length" row,
+    "spread-length" row and ``"exact"`` for a "spread-exact" row,
     ``ops.set_staged_chunks(1)`` for a "slot-chunks" row (chunks of a ring
     slot's capacity; a call shape is captured and replayed under it as under the default),
     ``ops.set_staged_graph_launch("device")`` for a "device-launch" row (the kept graph the body of a
@@ -627,9 +639,9 @@ def _setting(case: Case):
     if case.call == "direct":
         restore = functools.partial(ops.set_cache_capacity, staged_graphs=_C.staged_graph_capacity())
         ops.set_cache_capacity(staged_graphs=0)
-    elif case.call in ("new-length", "spread-length"):
+    elif case.call in VARIED_LENGTH_CALLS:
         restore = functools.partial(ops.set_staged_graph_reuse, ops.staged.staged_graph_reuse())
-        ops.set_staged_graph_reuse("prefix")
+        ops.set_staged_graph_reuse("exact" if case.call == "spread-exact" else "prefix")
     elif case.call == "slot-chunks":
         restore = functools.partial(ops.set_staged_chunks, _C.staged_chunks())
         ops.set_staged_chunks(1)

@@ -51,8 +51,8 @@ class Peers:
         """Peer rows doing the same job as ``case`` (a :class:`kvlayout.bench.cases.Case` or a result row)."""
         get = case.get if isinstance(case, dict) else lambda k, default=None: getattr(case, k, default)
         if (get("engine", "kernel") not in ("kernel", "staged") or get("empty", False)
-                or get("call") in ("direct", "new-length", "spread-length", "slot-chunks", "device-launch",
-                                   "default-hints", "walk", "bind-per-call")):
+                or get("call") in ("direct", "new-length", "spread-length", "spread-exact", "slot-chunks",
+                                   "device-launch", "default-hints", "walk", "bind-per-call")):
             return []    # (diagnostics beside the default call: staged issued directly, in calls of new lengths,
             #              in slot-sized chunks or with its graph launched on the device, the kernel with other
             #              cache hints or in its other host launch shape, either engine between caches bound

@@ -72,7 +72,7 @@ def check_bit_exact(case: C.Case, data: dict, timer: Timer) -> bool:
 
 
 def check_new_lengths(case: C.Case, data: dict, timer: Timer) -> bool:
-    """A "new-length" or "spread-length" row's bytes: its call of each of
+    """A "new-length" or spread row's bytes: its call of each of
     :func:`kvlayout.bench.cases.new_length_checks`' lengths (issued directly, then its reuse prefix's graph
     captured and replayed, the rest moved by the direct kernel)
     against the kernel engine's call of the same tokens from the same start (the kernel engine's rows are

@@ -19,7 +19,8 @@ kernel row), since that is what a caller gets by default:
   ``direct`` call: no graph kept, as for a shape not seen before); ``staged host work, new length``: the
   same bound for the ``new-length`` and ``spread-length`` rows (each call a token count the engine has not
   run, its reuse prefix's graph replayed and the rest moved by the direct kernel:
-  ``ops.set_staged_graph_reuse("prefix")``);
+  ``ops.set_staged_graph_reuse("prefix")``) and the ``spread-exact`` rows (the spread rows' lengths under the
+  default, each call issued directly);
   ``staged host work, graph launched on the device``: the same bound for the ``device-launch`` rows
   (``ops.set_staged_graph_launch("device")``);
 * ``copy engine run list``: the copy engine's run list built in C++ in at most 100 µs of host time per
@@ -94,7 +95,8 @@ def auto_rows(rows: list[dict], calibration: dict | None = None) -> list[dict]:
 
 # how the staged rows that are not an engine's repeated call are named
 CALL_NAMES = {"direct": "issued directly", "new-length": "new lengths",
-              "spread-length": "new lengths over three octaves", "slot-chunks": "in slot-sized chunks",
+              "spread-length": "new lengths over three octaves",
+              "spread-exact": "new lengths over three octaves, own graphs only", "slot-chunks": "in slot-sized chunks",
               "device-launch": "graph launched on the device", "bind-per-call": "caches bound anew per call"}
 
 
@@ -147,7 +149,7 @@ def checks(doc: dict) -> list[Check]:
         if (r["group"] == "staged" and r["engine"] == "staged" and "gbps" in r
                 and r.get("call") not in ("slot-chunks", "bind-per-call")):   # (not a default call)
             target = {"direct": "staged host work, new shape", "new-length": "staged host work, new length",
-                      "spread-length": "staged host work, new length",
+                      "spread-length": "staged host work, new length", "spread-exact": "staged host work, new length",
                       "device-launch": "staged host work, graph launched on the device"}.get(r.get("call"),
                                                                                           "staged host work")
             where = ", the body of a conditional node" if r.get("graph_on_device") else ""

@@ -926,41 +926,45 @@ def test_new_length_rows_call_lengths_the_engine_has_not_run_under_prefix_reuse(
     assert all("to_host, new lengths" in line for line in table[2:])
 
 
-def test_spread_length_rows_call_lengths_over_three_octaves_with_more_prefixes_than_kept_graphs(monkeypatch):
-    """The staged spread-length rows (the three L32 shapes, both host directions, T = 4096): NEW_LENGTHS distinct
-    lengths from T / 8 up, shuffled, none of them a check length or the length the row's counts explain; their
-    reuse prefixes outnumber the graphs a transfer keeps, so the row measures captures that evict each other;
-    the calls run under ops.set_staged_graph_reuse("prefix"); the row's bytes are its calls' mean; no peer is
+def test_spread_rows_time_passes_over_lengths_of_three_octaves_with_more_prefixes_than_kept_graphs(monkeypatch):
+    """The staged spread rows (the three L32 shapes, both host directions, T = 4096), under prefix reuse
+    ("spread-length") and under "exact" ("spread-exact", every call issued directly): NEW_LENGTHS distinct lengths
+    from T / 8 up, shuffled, none of them a check length or the length the row's counts explain; their reuse
+    prefixes outnumber the graphs a transfer keeps, so the prefix row measures captures that evict each other.
+    One timed repetition is a pass over every length (NEW_LENGTHS calls, each under the row's setting, restored
+    after), its bytes the pass's, so that the row's rate and host time per call are those of the pass; no peer is
     matched to them, and the targets name them beside the new-length rows."""
     from kvlayout import _C
     from kvlayout.bench import peers as P
     from kvlayout.bench import targets
 
-    planned = [c for c in C.plan_cases(quick=False) if c.call == "spread-length"]
-    assert {(c.shape, c.T, c.direction, c.max_ctas) for c in planned} == {
-        (shape, 4096, direction, 0) for shape in ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
-        for direction in ("to_host", "from_host")}
-    case = planned[0]
-    lengths = C.call_lengths(case)
-    assert len(set(lengths)) == C.NEW_LENGTHS and lengths != sorted(lengths)
-    assert min(lengths) == case.T // 8 and max(lengths) < min(C.new_length_checks(case)) - 1
-    prefixes = {_C.staged_reuse_prefix(n, 0) for n in lengths} - {0}
-    assert len(prefixes) > 2 * _C.staged_graph_capacity()
-    whole = dataclasses.replace(case, call="transfer")
-    assert case.payload_bytes() == round(whole.payload_bytes() * sum(lengths) / len(lengths) / case.T)
-    moved = []
-    monkeypatch.setattr(C.ops, "transfer", lambda src, dst, ss, ds, **options: moved.append(
-        ((ss if ss is not None else ds).shape[0], _C.staged_graph_prefixes())))
-    call = C._with_setting(case, C._new_lengths_fn(case, "src", torch.arange(case.T), "dst", None))
-    for _ in range(C.NEW_LENGTHS + 1):
-        call()
-    assert moved == [(n, True) for n in lengths + lengths[:1]] and not _C.staged_graph_prefixes()
-    assert P.load_peers().matching(case) == []
-    row = {"group": "staged", "engine": "staged", "shape": case.shape, "T": case.T, "direction": case.direction,
-           "max_ctas": 0, "call": "spread-length", "gbps": 50.0, "host_us_per_call": 80.0, "chunks": 16,
-           "graph_nodes": 49, "graph_tokens": 3840}
-    [check] = [c for c in targets.checks({"results": [row]}) if c.row.endswith("over three octaves)")]
-    assert check.target == "staged host work, new length" and not check.met
+    planned = [c for c in C.plan_cases(quick=False) if c.call in C.SPREAD_CALLS]
+    assert sorted((c.shape, c.T, c.direction, c.max_ctas, c.call) for c in planned) == sorted(
+        (shape, 4096, direction, 0, call) for shape in ("L32_H8_D128", "L32_H1_D128", "L32_MLA_D576")
+        for direction in ("to_host", "from_host") for call in C.SPREAD_CALLS)
+    for case in planned[:2]:
+        lengths = C.call_lengths(case)
+        assert len(set(lengths)) == C.NEW_LENGTHS == case.calls and lengths != sorted(lengths)
+        assert min(lengths) == case.T // 8 and max(lengths) < min(C.new_length_checks(case)) - 1
+        prefixes = {_C.staged_reuse_prefix(n, 0) for n in lengths} - {0}
+        assert len(prefixes) > 2 * _C.staged_graph_capacity()
+        whole = dataclasses.replace(case, call="transfer")
+        assert case.payload_bytes() == round(whole.payload_bytes() * sum(lengths) / case.T)
+        moved = []
+        monkeypatch.setattr(C.ops, "transfer", lambda src, dst, ss, ds, **options: moved.append(
+            ((ss if ss is not None else ds).shape[0], _C.staged_graph_prefixes())))
+        repetition = C._with_setting(case, C._new_lengths_fn(case, "src", torch.arange(case.T), "dst", None))
+        repetition()
+        repetition()
+        prefix = case.call == "spread-length"
+        assert moved == [(n, prefix) for n in lengths + lengths] and not _C.staged_graph_prefixes()
+        assert P.load_peers().matching(case) == []
+        row = {"group": "staged", "engine": "staged", "shape": case.shape, "T": case.T, "direction": case.direction,
+               "max_ctas": 0, "call": case.call, "gbps": 50.0, "host_us_per_call": 80.0, "chunks": 16,
+               "graph_nodes": 49, "graph_tokens": 3840}
+        [check] = [c for c in targets.checks({"results": [row]}) if "over three octaves" in c.row]
+        assert check.target == "staged host work, new length" and not check.met
+        assert check.row.endswith(", own graphs only)") != prefix
 
 
 def test_host_hint_rows_run_the_kernel_with_the_default_cache_operators():
