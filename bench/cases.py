@@ -131,7 +131,12 @@ class Case:
         over all its lengths (:attr:`calls` of them)."""
         s = SHAPES[self.shape]
         lengths = call_lengths(self)
-        tokens = self.T if not lengths else sum(lengths) if self.call in SPREAD_CALLS else sum(lengths) / len(lengths)
+        if not lengths:
+            tokens = self.T
+        elif self.call in SPREAD_CALLS:
+            tokens = sum(lengths)
+        else:
+            tokens = sum(lengths) / len(lengths)
         return round(s.planes * s.L * tokens * s.row_bytes(itemsize))
 
 
