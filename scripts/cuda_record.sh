@@ -57,9 +57,10 @@
 #   walk-probe   scripts/walk_grid_probe.cu (nvcc, sm_90): the walk alone on the bench's geometries: gathers on
 #                the device at small T under other grids, CTA sizes and loads in flight; host transfers under an
 #                SM budget with other lanes, cache hints and a shared-memory pipeline; host transfers at T = 256
-#                and 4096 without a budget under other grids, one row per CTA and the peers' staging; the host's
+#                and 4096 without a budget under other grids, one row per CTA and the peers' staging; the device
+#                rows at T = 256 both ways under either cache hint, alone and back to back; the host's
 #                cost of launching parameter blocks of 8-128 segments; WALK_PROBE picks the sections (device,
-#                budget, host, launch, comma-separated; default all)   -> walk_probe.txt
+#                budget, host, hints, launch, comma-separated; default all)   -> walk_probe.txt
 #   graph-probe  scripts/graph_launch_probe.cu (nvcc, sm_90): the host's cost of one cudaGraphLaunch, with the
 #                device idle, of graphs shaped like the staged engine's (kernels and copies, one stream or
 #                pipelined over two, 4-64 chunks), by node kind and topology, as the process holds more

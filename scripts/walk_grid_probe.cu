@@ -5,7 +5,7 @@
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I torch_ext/include \
 //        scripts/walk_grid_probe.cu -o /tmp/walk_grid_probe
-//   /tmp/walk_grid_probe [device|budget|host|launch|all[,...]] [reps]
+//   /tmp/walk_grid_probe [device|budget|host|hints|launch|all[,...]] [reps]
 //
 // device: gathers on the device at small T (paged cache -> chunk; L32 H1 up
 //   to T = 32768) under other grids, CTA sizes and loads in flight, beside a
@@ -26,6 +26,15 @@
 //   one row per CTA, and the peers' staging (the rows gathered into a device
 //   buffer, then one pinned copy_; from the host the copy first); GB/s against
 //   the pinned copy_ of the same bytes timed alike.
+//
+// hints: the device rows at T = 256 (L32 H1, H8, MLA), both ways (gather:
+//   paged cache -> chunk; scatter: chunk -> paged cache), in the library's
+//   rows per CTA (H1 8, H8 1, MLA 2) and one row per CTA, with streaming
+//   cache hints (the library's device launches) and the default ones (the
+//   peers'); each timed alone after an L2 flush, and back to back (events
+//   around 20 launches, per launch: a stream of calls whose host issue time
+//   is hidden), so that a gap between the kernels shows apart from the
+//   kernels' own time.
 //
 // launch: the cost of launching parameter blocks of 8, 32, 64 and 128
 //   segments (the library's tables hold 8 or 128) and a peer's 64 bytes, an
@@ -123,12 +132,12 @@ __global__ void __launch_bounds__(128) row_per_cta_kernel(const __grid_constant_
 // row by row as row_per_cta_kernel: the same rows in R times fewer CTAs (at
 // T = 256 the device rows are about as long as starting their CTAs takes:
 // the launch section's empty 8,192 CTAs).
-template <int VEC, int R>
+template <int VEC, int R, class Hints = StreamingHints<VEC>>
 __global__ void __launch_bounds__(128 * R) rows_per_cta_kernel(const __grid_constant__ Params p) {
   const int64_t t = int64_t(blockIdx.x) * R + threadIdx.y;
   if (t >= p.a.tokens) return;
-  copy_one_row<VEC, StreamingHints<VEC>>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], t, blockIdx.y,
-                                         threadIdx.x, blockDim.x, NoRecord{});
+  copy_one_row<VEC, Hints>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], t, blockIdx.y, threadIdx.x,
+                           blockDim.x, NoRecord{});
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* global) {
@@ -680,6 +689,70 @@ __global__ void spin_kernel(long long cycles) {
   }
 }
 
+template <class Hints>
+struct HintsTag {
+  using type = Hints;
+};
+
+// The device rows at T = 256 both ways, R rows per CTA under either cache
+// hint, alone after an L2 flush and back to back (see the file's comment).
+void run_hints(Probe& probe) {
+  struct Case {
+    Shape shape;
+    int library_rows;  // rows per CTA of the library's launch of this row width
+  };
+  const Case cases[] = {{kH1, 8}, {kH8, 1}, {kMLA, 2}};
+  constexpr int kT = 256, kBackToBack = 20;
+  std::printf("\n== hints: device rows at T = %d, rows per CTA x cache hints; alone after an L2 flush and back to "
+              "back (%d launches), us per launch\n", kT, kBackToBack);
+  std::printf("%-14s %-8s %-30s %9s %17s %12s\n", "shape", "way", "variant", "alone us", "p10-p90",
+              "back to back");
+  for (const Case& c : cases) {
+    Tensors x(probe, c.shape, kT, false);
+    for (const bool to_chunk : {true, false}) {
+      const Params p = x.params(probe, c.shape, kT, to_chunk, 16);
+      char* const dst = to_chunk ? x.chunk : x.cache;
+      const int64_t bytes = to_chunk ? x.chunk_seg_bytes * x.segs : x.seg_bytes * x.segs;
+      char* ref;
+      CHECK(cudaMalloc(&ref, bytes));
+      bool first = true;
+      const auto variant = [&](auto rows_tag, auto hints_tag, const char* name) {
+        constexpr int kRows = decltype(rows_tag)::value;
+        using Hints = typename decltype(hints_tag)::type;
+        const int threads = int(std::min<int64_t>(p.a.vecs_per_row, 128));
+        const dim3 grid(unsigned((kT + kRows - 1) / kRows), unsigned(x.segs));
+        const auto kernel = rows_per_cta_kernel<16, kRows, Hints>;
+        const auto launch = [&] { kernel<<<grid, dim3(threads, kRows)>>>(p); };
+        CHECK(cudaMemset(dst, 0, bytes));  // (each variant from the same destination: the check compares)
+        double med, p10, p90;
+        probe.time(launch, med, p10, p90);
+        CHECK(cudaDeviceSynchronize());
+        if (first) CHECK(cudaMemcpy(ref, dst, bytes, cudaMemcpyDeviceToDevice));
+        const bool ok = first || probe.differing(ref, dst, bytes) == 0;
+        first = false;
+        double stream_med, stream_p10, stream_p90;
+        probe.time([&] { for (int i = 0; i < kBackToBack; ++i) launch(); }, stream_med, stream_p10, stream_p90);
+        CHECK(cudaDeviceSynchronize());
+        std::printf("%-14s %-8s %-30s %9.2f %8.2f-%-8.2f %12.2f%s\n", c.shape.name, to_chunk ? "gather" : "scatter",
+                    name, med, p10, p90, stream_med / kBackToBack, ok ? "" : "  OUTPUT DIFFERS");
+      };
+      using One = std::integral_constant<int, 1>;
+      using Stream = HintsTag<StreamingHints<16>>;
+      using Default = HintsTag<DefaultHints<16>>;
+      const auto library = [&](auto hints_tag, const char* name) {
+        if (c.library_rows == 8) variant(std::integral_constant<int, 8>{}, hints_tag, name);
+        else if (c.library_rows == 2) variant(std::integral_constant<int, 2>{}, hints_tag, name);
+        else variant(One{}, hints_tag, name);
+      };
+      library(Stream{}, "library's rows/CTA, streaming");
+      library(Default{}, "library's rows/CTA, default");
+      variant(One{}, Stream{}, "1 row/CTA, streaming");
+      variant(One{}, Default{}, "1 row/CTA, default");
+      CHECK(cudaFree(ref));
+    }
+  }
+}
+
 // A peer's parameter block: a few pointers and sizes (64 bytes).
 struct SmallParams {
   int tokens;
@@ -784,8 +857,8 @@ int main(int argc, char** argv) {
            std::find(what.begin(), what.end(), "all") != what.end();
   };
   for (const std::string& w : what) {
-    if (w != "device" && w != "budget" && w != "host" && w != "launch" && w != "all") {
-      std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|launch|all[,...]] [reps]\n");
+    if (w != "device" && w != "budget" && w != "host" && w != "hints" && w != "launch" && w != "all") {
+      std::fprintf(stderr, "usage: walk_grid_probe [device|budget|host|hints|launch|all[,...]] [reps]\n");
       return 2;
     }
   }
@@ -796,6 +869,7 @@ int main(int argc, char** argv) {
   if (wants("device")) run_device(probe);
   if (wants("budget")) run_budget(probe);
   if (wants("host")) run_host(probe);
+  if (wants("hints")) run_hints(probe);
   if (wants("launch")) run_launch(probe);
   return 0;
 }
