@@ -276,6 +276,19 @@ struct Probe {
     p90 = ms[ms.size() * 9 / 10] * 1e3;
   }
 
+  // times `launch` as time does, then whether `out` holds what the first
+  // variant's did (`first`: this is it, and its output is kept in `ref`)
+  template <class Launch>
+  bool time_checked(Launch&& launch, const void* out, void* ref, int64_t bytes, bool& first, double& median,
+                    double& p10, double& p90) {
+    time(launch, median, p10, p90);
+    CHECK(cudaDeviceSynchronize());
+    if (first) CHECK(cudaMemcpy(ref, out, bytes, cudaMemcpyDefault));
+    const bool ok = first || differing(ref, out, bytes) == 0;
+    first = false;
+    return ok;
+  }
+
   // words of a and b (device or pinned) that differ
   unsigned long long differing(const void* a, const void* b, int64_t bytes) {
     CHECK(cudaMemset(count, 0, 8));
@@ -430,11 +443,8 @@ void run_device(Probe& probe) {
       grid = std::max<int64_t>(1, std::min(grid, full));
       CHECK(cudaMemset(x.chunk, 0, bytes));
       double med, p10, p90;
-      probe.time([&] { v.kernel<<<unsigned(grid), v.threads>>>(p); }, med, p10, p90);
-      CHECK(cudaDeviceSynchronize());
-      if (first) CHECK(cudaMemcpy(ref, x.chunk, bytes, cudaMemcpyDeviceToDevice));
-      const bool ok = first || probe.differing(ref, x.chunk, bytes) == 0;
-      first = false;
+      const bool ok = probe.time_checked([&] { v.kernel<<<unsigned(grid), v.threads>>>(p); }, x.chunk, ref, bytes,
+                                         first, med, p10, p90);
       print_row(c.shape.name, c.T, v.name, med, p10, p90, attr.numRegs, grid, "", ok);
     }
     // R rows per CTA (R = 1: row_per_cta_kernel, the library's and the peers' shape)
@@ -523,11 +533,7 @@ struct HostDirection {
   void run(const std::string& name, int regs, long long grid, Launch&& launch) {
     restore();
     double med, p10, p90;
-    probe.time(launch, med, p10, p90);
-    CHECK(cudaDeviceSynchronize());
-    if (first) CHECK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDefault));
-    const bool ok = first || probe.differing(ref, out, out_bytes) == 0;
-    first = false;
+    const bool ok = probe.time_checked(launch, out, ref, out_bytes, first, med, p10, p90);
     char extra[64];
     std::snprintf(extra, sizeof extra, "%.1f GB/s (%.1f %%)", bytes / med / 1e3, 100.0 * bytes / med / 1e3 / ceiling);
     print_row(sh.name, T, std::string(to_host ? "to host, " : "from host, ") + name, med, p10, p90, regs, grid,
@@ -725,11 +731,7 @@ void run_hints(Probe& probe) {
         const auto launch = [&] { kernel<<<grid, dim3(threads, kRows)>>>(p); };
         CHECK(cudaMemset(dst, 0, bytes));  // (each variant from the same destination: the check compares)
         double med, p10, p90;
-        probe.time(launch, med, p10, p90);
-        CHECK(cudaDeviceSynchronize());
-        if (first) CHECK(cudaMemcpy(ref, dst, bytes, cudaMemcpyDeviceToDevice));
-        const bool ok = first || probe.differing(ref, dst, bytes) == 0;
-        first = false;
+        const bool ok = probe.time_checked(launch, dst, ref, bytes, first, med, p10, p90);
         double stream_med, stream_p10, stream_p90;
         probe.time([&] { for (int i = 0; i < kBackToBack; ++i) launch(); }, stream_med, stream_p10, stream_p90);
         CHECK(cudaDeviceSynchronize());
