@@ -319,6 +319,15 @@ class _Sides:
             return cls(True, src, dst, choice.src_layers, choice.dst_layers, choice.src_planes, choice.dst_planes)
         return cls(False, dst, src, choice.dst_layers, choice.src_layers, choice.dst_planes, choice.src_planes)
 
+    def transfer(self) -> tuple:
+        """The transfer these sides were taken from (:meth:`of` undone): ``(src, dst, src_layers, dst_layers,
+        src_planes, dst_planes)``."""
+        device = (self.device, self.device_layers, self.device_planes)
+        host = (self.host, self.host_layers, self.host_planes)
+        (src, src_layers, src_planes), (dst, dst_layers, dst_planes) = \
+            (device, host) if self.host_is_dst else (host, device)
+        return src, dst, src_layers, dst_layers, src_planes, dst_planes
+
 
 def host_segments(host: KVCache, mini: KVCache, slot: torch.Tensor, host_layers: list, host_planes: list) \
         -> list[tuple[int, int, int, int]] | str:
@@ -635,12 +644,7 @@ class _RingShapes:
 
         try:
             # the kernel engine's program between the caches themselves: the tokens past a replayed prefix
-            if sides.host_is_dst:
-                self.direct = program(sides.device, sides.host, sides.device_layers, sides.host_layers,
-                                      sides.device_planes, sides.host_planes)
-            else:
-                self.direct = program(sides.host, sides.device, sides.host_layers, sides.device_layers,
-                                      sides.host_planes, sides.device_planes)
+            self.direct = program(*sides.transfer())
             for g0 in range(0, len(sides.host_layers), staged.chunk_layers):
                 host_layers = sides.host_layers[g0:g0 + staged.chunk_layers]
                 device_layers = sides.device_layers[g0:g0 + staged.chunk_layers]
@@ -674,12 +678,12 @@ class _RingShapes:
 
         slots = len(self.minis)
         minis = [self.minis[i % slots] for i in range(len(self.kernels))]
+        src, dst = sides.transfer()[:2]
+        direct = bound(self.direct, src, dst)
         if self.host_is_dst:
             return ([bound(h, sides.device, m) for h, m in zip(self.kernels, minis)],
-                    [bound(h, sides.host, m) for h, m in zip(self.keeps, minis)],
-                    bound(self.direct, sides.device, sides.host))
-        return ([bound(h, m, sides.device) for h, m in zip(self.kernels, minis)], [],
-                bound(self.direct, sides.host, sides.device))
+                    [bound(h, sides.host, m) for h, m in zip(self.keeps, minis)], direct)
+        return [bound(h, m, sides.device) for h, m in zip(self.kernels, minis)], [], direct
 
     @classmethod
     def of(cls, sides: _Sides, staged: StagedPlan, ring: _Ring, choice) -> "_RingShapes":

@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import inspect
 import statistics
+import types
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,18 @@ def test_a_calls_reuse_prefix(num_tokens, skip_prefix, prefix):
     assert _C.staged_reuse_prefix(num_tokens, skip_prefix) == prefix
     if prefix:
         assert num_tokens - prefix <= (num_tokens - skip_prefix) // 8
+
+
+@pytest.mark.parametrize("host_is_dst", [True, False])
+def test_a_transfers_sides_give_back_the_transfer_they_were_taken_from(host_is_dst):
+    """The staged engine's device and host sides of a transfer (each cache with its chosen layers and planes) give
+    back the transfer in its own direction: the program of the direct kernel, which moves the tokens past a
+    replayed prefix, is the transfer's own."""
+    src, dst = _device_cache("cpu"), _chunk(8)
+    choice = types.SimpleNamespace(src_layers=[2, 0], dst_layers=[0, 1], src_planes=[0, 1], dst_planes=[1, 0])
+    sides = staged_mod._Sides.of(src, dst, choice, host_is_dst)
+    assert (sides.host is dst) == host_is_dst and (sides.device is src) == host_is_dst
+    assert sides.transfer() == (src, dst, [2, 0], [0, 1], [0, 1], [1, 0])
 
 
 def _pool(mla=False, fill=0x5A5A):
