@@ -251,7 +251,10 @@ VECTOR_CASES = [
     ("float32", 6, 2, 0, 0, 4),
     ("float32", 656, 1, 0, 0, 16),
     ("float16", 576, 1, 0, 0, 16),  # MLA's 1,152-byte rows: two to a CTA on the device (odd token count)
-    ("float32", 256, 1, 0, 0, 16),  # 1,024-byte rows, the shortest moved by row
+    ("float32", 256, 1, 0, 0, 16),  # 1,024-byte rows, the shortest moved by row of two warps or more
+    ("float16", 128, 1, 0, 0, 16),  # L32 H1's 256-byte rows: eight to a CTA of 16 threads each on the device
+    ("float16", 256, 1, 0, 0, 16),  # 512-byte rows, one warp: eight to a CTA
+    ("float16", 128, 1, 4, 4, 8),   # 256-byte rows in 8-byte vectors: the walk
 ]
 
 

@@ -181,9 +181,10 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const __grid_constan
 
 // Rows moved one per CTA (copy_one_row): blockIdx.x the token, blockIdx.y
 // the segment, the row's words strided over at most kRowPerCtaThreads
-// threads (the device variant's shorter rows two to a CTA, threadIdx.y the
-// row: kDeviceRowsPerSmallCta).
-// * The device variant's rows of kRowPerCtaMinBytes and more, in its vectors.
+// threads (the device variant's shorter rows several to a CTA, threadIdx.y
+// the row: kDeviceRowsPerWarpCta, kDeviceRowsPerSmallCta).
+// * The device variant's rows of kRowPerCtaMinBytes and more, in its vectors,
+//   and its rows of one warp of 16-byte vectors (kDeviceWarpRowMinBytes).
 //   On an H100 (scripts/walk_grid_probe.cu, the gathers of the bench's
 //   shapes) this shape took 0.86-0.96x the walk's time on rows of 1,152 and
 //   2,048 bytes at T = 256, 1,024 and 4,096, and 1.7-2.9x on 256-byte rows
@@ -217,6 +218,14 @@ constexpr int kRowPerCtaThreads = 128;
 // time at T = 256 and 1,024 (L32 and L61), four and eight no less than two;
 // rows of 2,048 bytes (128 threads) were fastest one to a CTA.
 constexpr int kDeviceRowsPerSmallCta = 2;
+// The device variant's rows of one warp or less in 16-byte vectors (256-512
+// bytes: L32 H1's 256), which the walk moved before, move this many to a CTA,
+// a thread per vector: on an H100 (walk_grid_probe.cu device, bench/results/
+// h100_4566555/walk_probe.txt) eight 256-byte rows a CTA of 16 threads each
+// took 0.86-0.97x the walk's time at T = 256, 1,024, 4,096 and 32,768 (8.19
+// against 8.45 µs; 364.6 against 390.8), four 0.89-0.97x, two 1.16-1.63x.
+constexpr int kDeviceRowsPerWarpCta = 8;
+constexpr int64_t kDeviceWarpRowMinBytes = 256;
 
 // ROWS rows per CTA: threadIdx.y picks the CTA's row, blockIdx.x * ROWS + threadIdx.y the token.
 template <int VEC, int WORD, class P, int HINTS, int ROWS>
@@ -245,7 +254,9 @@ bool moves_row_per_cta(const P& p, int64_t max_ctas, bool early_loads) {
   } else {
     const int64_t row_bytes = p.a.vecs_per_row * VEC;
     if (max_ctas != 0 || p.a.tokens <= 0 || p.a.tokens >= (int64_t(1) << 31)) return false;
-    if (!HOST) return row_bytes >= kRowPerCtaMinBytes;
+    if (!HOST)
+      return row_bytes >= kRowPerCtaMinBytes ||
+             (VEC == 16 && row_bytes >= kDeviceWarpRowMinBytes && p.a.vecs_per_row <= kWalkLanes);
     return !early_loads && host_launch_shape() == kHostRowPerCta &&
            row_bytes >= kHostRowPerCtaMinBytes &&
            p.a.tokens * p.a.num_segments <= kHostRowPerCtaMaxBytes / row_bytes;
@@ -293,8 +304,10 @@ int64_t resident_ctas_per_sm() {
 // rows moves_row_per_cta says (device memory: rows of kRowPerCtaMinBytes
 // and more; host memory: of kHostRowPerCtaMinBytes and more, up to
 // kHostRowPerCtaMaxBytes a launch, no early loads; either in 8- or 16-byte
-// words) runs one CTA per row instead (copy_row_per_cta_kernel; device rows
-// of fewer than kRowPerCtaThreads threads two to a CTA).
+// words; device rows of one warp, of kDeviceWarpRowMinBytes and more in
+// 16-byte words) runs one CTA per row instead (copy_row_per_cta_kernel;
+// device rows of one warp or less kDeviceRowsPerWarpCta to a CTA, others of
+// fewer than kRowPerCtaThreads threads two).
 template <int VEC, int UNROLL, class P>
 void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, bool early_loads,
                       cudaStream_t stream) {
@@ -334,7 +347,10 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
         if (p.a.cache_hints == kDefaultHints)
           kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kDefaultHints, 1>;
         issue(kernel, grid(1), threads);
-      } else if (threads < kRowPerCtaThreads) {  // (a device-memory launch always streams)
+      } else if (words <= kWalkLanes) {  // (a device-memory launch always streams)
+        issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, kDeviceRowsPerWarpCta>,
+              grid(kDeviceRowsPerWarpCta), dim3(static_cast<unsigned>(words), kDeviceRowsPerWarpCta));
+      } else if (threads < kRowPerCtaThreads) {
         issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, kDeviceRowsPerSmallCta>,
               grid(kDeviceRowsPerSmallCta), dim3(threads, kDeviceRowsPerSmallCta));
       } else {
