@@ -265,10 +265,9 @@ class CudaStaged final : public StagedEngine {
       if (replay == nullptr) {
         // a shape run before gets its own graph; a new one replays its reuse prefix's where that
         // is kept (or seen before: captured now), the rest moved by move_rest
-        const std::optional<ReplayKey> prefix = prefix_key(key);
         if (seen_before(key)) {
           replay = capture_replay(key, graphs);
-        } else if (prefix.has_value()) {
+        } else if (const std::optional<ReplayKey> prefix = prefix_key(key); prefix.has_value()) {
           replay = find_replay(*prefix);
           if (replay == nullptr && seen_before(*prefix)) replay = capture_replay(*prefix, graphs);
         }
