@@ -363,32 +363,6 @@ def test_gather_to_and_scatter_from_pinned_rows(cuda_device, slot_place, host_la
     TC.assert_same_bytes(cache.tensors, TC.flat("vllm_flashinfer_hnd", want), "cache after scatter from pinned")
 
 
-@pytest.mark.parametrize("share", [0.1, 1.25], ids=["under-the-l2-share", "over-the-l2-share"])
-def test_device_rows_of_a_kilobyte_and_more_under_either_cache_hint(cuda_device, share):
-    """MLA's 1,152-byte rows gathered from and scattered into a device cache, in one launch whose bytes are a tenth
-    of or more than the L2 share under which the device launch keeps the default cache operators (else it
-    streams): every byte as the reference says, the cache's other slots untouched."""
-    l2_share = torch.cuda.get_device_properties(cuda_device).L2_cache_size // 4
-    L, row_bytes = 2, 576 * 2
-    tokens = max(1, int(share * l2_share / (L * row_bytes)))
-    g = Geometry(P=1, L=L, NB=(tokens + tokens // 8) // 16 + 1, BS=16, H=1, E=576)
-    rng = np.random.default_rng(tokens)
-    cache_np = S.random_cache("vllm_mla", g, "float16", rng)
-    slots = rng.permutation(g.N)[:tokens].astype(np.int64)
-    rows_np = S.random_cache("rows", Geometry(P=1, L=L, NB=tokens, BS=1, H=1, E=576), "float16", rng)
-    cache = bind_np("vllm_mla", cache_np, g, cuda_device)
-    s = TC.slots(slots, torch.int64, cuda_device)
-    zeros = np.zeros_like(rows_np)
-    out = TC.tensor(zeros, cuda_device)
-    ops.gather(cache, s, out=out)
-    TC.sync(cuda_device)
-    TC.assert_same_bytes(out, J.gather("vllm_mla", cache_np, slots, out=zeros), "gathered rows")
-    ops.scatter(cache, TC.tensor(rows_np, cuda_device), s)
-    TC.sync(cuda_device)
-    TC.assert_same_bytes(cache.tensors, TC.flat("vllm_mla", J.scatter("vllm_mla", cache_np, rows_np, slots)),
-                         "cache after the scatter")
-
-
 def test_remembered_plans_follow_the_caches_they_are_used_with(device):
     """Caches of equal layout, sizes and strides share one plan; each call still reads and writes its own tensors."""
     gen = torch.Generator().manual_seed(5)

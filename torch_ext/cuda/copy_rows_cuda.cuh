@@ -226,16 +226,6 @@ constexpr int kDeviceRowsPerSmallCta = 2;
 // against 8.45 µs; 364.6 against 390.8), four 0.89-0.97x, two 1.16-1.63x.
 constexpr int kDeviceRowsPerWarpCta = 8;
 constexpr int64_t kDeviceWarpRowMinBytes = 256;
-// The device variant's rows of kRowPerCtaMinBytes and more move with the
-// default cache operators where the launch's bytes fit in 1/kDeviceDefaultHintsL2Share
-// of the L2 (the reader of what a short transfer wrote, the next kernel, finds
-// it there), else with streaming hints. On an H100 (walk_grid_probe.cu hints,
-// bench/results/h100_8b26aef/walk_probe.txt, T = 256) L32 MLA's rows (9.4 MB a
-// launch) took 9.57-9.66 us alone after an L2 flush and 6.20-6.34 back to back
-// with the default operators against 10.27-10.37 and 7.96-8.16 streaming, both
-// ways; L32 H8's (33.5 MB) 23.07-23.49 and 26.40-26.53 against 22.59-22.91 and
-// 24.10-26.03; 256-byte rows (kDeviceRowsPerWarpCta) streamed faster alone.
-constexpr int64_t kDeviceDefaultHintsL2Share = 4;
 
 // ROWS rows per CTA: threadIdx.y picks the CTA's row, blockIdx.x * ROWS + threadIdx.y the token.
 template <int VEC, int WORD, class P, int HINTS, int ROWS>
@@ -248,13 +238,6 @@ __global__ void __launch_bounds__(kRowPerCtaThreads * ROWS) copy_row_per_cta_ker
   if (ROWS > 1 && t >= p.a.tokens) return;
   copy_one_row<VEC, Mem>(p.a, p.src_base[blockIdx.y], p.dst_base[blockIdx.y], t,
                          blockIdx.y, threadIdx.x, blockDim.x, cuda::StatusRecorder{p.a.status});
-}
-
-// The row-per-CTA kernel of ROWS rows a CTA under the cache hints `hints`.
-template <int VEC, int WORD, class P, int ROWS>
-auto* row_per_cta_kernel(int32_t hints) {
-  return hints == kDefaultHints ? &copy_row_per_cta_kernel<VEC, WORD, P, kDefaultHints, ROWS>
-                                : &copy_row_per_cta_kernel<VEC, WORD, P, kStreamingHints, ROWS>;
 }
 
 // Whether a launch of the host (HOST) or device variant moves its rows one
@@ -282,8 +265,8 @@ bool moves_row_per_cta(const P& p, int64_t max_ctas, bool early_loads) {
 
 // The kernel of a launch of the host (HOST) or device variant, with these
 // loads in flight, loads' start and CTA size: for the host variant, the one
-// of p.a.cache_hints; the device variant's walk is compiled with streaming
-// hints only, which a device-memory launch that walks always has.
+// of p.a.cache_hints; the device variant is compiled with streaming hints
+// only, which a device-memory launch always has.
 template <int VEC, int UNROLL, class P, bool EARLY_LOADS, bool HOST,
           int THREADS = kCopyThreadsPerBlock>
 auto* kernel_for(const P& p) {
@@ -360,22 +343,18 @@ void CudaRows::launch(const P& p, int64_t max_ctas, bool host, bool dependent, b
                     static_cast<unsigned>(p.a.num_segments));
       };
       if constexpr (kHost) {  // (a host launch takes its hints)
-        issue(row_per_cta_kernel<VEC, kWord, P, 1>(p.a.cache_hints), grid(1), threads);
-        return;
-      }
-      if (words <= kWalkLanes) {  // (rows of one warp stream)
+        auto* kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, 1>;
+        if (p.a.cache_hints == kDefaultHints)
+          kernel = &copy_row_per_cta_kernel<VEC, kWord, P, kDefaultHints, 1>;
+        issue(kernel, grid(1), threads);
+      } else if (words <= kWalkLanes) {  // (a device-memory launch always streams)
         issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, kDeviceRowsPerWarpCta>,
               grid(kDeviceRowsPerWarpCta), dim3(static_cast<unsigned>(words), kDeviceRowsPerWarpCta));
-        return;
-      }
-      const int64_t launch_bytes = p.a.tokens * p.a.num_segments * p.a.vecs_per_row * VEC;
-      const int32_t hints = launch_bytes <= cuda::l2_bytes() / kDeviceDefaultHintsL2Share ? kDefaultHints
-                                                                                          : kStreamingHints;
-      if (threads < kRowPerCtaThreads) {
-        issue(row_per_cta_kernel<VEC, kWord, P, kDeviceRowsPerSmallCta>(hints), grid(kDeviceRowsPerSmallCta),
-              dim3(threads, kDeviceRowsPerSmallCta));
+      } else if (threads < kRowPerCtaThreads) {
+        issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, kDeviceRowsPerSmallCta>,
+              grid(kDeviceRowsPerSmallCta), dim3(threads, kDeviceRowsPerSmallCta));
       } else {
-        issue(row_per_cta_kernel<VEC, kWord, P, 1>(hints), grid(1), threads);
+        issue(&copy_row_per_cta_kernel<VEC, kWord, P, kStreamingHints, 1>, grid(1), threads);
       }
       return;
     }

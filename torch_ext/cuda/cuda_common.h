@@ -93,7 +93,6 @@ struct StatusRecorder {
 };
 
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
-inline int64_t l2_bytes() { return at::cuda::getCurrentDeviceProperties()->l2CacheSize; }
 
 // What may still run when a launch starts on a stream, so that a dependent
 // launch may load before the previous kernel ends (the early-loads kernel of
