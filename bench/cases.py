@@ -624,6 +624,9 @@ def staged_counts(case: Case, data: dict) -> dict:
 SPREAD_CALLS = ("spread-length", "spread-exact")
 VARIED_LENGTH_CALLS = ("new-length",) + SPREAD_CALLS
 SETTING_CALLS = ("direct",) + VARIED_LENGTH_CALLS + ("slot-chunks", "device-launch", "default-hints")
+# the calls beside a row's default one (diagnostics: under a setting of their own, the kernel in its other host
+# launch shape, or between caches bound anew at each call), which no peer's figure is compared with
+DIAGNOSTIC_CALLS = SETTING_CALLS + ("walk", "bind-per-call")
 # a "new-length" row's calls cycle through this many lengths below its T: more than a staged engine remembers
 # (16 shapes seen once), so that every call's length is new to it
 NEW_LENGTHS = 64

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 
+from .cases import DIAGNOSTIC_CALLS
+
 PEERS_PATH = os.path.join(os.path.dirname(__file__), "peers.json")
 
 # (timing of the peer figure, kvlayout's figure it is compared with, the row keys of the comparison)
@@ -51,8 +53,7 @@ class Peers:
         """Peer rows doing the same job as ``case`` (a :class:`kvlayout.bench.cases.Case` or a result row)."""
         get = case.get if isinstance(case, dict) else lambda k, default=None: getattr(case, k, default)
         if (get("engine", "kernel") not in ("kernel", "staged") or get("empty", False)
-                or get("call") in ("direct", "new-length", "spread-length", "spread-exact", "slot-chunks",
-                                   "device-launch", "default-hints", "walk", "bind-per-call")):
+                or get("call") in DIAGNOSTIC_CALLS):
             return []    # (diagnostics beside the default call: staged issued directly, in calls of new lengths,
             #              in slot-sized chunks or with its graph launched on the device, the kernel with other
             #              cache hints or in its other host launch shape, either engine between caches bound

@@ -42,7 +42,7 @@ import argparse
 import dataclasses
 import sys
 
-from .cases import COPY_ENGINE_RUNS
+from .cases import COPY_ENGINE_RUNS, VARIED_LENGTH_CALLS
 from .report import compared_with_peers, markdown_table
 from .run import document
 
@@ -148,8 +148,8 @@ def checks(doc: dict) -> list[Check]:
     for r in rows:
         if (r["group"] == "staged" and r["engine"] == "staged" and "gbps" in r
                 and r.get("call") not in ("slot-chunks", "bind-per-call")):   # (not a default call)
-            target = {"direct": "staged host work, new shape", "new-length": "staged host work, new length",
-                      "spread-length": "staged host work, new length", "spread-exact": "staged host work, new length",
+            target = {"direct": "staged host work, new shape",
+                      **dict.fromkeys(VARIED_LENGTH_CALLS, "staged host work, new length"),
                       "device-launch": "staged host work, graph launched on the device"}.get(r.get("call"),
                                                                                           "staged host work")
             where = ", the body of a conditional node" if r.get("graph_on_device") else ""
