@@ -1,6 +1,6 @@
 """kvlayout beside LMCache's transfer kernel on the same tensors, in one process, timed alike.
 
-    python -m kvlayout.bench.side_by_side --lmcache PATH [--tokens 256,4096] [--out DIR]
+    python -m kvlayout.bench.side_by_side --lmcache PATH [--tokens 256,4096] [--out DIR] [--ncu | --timeline]
 
 ``PATH`` is LMCache's compiled CUDA extension (the ``cuda_ops`` module of
 LMCache 0.5.x, a ``.so`` file), a folder holding it, or an LMCache wheel
@@ -43,6 +43,10 @@ best LMCache call in each timing).
 ncu process per call (its second call, as ``kvlayout bench --ncu`` does:
 :mod:`kvlayout.bench.profile`'s counters), into ``DIR/side_by_side_ncu.{json,md}``:
 the two libraries' kernels side by side, counters that say why one is faster.
+
+``--timeline`` instead runs every call in the kernel-only timing's sequence
+under the profiler (:func:`timeline`), into ``DIR/side_by_side_timeline.{jsonl,md}``:
+how much of a call's time is its launch and how much its kernels, in place.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ import torch
 from kvlayout import ops
 from kvlayout.ops import _native
 
-from . import profile
+from . import profile, trace
 from .cases import SHAPES, Case, Inputs, _default_layouts, _with_setting, build, endpoints
 from .report import markdown_table
 from .timing import Timer, measure_limits
@@ -271,6 +275,64 @@ def profile_call(lmc, label: str, call: str) -> int:
     return 0
 
 
+def timeline(lmc, cases, reps: int):
+    """Every call of every case in the kernel-only timing's sequence (L2 flush, the device held while the host
+    issues the call, event, call, event), ``reps`` times under the profiler (device activities only), then a
+    marker (:mod:`kvlayout.bench.trace`). Yields one row per case and call: the events' median µs beside where
+    that time goes on the device, medians over the reps of :func:`trace.call_windows`' figures: from the hold's
+    end to the call's first activity (launch), its activities' span, and its kernels' own durations, timed
+    in place (not under ncu's replay of one kernel at a time)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = Timer(device)
+    inputs = Inputs(device)
+    yield {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "reps": reps}
+    for case in cases:
+        data = build(case, inputs)
+        calls = {**kvlayout_calls(case, data), **lmcache_calls(lmc, case, data)}
+        for name, call in calls.items():
+            host_s = timer(call).host
+            elapsed = []
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    timer.flush()
+                    timer.hold(host_s)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    call()
+                    end.record()
+                    torch.cuda._sleep(0)         # (the marker that closes the call's activities)
+                    end.synchronize()
+                    elapsed.append(start.elapsed_time(end) * 1e3)
+            windows = trace.call_windows(trace.device_activities(prof))
+            if len(windows) != reps:
+                raise RuntimeError(f"side_by_side --timeline: {case.key} {name}: {len(windows)} calls traced "
+                                   f"of {reps}")
+            yield {"case": _case_label(case), "call": name, "event_us": statistics.median(elapsed),
+                   **{k: statistics.median(w[k] for w in windows) for k in TIMELINE_FIGURES},
+                   "activities": max(w["activities"] for w in windows),
+                   "names": sorted({n for w in windows for n in w["names"]})}
+        del data, calls
+        torch.cuda.empty_cache()
+
+
+TIMELINE_FIGURES = ("launch_gap", "span", "busy", "kernel")
+TIMELINE_HEADER = ["case", "call", "events µs", "launch gap µs", "span µs", "busy µs", "kernels µs",
+                   "activities", "names"]
+
+
+def timeline_markdown(header: dict, rows: list[dict]) -> str:
+    cells = [[r["case"], r["call"], f"{r['event_us']:.2f}"] + [f"{r[k]:.2f}" for k in TIMELINE_FIGURES]
+             + [str(r["activities"]), "; ".join(n[:48] for n in r["names"])] for r in rows]
+    return (f"# kvlayout beside LMCache: each call's time on the device ({header['gpu']}, torch {header['torch']})"
+            f"\n\nThe kernel-only timing's sequence under the profiler, medians of {header['reps']} calls: the "
+            "events around the call; from the end of the kernel holding the device to the call's first activity "
+            "(launch gap); from there to its last activity's end (span); the time some activity of the call runs "
+            "(busy); its kernels' own durations.\n\n" + markdown_table(TIMELINE_HEADER, cells) + "\n")
+
+
 NCU_HEADER = ["case", "call", "kernels"] + profile.COUNTER_HEADER
 
 
@@ -387,6 +449,21 @@ def markdown(header: dict, rows: list[dict]) -> str:
     return "\n".join(out) + "\n\n" + standing(rows) + "\n"
 
 
+def write_timeline(lmc, cases, reps: int, out: str) -> int:
+    """:func:`timeline` into ``out/side_by_side_timeline.{jsonl,md}``, each row written as it comes."""
+    header, rows = None, []
+    with open(os.path.join(out, "side_by_side_timeline.jsonl"), "w") as f:
+        for row in timeline(lmc, cases, reps):
+            print(json.dumps(row), file=f, flush=True)
+            print(json.dumps(row), flush=True)
+            header, rows = (row, rows) if header is None else (header, rows + [row])
+    table = timeline_markdown(header, rows)
+    with open(os.path.join(out, "side_by_side_timeline.md"), "w") as f:
+        f.write(table)
+    print(table)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lmcache", help="LMCache's cuda_ops extension (.so), a folder holding it, or a wheel")
@@ -397,6 +474,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=".")
     parser.add_argument("--ncu", action="store_true", help="profile every call with Nsight Compute instead")
+    parser.add_argument("--timeline", action="store_true",
+                        help="instead, where each call's kernel-only time goes on the device (profiler trace)")
     parser.add_argument("--calls", help="with --ncu: only these calls (comma-separated names, e.g. "
                                         "'kvlayout kernel,LMCache')")
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)    # (one ncu process's case and call)
@@ -417,6 +496,8 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--calls: no call named {', '.join(unknown)}")
         return run_ncu(args.lmcache, cases, args.out, calls)
+    if args.timeline:
+        return write_timeline(lmc, cases, args.reps, args.out)
     # (the binding's own signature, on record beside the figures)
     print(f"LMCache: {getattr(lmc, '__file__', lmc)}\n{lmc.multi_layer_kv_transfer.__doc__}", flush=True)
     header, rows = None, []

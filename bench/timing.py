@@ -85,6 +85,11 @@ class Timer:
         if self._flush is not None:
             self._flush.sum()   # reads every line; writes one scalar
 
+    def hold(self, host_s: float) -> None:
+        """Keeps the device busy (a spin kernel) for longer than the host needs to issue a call that takes it
+        ``host_s`` seconds, so that the call's launched work then runs back to back (kernel-only timing)."""
+        torch.cuda._sleep(int((2 * host_s + 200e-6) * self._cycles_per_s))
+
     def __call__(self, fn: Callable[[], object], *, kernel_only: bool = False, host_s: float = 0.0) -> Timing:
         """Time ``fn``; ``host_s`` (kernel only): how long the host takes to issue it (from an end-to-end run)."""
         if kernel_only and not self.cuda:
@@ -99,7 +104,7 @@ class Timer:
             self.flush()
             if self.cuda:
                 if kernel_only:
-                    torch.cuda._sleep(int((2 * host_s + 200e-6) * self._cycles_per_s))
+                    self.hold(host_s)
                 else:
                     self.sync()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -44,6 +44,10 @@
 #   side-by-side-ncu  the same cases' calls under Nsight Compute, about 12 s a call (SIDE_NCU_TOKENS default 256,
 #                SIDE_NCU_DIRECTIONS default to_host, SIDE_NCU_SHAPES default all three, SIDE_NCU_CALLS default
 #                every call, e.g. "kvlayout kernel,LMCache")      -> side_by_side_ncu.txt, side-by-side.tgz (side_by_side_ncu.{json,md})
+#   side-by-side-timeline  the same cases' calls in the kernel-only timing's sequence under the profiler: each
+#                call's launch gap, span and kernel time on the device (SIDE_TIMELINE_TOKENS default 256,
+#                SIDE_TIMELINE_SHAPES default all three)  -> side_by_side_timeline.txt, side-by-side.tgz
+#                (side_by_side_timeline.{jsonl,md})
 #   ab-old       starts building the older tree AB_OLD for `ab` in the background
 #                (scripts/ab_record.sh AB_OLD AB_DIR 0), beside the steps after it -> ab_old_build.txt
 #   ab           scripts/ab_record.sh AB_OLD AB_DIR AB_ROUNDS AB_ONLY (this tree
@@ -76,7 +80,7 @@
 # adds pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|boundary|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|lmcache-ops|side-by-side|side-by-side-ncu|ab-old|ab|probe|walk-probe|graph-probe|staged-settings ...]}
+out=${1:?usage: cuda_record.sh OUTDIR [build|fast|tests|boundary|conformance|bench|bench-quick|ncu|host-profile|staged-timeline|host-path|binding-cost|lmcache-ops|side-by-side|side-by-side-ncu|side-by-side-timeline|ab-old|ab|probe|walk-probe|graph-probe|staged-settings ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build tests conformance bench)
@@ -173,6 +177,12 @@ for step in "${steps[@]}"; do
                               ${SIDE_NCU_SHAPES:+--shapes "$SIDE_NCU_SHAPES"} ${SIDE_NCU_CALLS:+--calls "$SIDE_NCU_CALLS"} \
                               --out "$out/side-by-side"
                           pack side-by-side side-by-side ;;
+        side-by-side-timeline) wait_lmcache
+                               run_step side-by-side-timeline side_by_side_timeline.txt $py \
+                                   -m kvlayout.bench.side_by_side --timeline --lmcache "${LMCACHE:-/tmp/lmcache-ops}" \
+                                   --tokens "${SIDE_TIMELINE_TOKENS:-256}" \
+                                   ${SIDE_TIMELINE_SHAPES:+--shapes "$SIDE_TIMELINE_SHAPES"} --out "$out/side-by-side"
+                               pack side-by-side side-by-side ;;
         host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
         binding-cost) run_step binding-cost binding_cost.txt $py scripts/binding_cost.py --device cuda ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"

@@ -46,6 +46,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvlayout.bench.trace import device_activities
+
 
 def keys_over(record: str, group: str, over_us: float, rows: int, call: str | None = None) -> list[str]:
     """The keys of ``record``'s rows of ``group`` (and of ``call``, where given: ``transfer`` for the staged
@@ -69,33 +71,6 @@ def host_events(averages, top: int) -> list:
     """The ``top`` events of a profile's averages (``key``, ``count``, ``self_cpu_time_total``) by host self
     time, largest first, without the script's own synchronizations."""
     return sorted((e for e in averages if e.key not in OWN_SYNCS), key=lambda e: -e.self_cpu_time_total)[:top]
-
-
-DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
-
-
-def device_activities(prof) -> list[dict]:
-    """The device activities of a profile (kernels, copies, fills) from its trace, in start order, each as
-    ``{"name", "stream", "start", "end", "bytes", "copy"}`` (µs; bytes 0 for a kernel; ``copy``: a copy
-    between host and device memory, not one inside device memory such as a call's slots into its graph's
-    buffer)."""
-    import os
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    found = []
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") in DEVICE_CATEGORIES and e.get("ph") == "X":
-            args = e.get("args", {})
-            found.append({"name": e.get("name", ""), "stream": args.get("stream", e.get("tid")),
-                          "start": float(e["ts"]), "end": float(e["ts"]) + float(e.get("dur", 0)),
-                          "bytes": int(args.get("bytes", 0) or 0),
-                          "copy": e["cat"] == "gpu_memcpy" and "DtoD" not in e.get("name", "")})
-    return sorted(found, key=lambda a: a["start"])
 
 
 def timeline_summary(activities: list[dict]) -> dict:
