@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "kernels are built when torch has CUDA and nvcc is found)."
     ) from exc
 
+from . import compiler_marks  # noqa: E402
 from .settings import NativeChoice  # noqa: E402  (after the extension's clear import error)
 
 __all__ = [
@@ -185,11 +186,10 @@ def status_tensor(device) -> torch.Tensor:
         # in place, which an inference tensor refuses outside inference mode
         with torch.inference_mode(False):
             made = torch.zeros(STATUS_NUMEL, dtype=torch.int64, device=device)
-        # static to compiled code: its size (5) is no symbol a token count of 5 could be tied to
-        torch._dynamo.mark_static(made)
-        # and so is its address: every op writes it, and inductor skips CUDA graphs (reduce-overhead), with a
-        # warning only, for a graph that writes an input it does not know to stay at one address
-        torch._dynamo.mark_static_address(made)
+        # static to compiled code: its size (5) is no symbol a token count of 5 could be tied to; and so is its
+        # address: every op writes it, and inductor skips CUDA graphs (reduce-overhead), with a warning only,
+        # for a graph that writes an input it does not know to stay at one address
+        compiler_marks.mark_static(made)
         # threads asking at once each make one and all keep the first stored (dict.setdefault is atomic): no
         # lock, so none that a fork could leave held, and none held while allocating (where the garbage
         # collector may run a finalizer that takes the program registry's lock)

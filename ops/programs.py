@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 import threading
 from typing import Sequence
 
-import torch
-
 from kvlayout import _C
 
+from . import compiler_marks
 from .locks import fork_safe
 from .planner import cache_spec, program_steps
 from .settings import environment_capacity
@@ -111,18 +109,7 @@ def unpin(handle: int) -> None:
             _evict()
 
 
-def _assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` where the process has not
-    (its import takes about as long as torch's own: every process that imports kvlayout would pay it, compiling
-    or not): the decorator only marks ``fn``, and where dynamo is not loaded yet the mark is set as it sets it
-    (tests/test_import_cost.py compares the two)."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant_result
+@compiler_marks.assume_constant_result
 def compiled_program_handle(key: tuple) -> int:
     """:func:`program_handle` for compiled code: evaluated while tracing, kept in the graph as a constant,
     so the program stays pinned for the life of the process."""

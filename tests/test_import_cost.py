@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 PUBLIC_MODULES = ["kvlayout", "kvlayout.ops", "kvlayout.compat.lmcache", "kvlayout.compat.sglang", "kvlayout.dist"]
 
@@ -24,28 +25,81 @@ def test_importing_kvlayout_leaves_the_compiler_unloaded(module):
     assert done.stdout.strip() == "False", f"importing {module} loaded torch._dynamo"
 
 
-# In a fresh process, kvlayout imported before or after torch._dynamo: compiled_program_handle carries every
-# attribute torch.compiler.assume_constant_result sets on a function, with its value.
+# An engine worker's first calls: caches bound, a store and a retrieve, a gather into a chunk and back, each
+# on DEVICE; then whether the process holds torch._dynamo.
+_FIRST_CALLS = """
+import sys, torch
+from kvlayout import ops
+
+device = {device!r}
+L, NB, BS, H, D = 2, 8, 16, 4, 64
+kv = [torch.randn(2, NB, BS, H, D, device=device).to(torch.bfloat16) for _ in range(L)]
+slots = torch.tensor([17, 18, 19, 40, 41], device=device)
+chunk = torch.zeros(2, L, 5, H * D, dtype=torch.bfloat16, device=device)
+ops.transfer(ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk), slots, None)
+fresh = [torch.zeros_like(t) for t in kv]
+ops.transfer(ops.bind("lmcache_kv_2ltd", chunk), ops.bind("vllm_flash_attn_nhd", fresh), None, slots)
+if device == "cuda":
+    torch.cuda.synchronize()
+assert torch.equal(fresh[1][1, 40 // BS, 40 % BS], kv[1][1, 40 // BS, 40 % BS])
+print("torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_engines_first_calls_leave_the_compiler_unloaded(device):
+    """Not only the import: the first cache bound and the first transfers (where a status tensor is made and
+    marked for the compiler) load no torch._dynamo, whose import would cost a worker's first call seconds."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    done = subprocess.run([sys.executable, "-c", _FIRST_CALLS.format(device=device)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "the first calls loaded torch._dynamo"
+
+
+# In a fresh process, kvlayout imported before or after torch._dynamo: the compiled program handle and a device's
+# status tensor carry every attribute torch's own functions set (torch.compiler.assume_constant_result on a
+# function; torch._dynamo.mark_static and mark_static_address on a tensor), with its value.
 _MARKS = """
+import sys
 import torch
 {first}
-from kvlayout.ops import programs
+from kvlayout.ops import _native, programs
+
+status = _native.status_tensor("cpu")     # (made and marked here, before or after dynamo is loaded)
+assert ("torch._dynamo" in sys.modules) == {compiler_first}, "making the status tensor changed what is loaded"
+import torch._dynamo
+
+
+def new_marks(obj, mark) -> dict:
+    before = dict(vars(obj))
+    mark(obj)
+    marks = {{name: value for name, value in vars(obj).items() if before.get(name, object()) is not value}}
+    assert marks, f"{{mark}} set no attribute: see ops/compiler_marks.py"
+    return marks
+
 
 def reference():
     return 0
 
-before = dict(vars(reference))
-torch.compiler.assume_constant_result(reference)
-marks = {{name: value for name, value in vars(reference).items() if before.get(name, object()) is not value}}
-assert marks, "torch.compiler.assume_constant_result set no attribute: see ops/programs.py"
-wrong = {{name for name, value in marks.items() if getattr(programs.compiled_program_handle, name, None) != value}}
-assert not wrong, f"compiled_program_handle lacks {{wrong}}"
+
+def static(t):
+    torch._dynamo.mark_static(t)
+    torch._dynamo.mark_static_address(t)
+
+
+for ours, marks in ((programs.compiled_program_handle, new_marks(reference, torch.compiler.assume_constant_result)),
+                    (status, new_marks(torch.zeros_like(status), static))):
+    wrong = {{name for name, value in marks.items() if getattr(ours, name, None) != value}}
+    assert not wrong, f"{{ours!r}} lacks {{wrong}}"
 print("marked")
 """
 
 
-@pytest.mark.parametrize("first", ["", "import torch._dynamo"], ids=["kvlayout-first", "compiler-first"])
-def test_the_compiled_program_handle_carries_the_mark_torch_sets(first):
-    done = subprocess.run([sys.executable, "-c", _MARKS.format(first=first)], capture_output=True, text=True)
+@pytest.mark.parametrize("compiler_first", [False, True], ids=["kvlayout-first", "compiler-first"])
+def test_kvlayouts_objects_carry_the_marks_torch_sets(compiler_first):
+    code = _MARKS.format(first="import torch._dynamo" if compiler_first else "", compiler_first=compiler_first)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "marked"
