@@ -25,11 +25,12 @@ def test_importing_kvlayout_leaves_the_compiler_unloaded(module):
     assert done.stdout.strip() == "False", f"importing {module} loaded torch._dynamo"
 
 
-# An engine worker's first calls: caches bound, a store and a retrieve, a gather into a chunk and back, each
-# on DEVICE; then whether the process holds torch._dynamo.
+# An engine worker's first calls on DEVICE: caches bound, a store and a retrieve, a prepared layer-wise store, a
+# gather and a scatter, LMCache's drop-in; then whether the process holds torch._dynamo.
 _FIRST_CALLS = """
 import sys, torch
 from kvlayout import ops
+from kvlayout.compat import lmcache
 
 device = {device!r}
 L, NB, BS, H, D = 2, 8, 16, 4, 64
@@ -39,6 +40,12 @@ chunk = torch.zeros(2, L, 5, H * D, dtype=torch.bfloat16, device=device)
 ops.transfer(ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk), slots, None)
 fresh = [torch.zeros_like(t) for t in kv]
 ops.transfer(ops.bind("lmcache_kv_2ltd", chunk), ops.bind("vllm_flash_attn_nhd", fresh), None, slots)
+prepared = ops.prepare(ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk), slots, None)
+for i in range(L):
+    prepared.layer(i)
+rows = ops.gather(ops.bind("vllm_flash_attn_nhd", kv), slots)
+ops.scatter(ops.bind("vllm_flash_attn_nhd", fresh), rows, slots)
+lmcache.multi_layer_kv_transfer(chunk, kv, slots, page_buffer_size=NB * BS, block_size=BS, head_size=D)
 if device == "cuda":
     torch.cuda.synchronize()
 assert torch.equal(fresh[1][1, 40 // BS, 40 % BS], kv[1][1, 40 // BS, 40 % BS])
