@@ -60,13 +60,19 @@ def call_windows(activities: list[dict]) -> list[dict]:
     return windows
 
 
-def _window(held_until: float, own: list[dict]) -> dict:
-    start, end = own[0]["start"], max(a["end"] for a in own)
-    busy, reach = 0.0, start
-    for a in own:                          # the union of the activities' intervals
+def busy_time(activities: list[dict]) -> float:
+    """µs during which at least one of ``activities`` (in start order) runs: the length of their intervals'
+    union."""
+    busy, reach = 0.0, activities[0]["start"] if activities else 0.0
+    for a in activities:
         if a["end"] > reach:
             busy += a["end"] - max(a["start"], reach)
             reach = a["end"]
-    return {"launch_gap": start - held_until, "span": end - start, "busy": busy,
+    return busy
+
+
+def _window(held_until: float, own: list[dict]) -> dict:
+    start, end = own[0]["start"], max(a["end"] for a in own)
+    return {"launch_gap": start - held_until, "span": end - start, "busy": busy_time(own),
             "kernel": sum(a["end"] - a["start"] for a in own if a["kind"] == "kernel"),
             "activities": len(own), "names": sorted({a["name"] for a in own})}

@@ -46,7 +46,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvlayout.bench.trace import device_activities
+from kvlayout.bench.trace import busy_time, device_activities
 
 
 def keys_over(record: str, group: str, over_us: float, rows: int, call: str | None = None) -> list[str]:
@@ -87,12 +87,8 @@ def timeline_summary(activities: list[dict]) -> dict:
     if not copies:
         return {"span": end - start, "before_copies": end - start, "copying": 0.0, "gaps": 0.0,
                 "after_copies": 0.0, "copy_bytes": 0, "copies": 0}
-    copying, reach = 0.0, copies[0]["start"]
-    for c in copies:                        # the union of the copies' intervals
-        if c["end"] > reach:
-            copying += c["end"] - max(c["start"], reach)
-            reach = c["end"]
-    first, last = copies[0]["start"], reach
+    copying = busy_time(copies)
+    first, last = copies[0]["start"], max(c["end"] for c in copies)
     return {"span": end - start, "before_copies": first - start, "copying": copying,
             "gaps": (last - first) - copying, "after_copies": end - last,
             "copy_bytes": sum(c["bytes"] for c in copies), "copies": len(copies)}
