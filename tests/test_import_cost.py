@@ -15,20 +15,21 @@ import torch
 
 PUBLIC_MODULES = ["kvlayout", "kvlayout.ops", "kvlayout.compat.lmcache", "kvlayout.compat.sglang", "kvlayout.dist"]
 
-
-@pytest.mark.parametrize("module", PUBLIC_MODULES)
-def test_importing_kvlayout_leaves_the_compiler_unloaded(module):
-    code = (f"import sys, importlib, torch; importlib.import_module({module!r}); "
-            "print('torch._dynamo' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False", f"importing {module} loaded torch._dynamo"
+# In one fresh process: each public module imported in turn, then an engine worker's first calls on DEVICE
+# (caches bound, a store and a retrieve, a prepared layer-wise store, a gather and a scatter, LMCache's
+# drop-in); after each step, whether the process holds torch._dynamo (the first step that loads it is named).
+_FIRST_STEPS = """
+import importlib, sys, torch
 
 
-# An engine worker's first calls on DEVICE: caches bound, a store and a retrieve, a prepared layer-wise store, a
-# gather and a scatter, LMCache's drop-in; then whether the process holds torch._dynamo.
-_FIRST_CALLS = """
-import sys, torch
+def step(name):
+    print(name, "torch._dynamo" in sys.modules, flush=True)
+
+
+for module in {modules!r}:
+    importlib.import_module(module)
+    step("import " + module)
+
 from kvlayout import ops
 from kvlayout.compat import lmcache
 
@@ -37,32 +38,41 @@ L, NB, BS, H, D = 2, 8, 16, 4, 64
 kv = [torch.randn(2, NB, BS, H, D, device=device).to(torch.bfloat16) for _ in range(L)]
 slots = torch.tensor([17, 18, 19, 40, 41], device=device)
 chunk = torch.zeros(2, L, 5, H * D, dtype=torch.bfloat16, device=device)
-ops.transfer(ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk), slots, None)
+paged, chunked = ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk)
+step("the first caches bound")
+ops.transfer(paged, chunked, slots, None)
 fresh = [torch.zeros_like(t) for t in kv]
 ops.transfer(ops.bind("lmcache_kv_2ltd", chunk), ops.bind("vllm_flash_attn_nhd", fresh), None, slots)
-prepared = ops.prepare(ops.bind("vllm_flash_attn_nhd", kv), ops.bind("lmcache_kv_2ltd", chunk), slots, None)
+step("a store and a retrieve")
+prepared = ops.prepare(paged, chunked, slots, None)
 for i in range(L):
     prepared.layer(i)
-rows = ops.gather(ops.bind("vllm_flash_attn_nhd", kv), slots)
+step("a prepared layer-wise store")
+rows = ops.gather(paged, slots)
 ops.scatter(ops.bind("vllm_flash_attn_nhd", fresh), rows, slots)
+step("a gather and a scatter")
 lmcache.multi_layer_kv_transfer(chunk, kv, slots, page_buffer_size=NB * BS, block_size=BS, head_size=D)
+step("LMCache's drop-in")
 if device == "cuda":
     torch.cuda.synchronize()
 assert torch.equal(fresh[1][1, 40 // BS, 40 % BS], kv[1][1, 40 // BS, 40 % BS])
-print("torch._dynamo" in sys.modules)
 """
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_an_engines_first_calls_leave_the_compiler_unloaded(device):
-    """Not only the import: the first cache bound and the first transfers (where a status tensor is made and
-    marked for the compiler) load no torch._dynamo, whose import would cost a worker's first call seconds."""
+def test_importing_kvlayout_and_an_engines_first_calls_leave_the_compiler_unloaded(device):
+    """Neither importing any public module nor the first cache bound and the first calls (where a status tensor
+    is made and marked for the compiler) load torch._dynamo, whose import would cost a worker's start or its
+    first call seconds."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    done = subprocess.run([sys.executable, "-c", _FIRST_CALLS.format(device=device)], capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-c", _FIRST_STEPS.format(modules=PUBLIC_MODULES, device=device)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False", "the first calls loaded torch._dynamo"
+    steps = [line.rsplit(" ", 1) for line in done.stdout.splitlines()]
+    assert len(steps) == len(PUBLIC_MODULES) + 5, done.stdout
+    loaded = [name for name, holds in steps if holds == "True"]
+    assert not loaded, f"{loaded[0]} loaded torch._dynamo"
 
 
 # In a fresh process, kvlayout imported before or after torch._dynamo: the compiled program handle and a device's
