@@ -30,7 +30,7 @@ current, why = runpy.run_path("setup.py", run_name="kvlayout_setup")["native_sta
 print(("current " if current else "stale ") + why)')
 case "$native" in
     current*) say "kvlayout, editable, with its dependencies and the test and bench extras; native extension not rebuilt: ${native#current }" ;;
-    *) say "kvlayout, editable, with its dependencies and the test and bench extras; building the native extension (${native#stale }; about 3 minutes on 2 cores)" ;;
+    *) say "kvlayout, editable, with its dependencies and the test and bench extras; building the native extension (${native#stale }; about 2 minutes on 2 cores)" ;;
 esac
 # test: pytest (with xdist: the tests run one worker per core), hypothesis, ruff (the lint .ci/run runs);
 # bench: matplotlib, for the PNG plots of `kvlayout bench`
