@@ -449,16 +449,22 @@ def markdown(header: dict, rows: list[dict]) -> str:
     return "\n".join(out) + "\n\n" + standing(rows) + "\n"
 
 
-def write_timeline(lmc, cases, reps: int, out: str) -> int:
-    """:func:`timeline` into ``out/side_by_side_timeline.{jsonl,md}``, each row written as it comes."""
-    header, rows = None, []
-    with open(os.path.join(out, "side_by_side_timeline.jsonl"), "w") as f:
-        for row in timeline(lmc, cases, reps):
-            print(json.dumps(row), file=f, flush=True)
-            print(json.dumps(row), flush=True)
-            header, rows = (row, rows) if header is None else (header, rows + [row])
-    table = timeline_markdown(header, rows)
-    with open(os.path.join(out, "side_by_side_timeline.md"), "w") as f:
+def write_record(rows, render, out: str, stem: str) -> int:
+    """``rows`` (a header, then one row per case and call, as :func:`measure` and :func:`timeline` yield them)
+    into ``out/stem.jsonl``, each written and printed as it comes, then ``render(header, rows)`` into
+    ``out/stem.md``."""
+    header, body = None, []
+    with open(os.path.join(out, f"{stem}.jsonl"), "w") as f:
+        for row in rows:
+            line = json.dumps(row)
+            print(line, file=f, flush=True)
+            print(line, flush=True)
+            if header is None:
+                header = row
+            else:
+                body.append(row)
+    table = render(header, body)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(table)
     print(table)
     return 0
@@ -497,24 +503,10 @@ def main(argv=None) -> int:
             parser.error(f"--calls: no call named {', '.join(unknown)}")
         return run_ncu(args.lmcache, cases, args.out, calls)
     if args.timeline:
-        return write_timeline(lmc, cases, args.reps, args.out)
+        return write_record(timeline(lmc, cases, args.reps), timeline_markdown, args.out, "side_by_side_timeline")
     # (the binding's own signature, on record beside the figures)
     print(f"LMCache: {getattr(lmc, '__file__', lmc)}\n{lmc.multi_layer_kv_transfer.__doc__}", flush=True)
-    header, rows = None, []
-    with open(os.path.join(args.out, "side_by_side.jsonl"), "w") as f:
-        for row in measure(lmc, cases, args.rounds, args.reps):
-            line = json.dumps(row)
-            print(line, file=f, flush=True)
-            print(line, flush=True)
-            if header is None:
-                header = row
-            else:
-                rows.append(row)
-    table = markdown(header, rows)
-    with open(os.path.join(args.out, "side_by_side.md"), "w") as f:
-        f.write(table)
-    print(table)
-    return 0
+    return write_record(measure(lmc, cases, args.rounds, args.reps), markdown, args.out, "side_by_side")
 
 
 if __name__ == "__main__":

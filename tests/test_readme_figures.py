@@ -175,7 +175,7 @@ def side_by_side_sentence(run: str = SIDE_BY_SIDE_RUN) -> str:
     """The README's standing beside LMCache on the same tensors, per timing, from ``run``'s files."""
     rows = []
     for path in sorted((BENCH / run).glob("side_by_side*.jsonl")):
-        if path.name != "side_by_side_timeline.jsonl":    # (another script's rows: where each call's time goes)
+        if path.name != "side_by_side_timeline.jsonl":    # (its --timeline rows: where each call's time goes)
             rows += side_by_side.read(str(path))[1]
     return side_by_side.standing(rows)
 

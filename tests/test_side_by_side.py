@@ -166,12 +166,12 @@ def test_the_lmcache_calls_do_the_cases_job(shape, direction):
     assert _native.host_launch_shape() == "row_per_cta"
 
 
-def test_the_timeline_is_written_row_by_row_and_tabled(tmp_path, monkeypatch):
+def test_the_timeline_is_written_row_by_row_and_tabled(tmp_path):
     rows = [{"gpu": "a GPU", "torch": "2.x", "reps": 5},
             {"case": "L32_MLA_D576,256,scatter_device", "call": "kvlayout", "event_us": 10.6, "launch_gap": 1.25,
              "span": 9.0, "busy": 9.0, "kernel": 9.0, "activities": 1, "names": ["copy_row_per_cta_kernel"]}]
-    monkeypatch.setattr(side_by_side, "timeline", lambda lmc, cases, reps: iter(rows))
-    assert side_by_side.write_timeline(None, [], 5, str(tmp_path)) == 0
+    assert side_by_side.write_record(iter(rows), side_by_side.timeline_markdown, str(tmp_path),
+                                     "side_by_side_timeline") == 0
     written = [json.loads(line) for line in (tmp_path / "side_by_side_timeline.jsonl").read_text().splitlines()]
     assert written == rows
     table = (tmp_path / "side_by_side_timeline.md").read_text()
