@@ -31,7 +31,8 @@
 #                call's kernels and copies, where its device time goes, beside one pinned copy of its bytes
 #                                                                   -> staged_timeline.txt
 #   host-path    scripts/host_path.py: an all-layer call's host time by part (Python,
-#                the C++ checks, the launch), warm and with the device idle -> host_path.txt
+#                the C++ checks, the launch), warm and with the device idle; HOST_PATH_KEYS: bench keys,
+#                comma-separated, else the script's own   -> host_path.txt
 #   binding-cost scripts/binding_cost.py: calls with tensors bound at every call (ops, LMCache and
 #                SGLang entry points) beside one torch op     -> binding_cost.txt
 #   lmcache-ops  scripts/build_lmcache_ops.py: LMCache's CUDA extension built from its sdist (LMCACHE_SDIST)
@@ -183,7 +184,8 @@ for step in "${steps[@]}"; do
                                    --tokens "${SIDE_TIMELINE_TOKENS:-256}" \
                                    ${SIDE_TIMELINE_SHAPES:+--shapes "$SIDE_TIMELINE_SHAPES"} --out "$out/side-by-side"
                                pack side-by-side side-by-side ;;
-        host-path) run_step host-path host_path.txt $py scripts/host_path.py --device cuda ;;
+        host-path) IFS=, read -r -a host_path_keys <<< "${HOST_PATH_KEYS:-}"
+                   run_step host-path host_path.txt $py scripts/host_path.py --device cuda "${host_path_keys[@]}" ;;
         binding-cost) run_step binding-cost binding_cost.txt $py scripts/binding_cost.py --device cuda ;;
         ab-old) : "${AB_OLD:?cuda_record.sh: ab-old needs AB_OLD (a git revision or a .tar.gz of a tree)}"
                 scripts/ab_record.sh "$AB_OLD" "$ab_dir" 0 > "$out/ab_old_build.txt" 2>&1 &

@@ -8,6 +8,7 @@ repeated-call path keeps the choice's bound program), times in turn within every
 
 * ``ops.transfer``: the call as an engine writes it (the repeated-call path: a few checks in Python, then one
   C++ call);
+* ``kernel engine``: the same call with ``engine="kernel"`` (the repeated-call path without auto's decision);
 * ``C++ call``: that C++ call alone (``PreparedCopy.run_checking`` of the choice's bound program: the slot
   arguments and the bound tensors checked, the kernel launched);
 * ``C++ checks``: the same call with ``skip_prefix`` = T (everything checked, nothing launched);
@@ -17,8 +18,9 @@ repeated-call path keeps the choice's bound program), times in turn within every
   ``bare launch`` (``torch.cuda._sleep(0)``);
 
 each *warm* (32 calls back to back, per call, the device idle before the 32) and *idle* (one call, the
-device synchronized before it: what the bench's end-to-end figure pays). The parts follow: Python =
-``ops.transfer`` - ``C++ call``; launch = ``C++ call`` - ``C++ checks``.
+device synchronized before it: what the bench's end-to-end figure pays). The parts follow: auto =
+``ops.transfer`` - ``kernel engine``; Python = ``ops.transfer`` - ``C++ call``; launch = ``C++ call`` -
+``C++ checks``.
 
 A diagnostic beside the bench's ``host_cost`` rows, not a measurement of record.
 """
@@ -60,6 +62,7 @@ def parts(case, device: torch.device) -> dict:
     x, index = torch.ones(16, 4, device=device), torch.tensor([1, 2, 3], device=device)
     fns = {
         "ops.transfer": lambda: ops.transfer(src, dst, ss, ds),
+        "kernel engine": lambda: ops.transfer(src, dst, ss, ds, engine="kernel"),
         "C++ call": lambda: bound.run_checking(0, ss, ds, 0, 0, False),
         "C++ checks": lambda: bound.run_checking(0, ss, ds, T, 0, False),
     }
@@ -93,8 +96,10 @@ def measure(fns: dict, device: torch.device, reps: int) -> tuple[dict, dict]:
 def report(key: str, warm: dict, idle: dict) -> str:
     lines = [key, f"{'':16} {'warm µs':>9} {'idle µs':>9}"]
     lines += [f"{name:16} {warm[name]:9.2f} {idle[name]:9.2f}" for name in warm]
-    for part, (whole, less) in {"Python": ("ops.transfer", "C++ call"),
-                                "launch": ("C++ call", "C++ checks")}.items():
+    differences = {"Python": ("ops.transfer", "C++ call"), "launch": ("C++ call", "C++ checks")}
+    if "kernel engine" in warm:
+        differences = {"auto": ("ops.transfer", "kernel engine"), **differences}
+    for part, (whole, less) in differences.items():
         lines.append(f"{part:16} {warm[whole] - warm[less]:9.2f} {idle[whole] - idle[less]:9.2f}"
                      f"   ({whole} - {less})")
     return "\n".join(lines) + "\n"

@@ -697,7 +697,7 @@ def test_host_path_script_splits_an_all_layer_call_into_its_parts():
     (key,) = host_path.DEFAULT_KEYS["cpu"]
     case = next(c for c in C.cpu_cases() if c.key == key)
     fns = host_path.parts(case, torch.device("cpu"))
-    assert list(fns) == ["ops.transfer", "C++ call", "C++ checks", "torch op"]
+    assert list(fns) == ["ops.transfer", "kernel engine", "C++ call", "C++ checks", "torch op"]
     assert fns["C++ call"]() is True and fns["C++ checks"]() is True     # (run_checking: done, not declined)
     warm, idle = host_path.measure(fns, torch.device("cpu"), reps=3)
     assert set(warm) == set(idle) == set(fns) and all(v > 0 for v in [*warm.values(), *idle.values()])
@@ -706,6 +706,10 @@ def test_host_path_script_splits_an_all_layer_call_into_its_parts():
     lines = text.splitlines()
     assert lines[0] == key and lines[-2].split()[:3] == ["Python", "0.75", "1.00"]
     assert lines[-1].split()[:3] == ["launch", "0.75", "1.00"]
+    with_kernel = host_path.report(key, {"ops.transfer": 2.0, "kernel engine": 1.5, "C++ call": 1.25,
+                                                "C++ checks": 0.5},
+                                   {"ops.transfer": 3.0, "kernel engine": 2.0, "C++ call": 2.0, "C++ checks": 1.0})
+    assert with_kernel.splitlines()[-3].split()[:3] == ["auto", "0.50", "1.00"]
     copy = C.Case("copy_engine", "L32_H8_D128", "vllm_flash_attn_nhd", "hicache_page_first_direct", 256, 16,
                   "gather_device", engine="copy")
     layerwise = next(c for c in C.cpu_cases() if c.layerwise)
@@ -731,7 +735,8 @@ def test_host_path_script_times_autos_rule_alone_for_a_pair_that_could_be_staged
         made.append(self)
     monkeypatch.setattr(CheckedChoice, "bind", looks_stageable)
     fns = host_path.parts(case, torch.device("cpu"))
-    assert made and list(fns) == ["ops.transfer", "C++ call", "C++ checks", "auto's rule", "torch op"]
+    assert made and list(fns) == ["ops.transfer", "kernel engine", "C++ call", "C++ checks", "auto's rule",
+                                  "torch op"]
     assert fns["auto's rule"]() is True           # (the kernel: the plan cannot be staged)
 
 

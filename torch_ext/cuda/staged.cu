@@ -233,11 +233,11 @@ class CudaStaged final : public StagedEngine {
   KeptGraph kept_graph(const StagedArgs& a, int64_t slot_bytes) const override {
     const int64_t per_chunk = chunk_tokens(a.num_tokens, a.skip_prefix, a.max_ctas);
     const ReplayKey key = replay_key(a.num_tokens, a.skip_prefix, a.max_ctas, slot_bytes, per_chunk);
-    const std::optional<ReplayKey> prefix = prefix_key(key);
     const std::lock_guard<std::mutex> lock(mu_);
     if (const Replay* own = kept(key)) return own->shape;
     // (a shape run before is captured at this call, not replayed from its prefix: see run)
-    if (prefix.has_value() && !seen(key))
+    if (seen(key)) return {};
+    if (const std::optional<ReplayKey> prefix = prefix_key(key); prefix.has_value())
       if (const Replay* shared = kept(*prefix)) return shared->shape;
     return {};
   }
