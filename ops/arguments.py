@@ -257,6 +257,9 @@ class CheckedChoice:
     staged_plan: tuple | None = None   # (ring size, what engine="staged" found: ops.staged.static_plan)
     never_staged: int = 0              # the ring size for which that plan says the pair cannot be staged (auto
     #                                    then always runs the kernel); 0: not known, or it can be
+    auto_kernel: tuple | None = None   # (ops.staged.RULE_STATE, host_is_dst, n): auto keeps the kernel for a
+    #                                    repeated call of this pair moving at most n tokens, the host side without
+    #                                    slots (ops.staged.auto_kernel_tokens), while the rule's state is that one
     staged_kept: object = None         # weak reference to the staged transfer last run for the choice
     #                                    (ops.staged._Transfer; its ring owns it)
     shared: "CheckedChoice | None" = None   # the choice of these caches' shapes this one was copied from (see

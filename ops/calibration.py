@@ -35,6 +35,7 @@ LAZY = environment_choice("KVLAYOUT_CALIBRATE", ("1", "0")) == "1"
 
 _lock = fork_safe(threading.Lock())
 _results: dict[int, dict] = {}  # device index -> calibrate()'s result
+_listeners: list = []          # called when a result changes (ops.staged.rule_changed: auto's kept answers)
 _cuda_indices: dict[torch.device, int] = {}   # a CUDA device naming its index -> it (reading a torch.device's
 #                                               type costs a repeated call more than this lookup)
 
@@ -55,6 +56,7 @@ def calibrate(device: torch.device | str | int | None = None, *, again: bool = F
                 _results[index] = {direction: {"kernel_gbps": 0.0, "copy_engine_gbps": 0.0, "ratio": 1.0,
                                                "sm_slow": False, "error": f"not measured: {e}".splitlines()[0]}
                                    for direction in ("to_host", "from_host")}
+            _changed()
         return {direction: dict(figures) for direction, figures in _results[index].items()}
 
 
@@ -76,6 +78,25 @@ def sm_is_slow(device: torch.device, host_is_dst: bool, probe: bool = True) -> b
     return found["to_host" if host_is_dst else "from_host"]["sm_slow"]
 
 
+def known_sm_slow(device: torch.device, host_is_dst: bool) -> bool | None:
+    """:func:`sm_is_slow`'s answer where ``device`` is calibrated (False off CUDA); None: not yet (a later call
+    may calibrate it). Probes nothing."""
+    if device.type != "cuda":
+        return False
+    found = _results.get(_index_of(device))
+    return None if found is None else found["to_host" if host_is_dst else "from_host"]["sm_slow"]
+
+
+def when_changed(listener) -> None:
+    """Calls ``listener()`` whenever a device's calibration changes (:func:`calibrate`, :func:`forget`)."""
+    _listeners.append(listener)
+
+
+def _changed() -> None:
+    for listener in _listeners:
+        listener()
+
+
 def calibrated_devices() -> int:
     """How many devices are calibrated so far (one result kept per device)."""
     return len(_results)
@@ -85,6 +106,7 @@ def forget() -> None:
     """Drops every device's calibration (the next choice that needs one probes again)."""
     with _lock:
         _results.clear()
+        _changed()
 
 
 def _may_probe() -> bool:

@@ -71,6 +71,46 @@ from .programs import plan, program_handle, program_key, unpin
 from .settings import NativeChoice, environment_capacity
 from .views import KVCache
 
+RULE_STATE = object()       # replaced whenever an input of auto's rule changes: answers kept per choice
+#                             (CheckedChoice.auto_kernel, auto_kernel_tokens) hold the state they were read under
+
+
+def rule_changed() -> None:
+    """Marks the answers of auto's rule kept per choice stale (a threshold table or a device's calibration
+    changed)."""
+    global RULE_STATE
+    RULE_STATE = object()
+
+
+calibration.when_changed(rule_changed)
+
+
+class _RuleTable(dict):
+    """A threshold table of auto's rule (bytes by direction): any change to it calls :func:`rule_changed`."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        rule_changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        rule_changed()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        rule_changed()
+
+    def pop(self, *args):
+        try:
+            return super().pop(*args)
+        finally:
+            rule_changed()
+
+    def clear(self):
+        super().clear()
+        rule_changed()
+
+
 STAGING_BYTES = environment_capacity("KVLAYOUT_STAGING_BYTES", 64 << 20)   # one ring: all its slots
 CHUNKS = 8                  # the default of set_staged_chunks (the C++ engine's kStagedChunks)
 RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the copy engine
@@ -107,8 +147,9 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # 0.902-0.934x on that of dbc67bc), so a pair's first call keeps AUTO_MIN_BYTES. Stores of 80 MiB were
 # 0.980-1.007x staged (every record): they keep it too, as do loads under a budget (L32 H1 T=4096 under 4 SMs:
 # 0.992x end to end on the H100 of 00c04b3).
-AUTO_MIN_BYTES = {"from_host": 128 << 20, "to_host": 128 << 20}
-AUTO_MIN_BYTES_MOVED_BEFORE = {"from_host": 32 << 20, "to_host": 128 << 20}
+
+AUTO_MIN_BYTES = _RuleTable({"from_host": 128 << 20, "to_host": 128 << 20})
+AUTO_MIN_BYTES_MOVED_BEFORE = _RuleTable({"from_host": 32 << 20, "to_host": 128 << 20})
 AUTO_MAX_BUDGET_FROM_HOST = 4
 KEPT_RINGS = 2              # rings kept (one per stream that ran a staged transfer; least recently used goes)
 PLANS_PER_RING = 64         # planned transfers a ring keeps (least recently used goes)
@@ -418,6 +459,18 @@ def auto_stages_on(device: torch.device, host_is_dst: bool, payload_bytes: int, 
                  or not calibration.sm_is_slow(device, host_is_dst))):
         return False      # (below _auto_min_bytes's threshold for the call)
     return not max_ctas or (not host_is_dst and max_ctas <= AUTO_MAX_BUDGET_FROM_HOST)
+
+
+def auto_kernel_tokens(device: torch.device, host_is_dst: bool, token_bytes: int) -> int:
+    """The most payload tokens (of ``token_bytes`` each) for which auto keeps the kernel between a pair of cache
+    objects that moved before, without an SM budget, as the rule stands now (:data:`RULE_STATE`). Asks for no
+    calibration: on a device not calibrated yet only the part of the rule that holds either way counts (below
+    :data:`~kvlayout.ops.calibration.SLOW_SM_AUTO_MIN_BYTES`)."""
+    direction = "to_host" if host_is_dst else "from_host"
+    least = min(AUTO_MIN_BYTES[direction], AUTO_MIN_BYTES_MOVED_BEFORE[direction])
+    if calibration.SLOW_SM_AUTO_MIN_BYTES < least and calibration.known_sm_slow(device, host_is_dst) is not False:
+        least = calibration.SLOW_SM_AUTO_MIN_BYTES
+    return (least - 1) // token_bytes
 
 
 def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device, moved_before: bool = False) -> str | None:

@@ -77,8 +77,14 @@ def transfer(src: KVCache, dst: KVCache, src_slots=None, dst_slots=None, *, src_
         hit = src._checked_choices.get(key) if key is not None else None
         if hit is not None and hit[0]() is dst and not _is_compiling():
             c = hit[1]
-            if engine != "staged" and (engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
-                                       or _auto_keeps_kernel(c.staged_plan, c, src_slots, dst_slots, skip_prefix, 0)):
+            m = c.auto_kernel   # (auto's answer kept for the pair: _auto_keeps_kernel's, checked inline)
+            if engine != "staged" and (
+                    engine == "kernel" or c.never_staged == _staged.STAGING_BYTES
+                    or (m is not None and m[0] is _staged.RULE_STATE
+                        and ((dst_slots if m[1] else src_slots) is not None
+                             or (type(s := src_slots if m[1] else dst_slots) is torch.Tensor
+                                 and s.numel() - skip_prefix <= m[2])))
+                    or _auto_keeps_kernel(c.staged_plan, c, src_slots, dst_slots, skip_prefix, 0)):
                 run_checking = c.run_checking
                 if run_checking is not None and run_checking(0, src_slots, dst_slots, skip_prefix, 0,
                                                              validating(validate)):
@@ -142,12 +148,17 @@ def _auto_keeps_kernel(kept: tuple | None, c: CheckedChoice, src_slots, dst_slot
     slot arguments, from a kept staged plan (``(ring size, plan)``: the choice's ``staged_plan``, or the
     ``ring_plan`` of its caches' shapes, which leaves out the host memory's pinning: an unpinned host side is never
     staged, so where that plan keeps the kernel the call's does too). False: not known here, the long way
-    decides."""
+    decides. Between a pair that moved before, without an SM budget, keeps the rule's answer on the choice
+    (``auto_kernel``), which a repeated call checks inline."""
     if kept is None or kept[0] != _staged.STAGING_BYTES:
         return False                     # not known yet: the long way decides (and plans)
     static = kept[1]
     if not static.stageable:
         return True
+    if (c.kernel_calls > 0 and max_ctas == 0 and kept is c.staged_plan
+            and (c.auto_kernel is None or c.auto_kernel[0] is not _staged.RULE_STATE)):
+        c.auto_kernel = (_staged.RULE_STATE, static.host_is_dst,
+                         _staged.auto_kernel_tokens(c.device, static.host_is_dst, static.token_bytes))
     if (dst_slots if static.host_is_dst else src_slots) is not None:
         return True                      # staging copies host rows 0..T-1: a host side with slots is not staged
     slots = src_slots if static.host_is_dst else dst_slots

@@ -652,6 +652,69 @@ def test_the_repeated_calls_rule_is_auto_stages(monkeypatch, slow_way, threshold
                         (host_is_dst, payload, max_ctas, moved)
 
 
+@pytest.mark.parametrize("slow_way", [None, "to_host", "from_host", "not calibrated"])
+@pytest.mark.parametrize("thresholds", ["fixed", "zero", "moved above first", "below the slow mark"])
+def test_the_answer_kept_per_pair_is_the_rules(monkeypatch, slow_way, thresholds):
+    """auto_kernel_tokens (auto's answer kept on a pair that moved before, which its repeated calls check
+    inline): the rule keeps the kernel for that many tokens and, where the device's calibration is known, stages
+    one token more; on a device not calibrated yet it keeps only what holds either way (below
+    SLOW_SM_AUTO_MIN_BYTES), asking for no calibration."""
+    cuda0 = torch.device("cuda", 0)
+    results = {} if slow_way == "not calibrated" else {0: {
+        way: {"kernel_gbps": 30.0, "copy_engine_gbps": 54.0, "ratio": 0.5, "sm_slow": way == slow_way}
+        for way in ("to_host", "from_host")}}
+    monkeypatch.setattr(calibration, "_results", results)
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("asked for a calibration"))
+    slow_mark = calibration.SLOW_SM_AUTO_MIN_BYTES
+    if thresholds == "zero":
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "from_host", 0)
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 0)
+    elif thresholds == "moved above first":
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE, "from_host", 512 << 20)
+    elif thresholds == "below the slow mark":
+        monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE, "to_host", slow_mark // 2)
+    for host_is_dst in (True, False):
+        for token_bytes in (1, 1000, 4096, 3 << 20):
+            n = staged_mod.auto_kernel_tokens(cuda0, host_is_dst, token_bytes)
+            if n >= 0:
+                assert not staged_mod.auto_stages_on(cuda0, host_is_dst, n * token_bytes, 0, True)
+            beyond = (n + 1) * token_bytes
+            if slow_way != "not calibrated" or beyond < slow_mark:
+                assert staged_mod.auto_stages_on(cuda0, host_is_dst, beyond, 0, True), (host_is_dst, token_bytes)
+            else:
+                assert beyond >= slow_mark > n * token_bytes
+
+
+def test_the_answers_kept_per_pair_go_stale_when_the_rule_changes(monkeypatch):
+    """Every change to a threshold table or to a device's calibration replaces RULE_STATE (the answers kept per
+    pair are read under one state); reading them does not."""
+    monkeypatch.setattr(calibration, "_results", {})
+    monkeypatch.setattr(calibration, "_measure", lambda index: {
+        way: {"kernel_gbps": 1.0, "copy_engine_gbps": 2.0, "ratio": 0.5, "sm_slow": True}
+        for way in ("to_host", "from_host")})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    table = staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE
+    changes = [lambda: monkeypatch.setitem(table, "from_host", 1 << 20),
+               lambda: table.update(to_host=table["to_host"]),
+               lambda: monkeypatch.delitem(staged_mod.AUTO_MIN_BYTES, "to_host"),
+               lambda: calibration.calibrate(0),
+               lambda: calibration.calibrate(0, again=True),
+               calibration.forget]
+    for change in changes:
+        state = staged_mod.RULE_STATE
+        staged_mod.auto_kernel_tokens(torch.device("cuda", 0), False, 4096)
+        assert dict(table) and staged_mod.RULE_STATE is state
+        change()
+        assert staged_mod.RULE_STATE is not state
+    state = staged_mod.RULE_STATE
+    calibration.calibrate(0)
+    calibration.calibrate(0)        # (kept: measured once)
+    assert staged_mod.RULE_STATE is not state
+    state = staged_mod.RULE_STATE
+    calibration.calibrate(0)
+    assert staged_mod.RULE_STATE is state
+
+
 def test_auto_stages_from_one_chunk_on_where_the_devices_sms_move_host_memory_slowly(monkeypatch):
     """A device whose calibration found its SMs slow one way (ops.calibrate; injected here): auto stages that way
     from SLOW_SM_AUTO_MIN_BYTES on, the other way from AUTO_MIN_BYTES, and says where; a call too small for either
@@ -938,6 +1001,16 @@ def test_auto_repeated_calls_take_the_engine_their_payload_calls_for(cuda_device
         torch.cuda.synchronize()
         assert torch.equal(_bytes(chunk), _bytes(expected)), T
     assert staged_tokens == [32, 32, 32, 16]
+    # the pair's kept answer (kernel up to 15 tokens) goes with the threshold it was read under
+    assert checked_choice(cache, chunk, None, None, None, None, 0, "auto").auto_kernel[2] == 15
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 8 * per_token)
+    for T in (8, 7):
+        slots = torch.randperm(NB * BS, generator=g)[:T]
+        ops.transfer(cache, chunk, slots.to(cuda_device))
+        ops.transfer(cpu_cache, expected, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(_bytes(chunk), _bytes(expected)), T
+    assert staged_tokens == [32, 32, 32, 16, 8]
 
 
 def test_auto_stages_a_load_from_the_second_call_between_caches_that_moved_before(cuda_device, monkeypatch):
