@@ -13,7 +13,9 @@ repeated-call path keeps the choice's bound program), times in turn within every
   arguments and the bound tensors checked, the kernel launched);
 * ``C++ checks``: the same call with ``skip_prefix`` = T (everything checked, nothing launched);
 * ``auto's rule``, for a pair that could be staged (a device cache and a pinned host chunk): the Python that
-  decides a repeated call's engine before that C++ call (``_auto_keeps_kernel``), alone;
+  decides a repeated call's engine before that C++ call where the answer kept on the pair
+  (``CheckedChoice.auto_kernel``, checked inline) is stale or does not cover the call (``_auto_keeps_kernel``),
+  alone;
 * ``torch op`` (the bench's yardstick: ``index_select`` of three rows of a small tensor) and, on CUDA,
   ``bare launch`` (``torch.cuda._sleep(0)``);
 
