@@ -106,6 +106,22 @@ class _RuleTable(dict):
         finally:
             rule_changed()
 
+    def popitem(self):
+        try:
+            return super().popitem()
+        finally:
+            rule_changed()
+
+    def setdefault(self, key, default=None):
+        try:
+            return super().setdefault(key, default)
+        finally:
+            rule_changed()
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
     def clear(self):
         super().clear()
         rule_changed()
@@ -147,7 +163,6 @@ RING_SLOTS = 2              # chunks in flight: one in the kernel, one in the co
 # 0.902-0.934x on that of dbc67bc), so a pair's first call keeps AUTO_MIN_BYTES. Stores of 80 MiB were
 # 0.980-1.007x staged (every record): they keep it too, as do loads under a budget (L32 H1 T=4096 under 4 SMs:
 # 0.992x end to end on the H100 of 00c04b3).
-
 AUTO_MIN_BYTES = _RuleTable({"from_host": 128 << 20, "to_host": 128 << 20})
 AUTO_MIN_BYTES_MOVED_BEFORE = _RuleTable({"from_host": 32 << 20, "to_host": 128 << 20})
 AUTO_MAX_BUDGET_FROM_HOST = 4

@@ -696,6 +696,8 @@ def test_the_answers_kept_per_pair_go_stale_when_the_rule_changes(monkeypatch):
     table = staged_mod.AUTO_MIN_BYTES_MOVED_BEFORE
     changes = [lambda: monkeypatch.setitem(table, "from_host", 1 << 20),
                lambda: table.update(to_host=table["to_host"]),
+               lambda: table.__ior__({"to_host": table["to_host"]}),
+               lambda: table.setdefault("to_host", 0),
                lambda: monkeypatch.delitem(staged_mod.AUTO_MIN_BYTES, "to_host"),
                lambda: calibration.calibrate(0),
                lambda: calibration.calibrate(0, again=True),
