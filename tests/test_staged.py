@@ -797,6 +797,49 @@ def test_default_engine_is_auto_and_repeated_calls_stay_on_the_direct_path(monke
     assert len(calls) == 1
 
 
+def test_a_repeated_call_decides_by_the_answer_kept_on_its_pair(monkeypatch):
+    """Between a pair that moved before, auto's rule runs once per state of the rule: later calls that the kept
+    answer covers (at most its token count, or a host side given slots) go straight to C++ without it; a call
+    past the answer and the first call after a threshold changes consult the rule again. (A CPU pair given a
+    stageable plan: the decision alone is tested, and where the rule would stage it is made to keep the kernel;
+    every call leaves the bytes engine="kernel" leaves.)"""
+    transfer_module = importlib.import_module("kvlayout.ops.transfer")
+    per_token = 2 * L * H * D * 2
+    src, dst, twin = _device_cache("cpu"), _chunk(16), _chunk(16)
+    for _ in range(3):
+        ops.transfer(src, dst, torch.arange(16))
+        ops.transfer(src, twin, torch.arange(16), engine="kernel")
+    choice = checked_choice(src, dst, None, None, None, None, 0, "auto")
+    stageable = staged_mod.StagedPlan("", 1, 16, 1, host_is_dst=True, token_bytes=per_token)
+    monkeypatch.setattr(choice, "staged_plan", (staged_mod.STAGING_BYTES, stageable))
+    monkeypatch.setattr(choice, "never_staged", 0)
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 8 * per_token)
+    rule, consulted = transfer_module._auto_keeps_kernel, []
+
+    def counting(kept, c, src_slots, *rest):
+        consulted.append(src_slots.shape[0])
+        return rule(kept, c, src_slots, *rest) or True      # (where it would stage: the kernel, on the CPU)
+    monkeypatch.setattr(transfer_module, "_auto_keeps_kernel", counting)
+    g = torch.Generator().manual_seed(7)
+
+    def call(T, host_slots=False):
+        slots = torch.randperm(NB * BS, generator=g)[:T]
+        positions = torch.arange(T) if host_slots else None
+        ops.transfer(src, dst, slots, positions)
+        ops.transfer(src, twin, slots, positions, engine="kernel")
+
+    for T in (4, 4, 7, 8, 2):
+        call(T)
+    assert consulted == [4, 8] and choice.auto_kernel[1:] == (True, 7)
+    call(12, host_slots=True)                   # a host side with slots is never staged
+    assert consulted == [4, 8]
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 4 * per_token)
+    for T in (2, 3, 4, 3):
+        call(T)
+    assert consulted == [4, 8, 2, 4] and choice.auto_kernel[1:] == (True, 3)
+    assert torch.equal(_bytes(dst), _bytes(twin))
+
+
 # --------------------------------------------------------------------------------------------- CUDA
 
 
