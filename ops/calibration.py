@@ -63,6 +63,17 @@ def calibrate(device: torch.device | str | int | None = None, *, again: bool = F
 def sm_is_slow(device: torch.device, host_is_dst: bool, probe: bool = True) -> bool:
     """Whether the SMs of ``device`` move host memory that way slowly beside the copy engine (calibrating it now
     where it is not yet, ``probe`` asks for it and a probe may run here; else False: the fixed rule)."""
+    known = known_sm_slow(device, host_is_dst)
+    if known is not None:
+        return known
+    if not (probe and _may_probe()):
+        return False
+    return calibrate(_index_of(device))["to_host" if host_is_dst else "from_host"]["sm_slow"]
+
+
+def known_sm_slow(device: torch.device, host_is_dst: bool) -> bool | None:
+    """:func:`sm_is_slow`'s answer where ``device`` is calibrated (False off CUDA); None: not yet (a later call
+    may calibrate it). Probes nothing."""
     index = _cuda_indices.get(device)
     if index is None:
         if device.type != "cuda":
@@ -71,19 +82,6 @@ def sm_is_slow(device: torch.device, host_is_dst: bool, probe: bool = True) -> b
         if device.index is not None:
             _cuda_indices[device] = index
     found = _results.get(index)
-    if found is None:
-        if not (probe and _may_probe()):
-            return False
-        found = calibrate(index)
-    return found["to_host" if host_is_dst else "from_host"]["sm_slow"]
-
-
-def known_sm_slow(device: torch.device, host_is_dst: bool) -> bool | None:
-    """:func:`sm_is_slow`'s answer where ``device`` is calibrated (False off CUDA); None: not yet (a later call
-    may calibrate it). Probes nothing."""
-    if device.type != "cuda":
-        return False
-    found = _results.get(_index_of(device))
     return None if found is None else found["to_host" if host_is_dst else "from_host"]["sm_slow"]
 
 

@@ -481,11 +481,8 @@ def auto_kernel_tokens(device: torch.device, host_is_dst: bool, token_bytes: int
     objects that moved before, without an SM budget, as the rule stands now (:data:`RULE_STATE`). Asks for no
     calibration: on a device not calibrated yet only the part of the rule that holds either way counts (below
     :data:`~kvlayout.ops.calibration.SLOW_SM_AUTO_MIN_BYTES`)."""
-    direction = "to_host" if host_is_dst else "from_host"
-    least = min(AUTO_MIN_BYTES[direction], AUTO_MIN_BYTES_MOVED_BEFORE[direction])
-    if calibration.SLOW_SM_AUTO_MIN_BYTES < least and calibration.known_sm_slow(device, host_is_dst) is not False:
-        least = calibration.SLOW_SM_AUTO_MIN_BYTES
-    return (least - 1) // token_bytes
+    unknown_or_slow = calibration.known_sm_slow(device, host_is_dst) is not False
+    return (_auto_min_bytes(host_is_dst, unknown_or_slow, True, 0) - 1) // token_bytes
 
 
 def auto_declines(plan: StagedPlan, max_ctas: int, device: torch.device, moved_before: bool = False) -> str | None:
