@@ -116,7 +116,10 @@ run_step() {   # run_step NAME LOGFILE COMMAND...: the command's output goes to 
     "$@" >> "$out/$log" 2>&1
     rc=$?
     echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/steps.txt"
-    [ $rc -eq 0 ] || status=1
+    if [ $rc -ne 0 ]; then   # why, on the terminal too: a record whose files are lost still says what failed
+        status=1
+        { grep -E '^(FAILED|ERROR) ' "$out/$log" | head -n 40; echo "-- $log, last lines:"; tail -n 25 "$out/$log"; } >&2
+    fi
 }
 
 wait_lmcache() {   # the LMCache build started by lmcache-ops, if one is running: its end (a failure fails the record)
