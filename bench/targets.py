@@ -32,6 +32,10 @@ kernel row), since that is what a caller gets by default:
   copy or more end to end, and at least as fast as the best peer under the
   same budget in each timing.
 
+The host-work targets are absolute microseconds, so one tree meets fewer of them on a slower host: the report
+opens with the host's own yardsticks from the record's ``host_cost`` rows (one bare kernel launch and one torch
+op, host µs), by which records of other machines compare.
+
 Whether any row got slower than an earlier tree is not a target of one
 record: ``scripts/ab_record.sh`` answers that on one machine.
 """
@@ -169,13 +173,29 @@ def checks(doc: dict) -> list[Check]:
     return out
 
 
-def markdown(found: list[Check]) -> str:
-    """Per target how many rows meet it, then the misses."""
+def host_speed(rows: list[dict]) -> str | None:
+    """The host's yardsticks in a record (its ``host_cost`` rows' bare launch and torch op, host µs, lowest to
+    highest), as one sentence; None where the record has no such rows."""
+    cost = [r for r in rows if r["group"] == "host_cost" and "launch_host_us" in r and "torch_op_host_us" in r]
+    if not cost:
+        return None
+
+    def span(field: str) -> str:
+        low, high = min(r[field] for r in cost), max(r[field] for r in cost)
+        return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
+    return (f"This host: one bare kernel launch {span('launch_host_us')} µs, one torch op "
+            f"{span('torch_op_host_us')} µs of host time (the record's {len(cost)} host_cost "
+            f"row{'s' if len(cost) > 1 else ''}).")
+
+
+def markdown(found: list[Check], host: str | None = None) -> str:
+    """Per target how many rows meet it, then the misses; ``host`` (:func:`host_speed`) first where given."""
     targets = list(dict.fromkeys(c.target for c in found))
     summary = [[t, f"{sum(c.met for c in found if c.target == t)} of {sum(c.target == t for c in found)}"]
                for t in targets]
     misses = [[c.target, c.row, c.measured, c.goal] for c in found if not c.met]
-    return (markdown_table(["target", "rows that meet it"], summary) + "\n\nMisses:\n\n"
+    return ((f"{host}\n\n" if host else "") + markdown_table(["target", "rows that meet it"], summary)
+            + "\n\nMisses:\n\n"
             + markdown_table(["target", "row (engine auto picks)", "measured", "goal"], misses))
 
 
@@ -190,7 +210,7 @@ def main(argv=None) -> int:
     if args.sm_slow:
         doc.setdefault("environment", {})["calibration"] = {
             direction: {"sm_slow": direction in args.sm_slow} for direction in ("to_host", "from_host")}
-    sys.stdout.write(markdown(checks(doc)) + "\n")
+    sys.stdout.write(markdown(checks(doc), host_speed(doc["results"])) + "\n")
     return 0
 
 

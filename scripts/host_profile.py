@@ -118,6 +118,8 @@ def print_timeline(fn, device: torch.device) -> None:
     print(f"  on the device {s['span']:.1f} µs: before the first copy {s['before_copies']:.1f}, {s['copies']} "
           f"copies running {s['copying']:.1f} ({s['copy_bytes'] / max(s['copying'], 1e-9) / 1e3:.1f} GB/s while "
           f"they run), gaps between them {s['gaps']:.1f}, after the last {s['after_copies']:.1f}")
+    if not s["copies"]:      # (a kernel row's key: a staged row's ends in " staged")
+        print("  no copies on the device: this call ran kernels only (a staged row's key ends in ' staged')")
     if s["copy_bytes"]:
         to_host = "DtoH" in next(a["name"] for a in activities if a["copy"])
         dev = torch.empty(s["copy_bytes"], dtype=torch.uint8, device=device)

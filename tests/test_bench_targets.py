@@ -109,3 +109,19 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert ("| staged host work, graph launched on the device | L32_H8_D128 T=32768 to_host (staged, graph "
             "launched on the device) | 60.0 µs (128 chunks, graph of 513 nodes, the body of a conditional node) "
             "| ≤ 50 µs |") in text
+
+
+def test_the_report_opens_with_the_hosts_yardsticks_from_its_host_cost_rows():
+    """Host-work targets are absolute µs: the report says how fast the record's host was (the host_cost rows' bare
+    launch and torch op, lowest to highest), and says nothing where the record has no such rows."""
+    rows = [_row(group="host_cost", launch_host_us=4.46, torch_op_host_us=9.4),
+            _row(group="host_cost", launch_host_us=4.94, torch_op_host_us=10.17),
+            _row(group="host_cost", launch_host_us=4.7), _row()]
+    line = targets.host_speed(rows)
+    assert line == ("This host: one bare kernel launch 4.46-4.94 µs, one torch op 9.40-10.17 µs of host time "
+                    "(the record's 2 host_cost rows).")
+    assert targets.markdown(targets.checks({"results": rows}), line).startswith(line + "\n\n| target |")
+    assert targets.host_speed(rows[:1]) == ("This host: one bare kernel launch 4.46 µs, one torch op 9.40 µs of "
+                                            "host time (the record's 1 host_cost row).")
+    assert targets.host_speed([_row()]) is None
+    assert targets.markdown(targets.checks({"results": [_row()]})).startswith("| target |")
