@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -30,7 +29,7 @@ from kvlayout.conformance.environment import source_digest
 
 from . import cases as C
 from .report import write_reports
-from .timing import SameSizeCopies, Timer, drifted, host_copy_gbps, host_key, measure_limits
+from .timing import SameSizeCopies, Timer, Timing, drifted, host_copy_gbps, host_key, measure_limits
 
 # A CPU run sets torch's thread count to this for kvlayout (whose CPU kernel splits tokens over torch's
 # threads) and the torch baseline alike: a fixed count keeps the two comparable and the figures comparable
@@ -217,27 +216,30 @@ def time_run_list(case: C.Case, data: dict, reps: int = 20) -> dict:
     on unfilled CPU tensors of the same geometry (:class:`~kvlayout.bench.cases.AddressInputs`): the list reads
     addresses and slots only, and scaling the row's short list up would count the call's fixed part again per
     multiple."""
-    row = dict(zip(("runs", "run_list_us"), time_run_list_builds(C.copy_run_list_fn(case, data), reps)))
-    if 0 < row["runs"] < C.COPY_ENGINE_RUNS:
-        tokens = case.T * -(-C.COPY_ENGINE_RUNS // row["runs"])
+    runs, built = time_run_list_builds(C.copy_run_list_fn(case, data), reps)
+    row = {"runs": runs, "run_list_us": built.median * 1e6, "run_list_spread": built.spread}
+    if 0 < runs < C.COPY_ENGINE_RUNS:
+        tokens = case.T * -(-C.COPY_ENGINE_RUNS // runs)
         tokens += -tokens % case.page_size
         large = dataclasses.replace(case, T=tokens)
         large_data = C.build(large, C.AddressInputs(), min_cache_slots=2 * tokens)
-        row["runs_at_target"], row["run_list_at_target_us"] = time_run_list_builds(
-            C.copy_run_list_fn(large, large_data), reps)
+        runs, built = time_run_list_builds(C.copy_run_list_fn(large, large_data), reps)
+        row.update(runs_at_target=runs, run_list_at_target_us=built.median * 1e6,
+                   run_list_at_target_spread=built.spread)
     return row
 
 
-def time_run_list_builds(build, reps: int) -> tuple[int, float]:
-    """(copies, median host µs of ``reps`` builds) of a run-list builder (``copy_run_list_fn``), after one build
-    that counts the copies."""
+def time_run_list_builds(build, reps: int) -> tuple[int, Timing]:
+    """(copies, the host seconds of ``reps`` builds: median, percentiles and spread) of a run-list builder
+    (``copy_run_list_fn``), after one build that counts the copies. The spread tells a host busy with other work
+    while the list was built from a list slow to build."""
     runs = build()
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         build()
         samples.append(time.perf_counter() - t0)
-    return runs, statistics.median(samples) * 1e6
+    return runs, Timing.of(samples)
 
 
 def time_baseline(case: C.Case, data: dict, baseline_timer: Timer, nbytes: int, ours_s: float) -> dict:

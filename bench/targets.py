@@ -27,7 +27,8 @@ kernel row), since that is what a caller gets by default:
   8,192 copies (the bench's ``run_list_us``: the list built as the call builds it, not issued; the rest of
   the call is the driver's batched copy call; a record without it is judged by the whole call's host time).
   A row whose list is shorter is judged by the list of the same case at enough tokens for 8,192 copies
-  (``run_list_at_target_us``), where the record has it;
+  (``run_list_at_target_us``), where the record has it. A miss gives the spread of its builds ((p90 - p10) /
+  median, ``run_list_spread``) where the record has it: a wide one says the host was busy with other work;
 * ``SM budget``: host transfers under ``max_ctas = 4`` at 90 % of the pinned
   copy or more end to end, and at least as fast as the best peer under the
   same budget in each timing.
@@ -130,10 +131,12 @@ def _run_list_check(r: dict) -> Check:
         return Check("copy engine run list", name, f"whole call {r['host_us_per_call']:.1f} µs", goal,
                      r["host_us_per_call"] <= COPY_ENGINE_RUN_LIST_US)
     # the list of at least COPY_ENGINE_RUNS copies where the record timed one (the row's own list is shorter)
-    runs, us = (r["runs_at_target"], r["run_list_at_target_us"]) if "runs_at_target" in r else (
-        r["runs"], r["run_list_us"])
+    at = "_at_target" if "runs_at_target" in r else ""
+    runs, us = (r["runs_at_target"], r["run_list_at_target_us"]) if at else (r["runs"], r["run_list_us"])
     scaled = us * COPY_ENGINE_RUNS / max(runs, 1)
-    return Check("copy engine run list", name, f"{scaled:.1f} µs ({runs:,} copies in {us:.1f} µs)", goal,
+    spread = r.get(f"run_list{at}_spread")      # (a record made before the bench kept it has none)
+    spread = "" if spread is None else f"; spread {spread:.0%}"
+    return Check("copy engine run list", name, f"{scaled:.1f} µs ({runs:,} copies in {us:.1f} µs{spread})", goal,
                  scaled <= COPY_ENGINE_RUN_LIST_US)
 
 

@@ -33,11 +33,13 @@ class Timing:
         """(p90 - p10) / median: how noisy the measurement was."""
         return (self.p90 - self.p10) / self.median if self.median else 0.0
 
-
-def _timing(samples: list[float], host: list[float]) -> Timing:
-    samples = sorted(samples)
-    q = statistics.quantiles(samples, n=10) if len(samples) >= 2 else [samples[0]] * 9
-    return Timing(statistics.median(samples), q[0], q[-1], len(samples), statistics.median(host))
+    @classmethod
+    def of(cls, samples: list[float], host: list[float] | None = None) -> Timing:
+        """The timing of ``samples`` (seconds, at least one); ``host``: the host seconds of the same calls, where
+        they are not the samples themselves."""
+        ordered = sorted(samples)
+        q = statistics.quantiles(ordered, n=10) if len(ordered) >= 2 else [ordered[0]] * 9
+        return cls(statistics.median(ordered), q[0], q[-1], len(ordered), statistics.median(host or samples))
 
 
 class Timer:
@@ -120,7 +122,7 @@ class Timer:
                 fn()
                 samples.append(time.perf_counter() - t0)
                 host.append(samples[-1])
-        return _timing(samples, host)
+        return Timing.of(samples, host)
 
 
     def host_side_by_side(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:

@@ -6,7 +6,7 @@ For each copy-engine case of ``kvlayout bench`` (L32 H8 and MLA, T = 4096, page 
 directions), builds the case's tensors on the CPU, unfilled (the run list is host work: the slots are read on
 the host and host addresses keep every adjacency a pinned tensor's device alias has) and times ``--reps``
 builds of its run list, as the bench's ``run_list_us`` does on a CUDA machine. Prints one line per case: the
-copies, the median µs and the µs per 8,192 copies (the performance target's unit). ``--tokens`` builds the cases with
+copies, the median µs, the µs per 8,192 copies (the performance target's unit) and the builds' spread ((p90 - p10) / median). ``--tokens`` builds the cases with
 another token count (e.g. 16384: 8,192 copies or more at page size 64, where a list of T = 4096 holds 2,048 and
 the unit would count the call's fixed part four times).
 """
@@ -39,8 +39,10 @@ def main() -> None:
         if args.tokens:
             case = dataclasses.replace(case, T=args.tokens)
         data = C.build(case, C.AddressInputs(), min_cache_slots=2 * case.T)
-        copies, us = time_run_list_builds(C.copy_run_list_fn(case, data), args.reps)
-        lines.append(f"{case.key}: {copies} copies, {us:.1f} us, {us * 8192 / copies:.1f} us per 8,192 copies")
+        copies, built = time_run_list_builds(C.copy_run_list_fn(case, data), args.reps)
+        us = built.median * 1e6
+        lines.append(f"{case.key}: {copies} copies, {us:.1f} us, {us * 8192 / copies:.1f} us per 8,192 copies "
+                     f"(spread {built.spread:.0%})")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -796,8 +796,10 @@ def test_copy_engine_rows_time_their_run_list_apart_from_the_call():
     timer = Timer(torch.device("cpu"), warmup=0, reps=1)
     row = measure_case(case, data, timer, timer, {"D2D": 1.0}, None)
     assert row["bit_exact"] and row["runs"] == (64 // 16) * 32 * 2 and row["run_list_us"] > 0
+    assert row["run_list_spread"] >= 0        # (the builds' (p90 - p10) / median: a busy host's mark)
     # the row's list (256 copies) is shorter than the target's 8,192: the same case at 32x the tokens is timed
     assert row["runs_at_target"] == 8192 and row["run_list_at_target_us"] > 0
+    assert row["run_list_at_target_spread"] >= 0
 
 
 def test_staged_rows_show_their_chunks_and_graph_nodes():

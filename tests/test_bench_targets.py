@@ -74,11 +74,13 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
         _row(group="staged", engine="staged", T=32768, host_us_per_call=60.0, call="device-launch", chunks=128,
              graph_nodes=513, graph_on_device=True),
         _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.0),
-        _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2),
+        _row(group="copy_engine", engine="copy", host_us_per_call=9000.0, runs=16384, run_list_us=200.2,
+             run_list_spread=1.5),
         _row(group="copy_engine", engine="copy", host_us_per_call=90.0, runs=2048, run_list_us=30.0,   # 120 scaled
              runs_at_target=8192, run_list_at_target_us=100.0),                                  # judged: 100
         _row(group="copy_engine", engine="copy", host_us_per_call=90.0, runs=2048, run_list_us=20.0,   # 80 scaled
-             runs_at_target=8192, run_list_at_target_us=100.5),                                  # judged: 100.5
+             runs_at_target=8192, run_list_at_target_us=100.5,                                   # judged: 100.5
+             run_list_spread=0.01, run_list_at_target_spread=0.25),
         _row(group="copy_engine", engine="copy", host_us_per_call=100.0),                        # older record
         _row(group="copy_engine", engine="kernel", host_us_per_call=1e6),                        # not the copy engine
         _row(group="ctas", max_ctas=4, pct_of_limit=90.0),
@@ -93,6 +95,10 @@ def test_each_target_is_met_at_its_bound_and_missed_past_it():
     assert [c.met for c in found["staged host work, new length"]] == [True]
     assert [c.met for c in found["staged host work, graph launched on the device"]] == [False]
     assert [c.met for c in found["copy engine run list"]] == [True, False, True, False, True]
+    # the spread of the builds judged, where the record kept it (a busy host's mark)
+    assert [c.measured for c in found["copy engine run list"]][:4] == [
+        "100.0 µs (16,384 copies in 200.0 µs)", "100.1 µs (16,384 copies in 200.2 µs; spread 150%)",
+        "100.0 µs (8,192 copies in 100.0 µs)", "100.5 µs (8,192 copies in 100.5 µs; spread 25%)"]
     assert [c.met for c in found["SM budget"]] == [True, False]
     text = targets.markdown(targets.checks({"results": rows}))
     assert "| host ceiling | 1 of 2 |" in text and "| staged host work | 1 of 2 |" in text
