@@ -6,9 +6,10 @@ For each copy-engine case of ``kvlayout bench`` (L32 H8 and MLA, T = 4096, page 
 directions), builds the case's tensors on the CPU, unfilled (the run list is host work: the slots are read on
 the host and host addresses keep every adjacency a pinned tensor's device alias has) and times ``--reps``
 builds of its run list, as the bench's ``run_list_us`` does on a CUDA machine. Prints one line per case: the
-copies, the median µs, the µs per 8,192 copies (the performance target's unit) and the builds' spread ((p90 - p10) / median). ``--tokens`` builds the cases with
-another token count (e.g. 16384: 8,192 copies or more at page size 64, where a list of T = 4096 holds 2,048 and
-the unit would count the call's fixed part four times).
+copies, the median µs, the µs per 8,192 copies (the performance target's unit) and the builds' spread
+((p90 - p10) / median). ``--tokens`` builds the cases with another token count (e.g. 16384: 8,192 copies or
+more at page size 64, where a list of T = 4096 holds 2,048 and the unit would count the call's fixed part four
+times).
 """
 
 from __future__ import annotations
