@@ -157,6 +157,8 @@ def _auto_keeps_kernel(kept: tuple | None, c: CheckedChoice, src_slots, dst_slot
         return True
     if (c.kernel_calls > 0 and max_ctas == 0 and kept is c.staged_plan
             and (c.auto_kernel is None or c.auto_kernel[0] is not _staged.RULE_STATE)):
+        # (the state read before the thresholds: one changed meanwhile by another thread leaves this answer stale,
+        # never an old threshold's answer under the new state)
         c.auto_kernel = (_staged.RULE_STATE, static.host_is_dst,
                          _staged.auto_kernel_tokens(c.device, static.host_is_dst, static.token_bytes))
     if (dst_slots if static.host_is_dst else src_slots) is not None:

@@ -840,6 +840,84 @@ def test_a_repeated_call_decides_by_the_answer_kept_on_its_pair(monkeypatch):
     assert torch.equal(_bytes(dst), _bytes(twin))
 
 
+def test_repeated_calls_from_threads_never_keep_the_kernel_past_the_threshold_in_force(monkeypatch):
+    """Threads repeating calls of one pair while another thread moves auto's threshold (an engine whose
+    start-up calibration or tuning lands mid-step): a call that ran under one threshold throughout was
+    decided by it, whether the answer kept on the pair covered it (no rule consulted) or the rule ran; the
+    kept answer ends as the final threshold's; the bytes are the kernel engine's. (A CPU pair given a
+    stageable plan, as in the test above: where the rule would stage, the kernel runs.)"""
+    import threading
+
+    transfer_module = importlib.import_module("kvlayout.ops.transfer")
+    per_token = 2 * L * H * D * 2
+    src, dst, twin = _device_cache("cpu"), _chunk(24), _chunk(24)
+    perm = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(11))[:24]
+    for _ in range(3):
+        ops.transfer(src, dst, perm[:8])
+    choice = checked_choice(src, dst, None, None, None, None, 0, "auto")
+    stageable = staged_mod.StagedPlan("", 1, 24, 1, host_is_dst=True, token_bytes=per_token)
+    monkeypatch.setattr(choice, "staged_plan", (staged_mod.STAGING_BYTES, stageable))
+    monkeypatch.setattr(choice, "never_staged", 0)
+    thresholds = (6 * per_token, 14 * per_token)
+    monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", thresholds[0])
+    version = [0]                  # even: the threshold thresholds[version // 2 % 2] holds; odd: being changed
+    rule, consulted = transfer_module._auto_keeps_kernel, threading.local()
+
+    def counting(kept, c, src_slots, *rest):
+        consulted.answer = rule(kept, c, src_slots, *rest)
+        return True                # (where the rule would stage: the kernel, on the CPU)
+    monkeypatch.setattr(transfer_module, "_auto_keeps_kernel", counting)
+    stop, wrong, seen, failures = threading.Event(), [], {"kept": 0, "rule": 0}, []
+
+    def caller(seed):
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(1500):
+                T = int(torch.randint(1, 25, (), generator=g))
+                consulted.answer = None
+                before = version[0]
+                ops.transfer(src, dst, perm[:T])
+                after = version[0]
+                if before != after or before % 2:
+                    continue       # (the threshold moved during the call: either answer is right)
+                keeps = T * per_token < thresholds[before // 2 % 2]
+                if consulted.answer is None:
+                    seen["kept"] += 1
+                    if not keeps:
+                        wrong.append(("kept answer", T, before))
+                else:
+                    seen["rule"] += 1
+                    if consulted.answer != keeps:
+                        wrong.append(("rule", T, before, consulted.answer))
+        except Exception as e:     # (reported from the main thread)
+            failures.append(e)
+
+    def mover():
+        while not stop.is_set():
+            version[0] += 1
+            staged_mod.AUTO_MIN_BYTES["to_host"] = thresholds[(version[0] + 1) // 2 % 2]
+            version[0] += 1
+            stop.wait(0.0005)
+
+    callers = [threading.Thread(target=caller, args=(seed,)) for seed in range(4)]
+    moving = threading.Thread(target=mover)
+    moving.start()
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    stop.set()
+    moving.join()
+    assert not failures, failures
+    assert not wrong, wrong[:5]
+    assert seen["kept"] > 100 and seen["rule"] > 10, seen     # (both ways decided under a steady threshold)
+    ops.transfer(src, dst, perm[:1])                           # (the final threshold's answer, kept on the pair)
+    assert choice.auto_kernel[0] is staged_mod.RULE_STATE
+    assert choice.auto_kernel[2] == (staged_mod.AUTO_MIN_BYTES["to_host"] - 1) // per_token
+    ops.transfer(src, twin, perm, engine="kernel")
+    assert torch.equal(_bytes(dst), _bytes(twin))
+
+
 # --------------------------------------------------------------------------------------------- CUDA
 
 
