@@ -179,3 +179,16 @@ def test_lmcache_builds_beside_the_next_steps_and_the_side_by_side_waits_for_it(
     done = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(tmp_path / "out2"), "lmcache-ops"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "lmcache-ops: exit 3" in (tmp_path / "out2" / "steps.txt").read_text()
+
+
+def test_the_boundary_step_runs_full_size_unless_told_its_thread_rounds(tmp_path: Path, stand_in: Path):
+    """The boundary tests at full size (10,000 thread rounds, 100,000 soak calls), or BOUNDARY_ROUNDS thread
+    rounds where a slow host could not finish 10,000 in one call."""
+    done = record(tmp_path / "full", stand_in, "boundary")
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "full" / "boundary.txt").read_text()
+    assert "KVLAYOUT_THREAD_ROUNDS=10000 KVLAYOUT_SOAK_CALLS=100000" in log and "tests/test_boundary.py -k cuda" in log
+    env = dict(os.environ, PYTHON=str(stand_in), BOUNDARY_ROUNDS="2000")
+    subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(tmp_path / "short"), "boundary"], env=env,
+                   check=True, capture_output=True, timeout=60)
+    assert "KVLAYOUT_THREAD_ROUNDS=2000 KVLAYOUT_SOAK_CALLS=100000" in (tmp_path / "short" / "boundary.txt").read_text()
