@@ -192,3 +192,70 @@ def test_the_boundary_step_runs_full_size_unless_told_its_thread_rounds(tmp_path
     subprocess.run(["bash", str(ROOT / "scripts" / "cuda_record.sh"), str(tmp_path / "short"), "boundary"], env=env,
                    check=True, capture_output=True, timeout=60)
     assert "KVLAYOUT_THREAD_ROUNDS=2000 KVLAYOUT_SOAK_CALLS=100000" in (tmp_path / "short" / "boundary.txt").read_text()
+
+
+def _log(path: Path, gpu_line: str, command: str, body: str = "") -> None:
+    path.write_text(f"{gpu_line}\ntorch 2.11.0+cu130 cuda 13.0\nsource digest 0123456789ab\n$ {command}\n{body}")
+
+
+def _archive(path: Path, files: dict[str, str]) -> None:
+    with tarfile.open(path, "w:gz") as archive:
+        for name, text in files.items():
+            data = path.parent / f".{name.replace('/', '_')}"
+            data.write_text(text)
+            archive.add(data, arcname=name)
+            data.unlink()
+
+
+def test_file_record_puts_a_sittings_files_where_the_tree_keeps_records(tmp_path: Path):
+    """scripts/file_record.py: the test logs to tests/logs, conformance's reports and terminal to
+    conformance/reports, the bench's cuda.* named after the GPU, the side-by-side and every other log into
+    bench/results/<gpu>_<tree>/, each call's steps.txt appended under the commands its logs name; a second
+    filing of the same sitting writes nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("file_record", ROOT / "scripts" / "file_record.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gpu = "NVIDIA H200, 580.159.04"
+    first, second, root = tmp_path / "call1", tmp_path / "call2", tmp_path / "tree"
+    first.mkdir(), second.mkdir(), root.mkdir()
+    _log(first / "build.txt", gpu, "python3 -m pip install -e .")
+    _log(first / "tests.txt", gpu, "python3 -m pytest -q tests", "2730 passed\n")
+    _log(first / "side_by_side.txt", gpu, "python3 -m kvlayout.bench.side_by_side --tokens 256")
+    _archive(first / "side-by-side.tgz", {"side_by_side.jsonl": "{}\n", "side_by_side.md": "| x |\n"})
+    (first / "steps.txt").write_text("build: exit 0 in 84 s\ntests: exit 0 in 134 s\nside-by-side: exit 0 in 9 s\n")
+    _log(second / "conformance.txt", gpu, "python3 -m kvlayout conformance --device cpu,cuda --sanitize")
+    _archive(second / "conformance.tgz", {"cuda.json": "{}", "cuda.md": "# c\n"})
+    _log(second / "bench.txt", gpu, "python3 -m kvlayout bench --device cuda")
+    _archive(second / "bench.tgz", {"cuda.jsonl": "{}\n", "cuda.md": "# b\n", "cuda_tokens.png": "png"})
+    _archive(second / "staged-settings.tgz", {"KVLAYOUT_STAGED_CHUNKS=1_1/cuda.md": "# s\n"})
+    (second / "chunks_1").mkdir()
+    (second / "chunks_1" / "staged_timeline.txt").write_text("timeline\n")
+    (second / "steps.txt").write_text("conformance: exit 0 in 88 s\nbench: exit 0 in 201 s\n")
+    assert module.gpu_tag([first, second]) == "h200"
+    assert module.main(["abc1234", str(first), str(second), "--root", str(root)]) == 0
+    record = root / "bench" / "results" / "h200_abc1234"
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == sorted([
+        "tests/logs/h200_abc1234.txt", "conformance/reports/h200_abc1234.json",
+        "conformance/reports/h200_abc1234.md", "conformance/reports/h200_abc1234_terminal.txt",
+        *(f"bench/results/h200_abc1234/{name}" for name in (
+            "build.txt", "side_by_side.txt", "side_by_side.jsonl", "side_by_side.md", "bench.txt", "h200.jsonl",
+            "h200.md", "h200_tokens.png", "staged-settings/KVLAYOUT_STAGED_CHUNKS=1_1/cuda.md",
+            "chunks_1/staged_timeline.txt", "steps.txt"))])
+    assert (root / "tests" / "logs" / "h200_abc1234.txt").read_text().endswith("2730 passed\n")
+    assert (record / "h200.md").read_text() == "# b\n"
+    assert (record / "steps.txt").read_text() == (
+        "# call 1 (call1)\n#   $ python3 -m pip install -e .\nbuild: exit 0 in 84 s\n"
+        "#   $ python3 -m pytest -q tests\ntests: exit 0 in 134 s\n"
+        "#   $ python3 -m kvlayout.bench.side_by_side --tokens 256\nside-by-side: exit 0 in 9 s\n"
+        "# call 2 (call2)\n#   $ python3 -m kvlayout conformance --device cpu,cuda --sanitize\n"
+        "conformance: exit 0 in 88 s\n#   $ python3 -m kvlayout bench --device cuda\nbench: exit 0 in 201 s\n")
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="would overwrite"):
+        module.main(["abc1234", str(second), "--root", str(root)])
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    (second / "bench.txt").write_text("no GPU named here\n")
+    (second / "conformance.txt").write_text("nor here\n")
+    with pytest.raises(SystemExit, match="give --gpu"):
+        module.main(["other", str(second), "--root", str(root)])
