@@ -797,6 +797,17 @@ def test_default_engine_is_auto_and_repeated_calls_stay_on_the_direct_path(monke
     assert len(calls) == 1
 
 
+def _kept_choice_made_stageable(monkeypatch, src, dst, chunk_tokens: int, token_bytes: int):
+    """The checked choice of a CPU pair that moved before (auto, all layers), given a stageable plan to the host
+    of one layer group of ``chunk_tokens`` tokens (a CPU pair is never stageable): auto's rule then decides its
+    repeated calls as on a CUDA pair."""
+    choice = checked_choice(src, dst, None, None, None, None, 0, "auto")
+    stageable = staged_mod.StagedPlan("", 1, chunk_tokens, 1, host_is_dst=True, token_bytes=token_bytes)
+    monkeypatch.setattr(choice, "staged_plan", (staged_mod.STAGING_BYTES, stageable))
+    monkeypatch.setattr(choice, "never_staged", 0)
+    return choice
+
+
 def test_a_repeated_call_decides_by_the_answer_kept_on_its_pair(monkeypatch):
     """Between a pair that moved before, auto's rule runs once per state of the rule: later calls that the kept
     answer covers (at most its token count, or a host side given slots) go straight to C++ without it; a call
@@ -809,10 +820,7 @@ def test_a_repeated_call_decides_by_the_answer_kept_on_its_pair(monkeypatch):
     for _ in range(3):
         ops.transfer(src, dst, torch.arange(16))
         ops.transfer(src, twin, torch.arange(16), engine="kernel")
-    choice = checked_choice(src, dst, None, None, None, None, 0, "auto")
-    stageable = staged_mod.StagedPlan("", 1, 16, 1, host_is_dst=True, token_bytes=per_token)
-    monkeypatch.setattr(choice, "staged_plan", (staged_mod.STAGING_BYTES, stageable))
-    monkeypatch.setattr(choice, "never_staged", 0)
+    choice = _kept_choice_made_stageable(monkeypatch, src, dst, 16, per_token)
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", 8 * per_token)
     rule, consulted = transfer_module._auto_keeps_kernel, []
 
@@ -854,10 +862,7 @@ def test_repeated_calls_from_threads_never_keep_the_kernel_past_the_threshold_in
     perm = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(11))[:24]
     for _ in range(3):
         ops.transfer(src, dst, perm[:8])
-    choice = checked_choice(src, dst, None, None, None, None, 0, "auto")
-    stageable = staged_mod.StagedPlan("", 1, 24, 1, host_is_dst=True, token_bytes=per_token)
-    monkeypatch.setattr(choice, "staged_plan", (staged_mod.STAGING_BYTES, stageable))
-    monkeypatch.setattr(choice, "never_staged", 0)
+    choice = _kept_choice_made_stageable(monkeypatch, src, dst, 24, per_token)
     thresholds = (6 * per_token, 14 * per_token)
     monkeypatch.setitem(staged_mod.AUTO_MIN_BYTES, "to_host", thresholds[0])
     version = [0]                  # even: the threshold thresholds[version // 2 % 2] holds; odd: being changed
