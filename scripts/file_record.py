@@ -59,6 +59,16 @@ def command_of(log: Path) -> str | None:
     return None
 
 
+def archived_target(step: str, inner: Path, record: str, gpu: str, root: Path) -> Path:
+    """Where file ``inner`` of ``STEP.tgz`` goes."""
+    folder = root / "bench" / "results" / record
+    if step == "conformance":
+        return root / "conformance" / "reports" / (record + inner.suffix)
+    if step in RENAMED_ARCHIVES and inner.name.startswith("cuda"):
+        return folder / inner.parent / (gpu + inner.name[len("cuda"):])
+    return folder / inner if step in RENAMED_ARCHIVES + AS_IS_ARCHIVES else folder / step / inner
+
+
 def plan(outdirs: list[Path], record: str, gpu: str, root: Path, staging: Path) -> tuple[list[tuple[Path, Path]], str]:
     """(source, destination) of every file to copy (archives unpacked into ``staging`` first), and the record's
     steps.txt text."""
@@ -83,18 +93,8 @@ def plan(outdirs: list[Path], record: str, gpu: str, root: Path, staging: Path) 
                 unpacked.mkdir()
                 with tarfile.open(item) as archive:
                     archive.extractall(unpacked, filter="data")
-                for f in sorted(p for p in unpacked.rglob("*") if p.is_file()):
-                    inner = f.relative_to(unpacked)
-                    if step == "conformance":
-                        target = root / "conformance" / "reports" / (record + f.suffix)
-                    elif step in RENAMED_ARCHIVES:
-                        name = gpu + inner.name[len("cuda"):] if inner.name.startswith("cuda") else inner.name
-                        target = folder / inner.parent / name
-                    elif step in AS_IS_ARCHIVES:
-                        target = folder / inner
-                    else:
-                        target = folder / step / inner
-                    moves.append((f, target))
+                moves += [(f, archived_target(step, f.relative_to(unpacked), record, gpu, root))
+                          for f in sorted(p for p in unpacked.rglob("*") if p.is_file())]
             else:
                 moves.append((item, folder / item.name))
             if item.is_file() and item.suffix == ".txt":
